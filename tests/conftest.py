@@ -10,9 +10,9 @@ import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-  if jax.default_backend() == "gpu":
-    return
-  skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
-  for item in items:
-    if "gpu" in item.keywords:
-      item.add_marker(skip_gpu)
+    if jax.default_backend() == "gpu":
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
