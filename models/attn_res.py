@@ -1,0 +1,139 @@
+"""Attention Residuals: each sub-layer reads a learned softmax mixture of earlier block outputs.
+
+The residual stream is a set of *sealed* snapshots plus the *live* partial sum of the current
+block. The first snapshot is the token embedding; every `seal_period` sub-layers the live sum is
+sealed and a new one starts. Before each sub-layer (attention or FFN) and once before the final
+norm, the input is a READ over the candidates [sealed..., live]:
+
+    score_c = < RMSNorm(v_c), gain * w >       (float32, no learned bias)
+    x       = sum_c softmax_c(score_c) v_c     (raw candidates, cast back)
+
+with `w` zero-initialised, so a fresh model averages its candidates uniformly. The modes:
+
+- Block AttnRes (K3): seal every `2 * block_size` sub-layers (block_size in transformer layers).
+- Full AttnRes: seal after every sub-layer, so each sub-layer output is its own candidate.
+- Plain residuals: never seal and never read; the input is the running sum.
+
+The sealed snapshots live in a fixed buffer of `num_slots` planes and a count, so the same code
+runs in a Python loop over layers and inside `lax.scan` over repeated layer groups; unfilled
+slots are masked out of the softmax.
+"""
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.norms import rms_normalize
+
+ResidualMode = Literal["block_attn_res", "full_attn_res", "plain"]
+
+
+def seal_period(mode: ResidualMode, block_size: int) -> int | None:
+    """Sub-layers between seals (None: never seal). block_size counts transformer layers."""
+    if mode == "block_attn_res":
+        return 2 * block_size
+    if mode == "full_attn_res":
+        return 1
+    if mode == "plain":
+        return None
+    raise ValueError(
+        f"residual mode must be 'block_attn_res', 'full_attn_res' or 'plain', got {mode!r}"
+    )
+
+
+def num_seal_slots(num_sublayers: int, period: int | None) -> int:
+    """Snapshots sealed over a model of `num_sublayers` sub-layers (the embedding included)."""
+    if period is None:
+        return 0
+    return -(-num_sublayers // period)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ResidualStream:
+    """The residual state between sub-layers.
+
+    sealed:     [S, B, T, D]  snapshots; slot i holds data iff i < num_sealed (else zeros)
+    num_sealed: [] int32
+    live:       [B, T, D]     partial sum of the current block
+    """
+
+    sealed: jax.Array
+    num_sealed: jax.Array
+    live: jax.Array
+
+    @classmethod
+    def start(cls, embedding: jax.Array, num_slots: int) -> "ResidualStream":
+        """A stream whose live sum is the embedding [B, T, D] and nothing is sealed yet."""
+        sealed = jnp.zeros((num_slots,) + embedding.shape, embedding.dtype)
+        return cls(sealed, jnp.zeros((), jnp.int32), embedding)
+
+    def add(self, update: jax.Array) -> "ResidualStream":
+        """Adds a sub-layer output [B, T, D] to the live sum."""
+        return dataclasses.replace(self, live=self.live + update.astype(self.live.dtype))
+
+    def seal(self, when: bool | jax.Array = True) -> "ResidualStream":
+        """Seals the live sum into the next slot and restarts it at zero, if `when` holds.
+
+        `when` may be a Python bool (static layer index) or a traced bool (scanned layers).
+        """
+        if isinstance(when, bool) and not when:
+            return self
+        sealed = jax.lax.dynamic_update_index_in_dim(self.sealed, self.live, self.num_sealed, 0)
+        sealed_stream = ResidualStream(sealed, self.num_sealed + 1, jnp.zeros_like(self.live))
+        if isinstance(when, bool):
+            return sealed_stream
+        return jax.tree.map(lambda new, old: jnp.where(when, new, old), sealed_stream, self)
+
+
+def attn_res_read(stream: ResidualStream, gain: jax.Array, query: jax.Array, eps: float):
+    """Softmax over the candidates [sealed..., live] of <RMSNorm(v_c), gain * query>.
+
+    gain, query: [D]. Returns the weighted sum of the raw candidates, [B, T, D] in live's dtype.
+    """
+    direction = gain.astype(jnp.float32) * query.astype(jnp.float32)
+    sealed = stream.sealed.astype(jnp.float32)
+    live = stream.live.astype(jnp.float32)
+    sealed_scores = jnp.einsum("sbtd,d->sbt", rms_normalize(sealed, eps), direction)
+    live_score = jnp.einsum("btd,d->bt", rms_normalize(live, eps), direction)
+    filled = jnp.arange(sealed.shape[0]) < stream.num_sealed
+    sealed_scores = jnp.where(filled[:, None, None], sealed_scores, -jnp.inf)
+    probs = jax.nn.softmax(jnp.concatenate([sealed_scores, live_score[None]], axis=0), axis=0)
+    mixed = jnp.einsum("sbt,sbtd->btd", probs[:-1], sealed) + probs[-1][..., None] * live
+    return mixed.astype(stream.live.dtype)
+
+
+class AttnResRead(nnx.Module):
+    """One read: a gain [D] (init 1) and a pseudo-query [D] (init 0)."""
+
+    def __init__(self, d_model: int, *, eps: float, param_dtype: jnp.dtype = jnp.float32):
+        self.eps = eps
+        self.gain = nnx.Param(jnp.ones((d_model,), param_dtype), out_sharding=("embed",))
+        self.query = nnx.Param(jnp.zeros((d_model,), param_dtype), out_sharding=("embed",))
+
+    def __call__(self, stream: ResidualStream) -> jax.Array:
+        return attn_res_read(stream, self.gain[...], self.query[...], self.eps)
+
+
+def sublayer_input(
+    stream: ResidualStream,
+    read: AttnResRead | None,
+    sublayer: int | jax.Array,
+    period: int | None,
+) -> tuple[jax.Array, ResidualStream]:
+    """The input of sub-layer `sublayer` (0-based over the model) and the stream it then adds to.
+
+    Reads first, then seals when the sub-layer starts a block, as K3 does: the read at a block
+    start still sees the finished block as the live candidate. Plain residuals (read None) return
+    the running sum.
+    """
+    if read is None:
+        return stream.live, stream
+    x = read(stream)
+    starts_block = sublayer % period == 0
+    if not isinstance(starts_block, bool):
+        starts_block = jnp.asarray(starts_block)
+    return x, stream.seal(starts_block)

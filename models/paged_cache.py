@@ -1,0 +1,136 @@
+"""Paged cache of MLA latents: fixed-size pages, one block table per sequence, a host free list.
+
+The device side (`PagedLatentCache`) is a pytree of arrays that jitted decode steps read and
+write. The host side (`PageAllocator`) owns the free list and the block tables, as a serving
+scheduler does: before a step it reserves the pages the step will write, and when a sequence ends
+it returns that sequence's pages to the free list.
+
+Page 0 is the *null page*: it is never handed out, unassigned block-table entries point at it, and
+rows of finished sequences write their (ignored) latents there, so a freed page that has been
+handed to another sequence is never overwritten by a sequence that already ended.
+"""
+
+import collections
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NULL_PAGE = 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedLatentCache:
+    """One MLA layer's paged latent cache.
+
+    pages:        [num_pages, page_size, latent_dim]  latents (normed c_kv ; shared key part)
+    block_tables: [B, max_pages_per_seq] int32        physical page of each logical page
+    lengths:      [B] int32                           tokens already cached per sequence
+    """
+
+    pages: jax.Array
+    block_tables: jax.Array
+    lengths: jax.Array
+
+    @property
+    def page_size(self) -> int:
+        return self.pages.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        """Tokens a sequence can hold: max_pages_per_seq * page_size."""
+        return self.block_tables.shape[1] * self.page_size
+
+    def append(self, latents: jax.Array) -> "PagedLatentCache":
+        """Writes latents [B, T, latent_dim] at positions lengths .. lengths + T - 1."""
+        batch, num_new, _ = latents.shape
+        positions = self.lengths[:, None] + jnp.arange(num_new, dtype=jnp.int32)  # [B, T]
+        # Positions past the table's end (only rows of finished sequences get there) go to the
+        # null page instead of wrapping around onto a live page.
+        logical_page = positions // self.page_size
+        in_table = logical_page < self.block_tables.shape[1]
+        page = jnp.take_along_axis(
+            self.block_tables, jnp.where(in_table, logical_page, 0), axis=1
+        )
+        page = jnp.where(in_table, page, NULL_PAGE)
+        slot = positions % self.page_size
+        pages = self.pages.at[page, slot].set(latents.astype(self.pages.dtype))
+        return dataclasses.replace(self, pages=pages, lengths=self.lengths + num_new)
+
+    def gather(self) -> jax.Array:
+        """Every sequence's latents in logical order: [B, capacity, latent_dim].
+
+        Entries at positions >= lengths are garbage (null page or stale data); callers mask them.
+        """
+        batch, max_pages = self.block_tables.shape
+        per_sequence = self.pages[self.block_tables]  # [B, max_pages, page_size, latent_dim]
+        return per_sequence.reshape(batch, max_pages * self.page_size, self.pages.shape[-1])
+
+
+def init_pages(
+    num_pages: int, page_size: int, latent_dim: int, dtype: jnp.dtype = jnp.bfloat16
+) -> jax.Array:
+    """An empty page pool [num_pages, page_size, latent_dim] (page 0 is the null page)."""
+    return jnp.zeros((num_pages, page_size, latent_dim), dtype)
+
+
+def pages_needed(num_sequences: int, max_length: int, page_size: int) -> int:
+    """Pool size (null page included) that holds `num_sequences` sequences of `max_length`."""
+    return 1 + num_sequences * math.ceil(max_length / page_size)
+
+
+class PageAllocator:
+    """Host bookkeeping for one page pool shared by every MLA layer of a model.
+
+    A sequence is a row of the block table; `reserve(row, n)` makes sure pages cover its first n
+    tokens (allocating lazily from the free list), `release(row)` returns its pages.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, num_sequences: int, max_pages_per_seq: int):
+        if num_pages < 2:
+            raise ValueError(
+                f"num_pages must be >= 2 (page 0 is the reserved null page), got {num_pages}"
+            )
+        if page_size < 1 or num_sequences < 1 or max_pages_per_seq < 1:
+            raise ValueError(
+                "page_size, num_sequences and max_pages_per_seq must be positive, got "
+                f"{page_size}, {num_sequences}, {max_pages_per_seq}"
+            )
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self._free = collections.deque(range(1, num_pages))
+        self._pages_of = [[] for _ in range(num_sequences)]
+        self.block_tables = np.full((num_sequences, max_pages_per_seq), NULL_PAGE, np.int32)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def reserve(self, row: int, num_tokens: int) -> None:
+        """Allocates pages so that sequence `row` can hold `num_tokens` tokens."""
+        needed = math.ceil(num_tokens / self.page_size)
+        owned = self._pages_of[row]
+        if needed > self.block_tables.shape[1]:
+            raise ValueError(
+                f"num_tokens={num_tokens} exceeds the per-sequence capacity of "
+                f"{self.block_tables.shape[1] * self.page_size} tokens; build the allocator with "
+                "a larger max_pages_per_seq"
+            )
+        if needed - len(owned) > len(self._free):
+            raise ValueError(
+                f"page pool exhausted: sequence {row} needs {needed - len(owned)} more pages, "
+                f"{len(self._free)} are free; build the pool with more pages or end sequences"
+            )
+        while len(owned) < needed:
+            page = self._free.popleft()
+            self.block_tables[row, len(owned)] = page
+            owned.append(page)
+
+    def release(self, row: int) -> None:
+        """Ends sequence `row`: its pages go back to the free list, its table row to the null page."""
+        self._free.extend(self._pages_of[row])
+        self._pages_of[row] = []
+        self.block_tables[row] = NULL_PAGE

@@ -1,0 +1,154 @@
+"""Attention Residuals: the read formula, zero-init uniform averaging, K3's block bookkeeping."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from models.attn_res import (
+    AttnResRead,
+    ResidualStream,
+    attn_res_read,
+    num_seal_slots,
+    seal_period,
+    sublayer_input,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_eager_sharding():
+    """Modules here are built without a mesh; sharding is placed by models.sharding."""
+    with nnx.use_eager_sharding(False):
+        yield
+
+
+EPS = 1e-5
+
+
+def random_stream(key, num_slots, num_sealed, shape=(2, 3, 8), dtype=jnp.float32):
+    sealed_key, live_key = jax.random.split(key)
+    sealed = jax.random.normal(sealed_key, (num_slots,) + shape) * 3.0
+    sealed = sealed.at[num_sealed:].set(0.0)
+    live = jax.random.normal(live_key, shape)
+    return ResidualStream(sealed.astype(dtype), jnp.int32(num_sealed), live.astype(dtype))
+
+
+@settings(deadline=None, max_examples=10)
+@given(seed=st.integers(0, 2**16), num_sealed=st.sampled_from([0, 1, 3, 4]))
+def test_zero_query_is_uniform_average_of_candidates(seed, num_sealed):
+    stream = random_stream(jax.random.key(seed), 4, num_sealed)
+    read = AttnResRead(8, eps=EPS)
+    candidates = np.concatenate([stream.sealed[:num_sealed], stream.live[None]])
+    np.testing.assert_allclose(read(stream), candidates.mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_read_matches_formula():
+    stream = random_stream(jax.random.key(0), 5, 3)
+    gain = jax.random.normal(jax.random.key(1), (8,))
+    query = jax.random.normal(jax.random.key(2), (8,))
+    candidates = np.concatenate([stream.sealed[:3], stream.live[None]]).astype(np.float64)
+    normed = candidates / np.sqrt(np.mean(candidates**2, -1, keepdims=True) + EPS)
+    scores = normed @ (np.asarray(gain) * np.asarray(query))  # [C, B, T]
+    probs = np.exp(scores - scores.max(0))
+    probs /= probs.sum(0)
+    expected = (probs[..., None] * candidates).sum(0)
+    np.testing.assert_allclose(attn_res_read(stream, gain, query, EPS), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_read_is_float32_inside_and_returns_stream_dtype():
+    stream = random_stream(jax.random.key(3), 3, 2, dtype=jnp.bfloat16)
+    query = jax.random.normal(jax.random.key(4), (8,))
+    out = attn_res_read(stream, jnp.ones(8), query, EPS)
+    assert out.dtype == jnp.bfloat16
+    f32 = ResidualStream(stream.sealed.astype(jnp.float32), stream.num_sealed,
+                         stream.live.astype(jnp.float32))
+    expected = attn_res_read(f32, jnp.ones(8), query, EPS).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(out, expected)
+
+
+def literal_k3_walk(embedding, sublayers, reads, final_read, block_size):
+    """K3's published bookkeeping (moe_arch.md §5.3) transcribed with a growing Python list."""
+
+    def read(sealed, live, gq):
+        gain, query = gq
+        return attn_res_read(
+            ResidualStream(jnp.stack(sealed), jnp.int32(len(sealed)), live), gain, query, EPS
+        )
+
+    sealed, live = [], embedding
+    for layer in range(len(sublayers) // 2):
+        attention, ffn = sublayers[2 * layer], sublayers[2 * layer + 1]
+        x = live if not sealed else read(sealed, live, reads[2 * layer])
+        if layer % block_size == 0:
+            sealed.append(live)
+            live = None
+        a = attention(x)
+        live = a if live is None else live + a
+        x = read(sealed, live, reads[2 * layer + 1])
+        live = live + ffn(x)
+    return read(sealed, live, final_read)
+
+
+def walk_with_stream(embedding, sublayers, reads, final_read, period, scanned):
+    """The same walk through `sublayer_input`, optionally with a traced sub-layer index."""
+    stream = ResidualStream.start(embedding, num_seal_slots(len(sublayers), period))
+    for index, (f, (gain, query)) in enumerate(zip(sublayers, reads)):
+        read = AttnResRead(embedding.shape[-1], eps=EPS)
+        read.gain[...], read.query[...] = gain, query
+        x, stream = sublayer_input(stream, read, jnp.int32(index) if scanned else index, period)
+        stream = stream.add(f(x))
+    return attn_res_read(stream, *final_read, EPS)
+
+
+@pytest.mark.parametrize("scanned", [False, True])
+@pytest.mark.parametrize("num_layers, block_size", [(5, 2), (4, 3), (3, 1)])
+def test_block_bookkeeping_matches_k3_walk(num_layers, block_size, scanned):
+    d = 8
+    keys = iter(jax.random.split(jax.random.key(5), 6 * num_layers + 2))
+    weights = [jax.random.normal(next(keys), (d, d)) / np.sqrt(d) for _ in range(2 * num_layers)]
+    sublayers = [lambda x, w=w: jnp.tanh(x @ w) for w in weights]
+    reads = [
+        (1.0 + 0.1 * jax.random.normal(next(keys), (d,)), jax.random.normal(next(keys), (d,)))
+        for _ in range(2 * num_layers)
+    ]
+    final_read = (jnp.ones(d), jax.random.normal(next(keys), (d,)))
+    embedding = jax.random.normal(next(keys), (2, 3, d))
+    expected = literal_k3_walk(embedding, sublayers, reads, final_read, block_size)
+    period = seal_period("block_attn_res", block_size)
+    got = walk_with_stream(embedding, sublayers, reads, final_read, period, scanned)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_full_attn_res_reads_every_earlier_sublayer_output():
+    d, num_sublayers = 4, 5
+    embedding = jax.random.normal(jax.random.key(6), (1, 2, d))
+    outputs = [jax.random.normal(jax.random.key(10 + i), (1, 2, d)) for i in range(num_sublayers)]
+    period = seal_period("full_attn_res", block_size=12)
+    stream = ResidualStream.start(embedding, num_seal_slots(num_sublayers, period))
+    read = AttnResRead(d, eps=EPS)
+    for index, out in enumerate(outputs):
+        x, stream = sublayer_input(stream, read, index, period)
+        # Zero-init query: the input is the plain mean of the embedding and earlier outputs.
+        np.testing.assert_allclose(x, jnp.mean(jnp.stack([embedding] + outputs[:index]), 0),
+                                   rtol=1e-5, atol=1e-6)
+        stream = stream.add(out)
+
+
+def test_plain_residual_is_running_sum():
+    embedding = jnp.ones((1, 2, 4))
+    stream = ResidualStream.start(embedding, num_seal_slots(6, seal_period("plain", 12)))
+    for index in range(3):
+        x, stream = sublayer_input(stream, None, index, None)
+        np.testing.assert_array_equal(x, embedding * (1 + index))
+        stream = stream.add(jnp.ones_like(x))
+
+
+def test_slot_counts():
+    assert num_seal_slots(2 * 93, seal_period("block_attn_res", 12)) == 8  # K3: embedding + 7
+    assert num_seal_slots(10, seal_period("full_attn_res", 12)) == 10
+    assert num_seal_slots(10, seal_period("plain", 12)) == 0
+    with pytest.raises(ValueError, match="residual mode"):
+        seal_period("dense", 12)
