@@ -1,0 +1,187 @@
+"""The training pipeline: batch format, seeds, the mix, the long-document bias, iterator resume
+(grain state and an orbax checkpoint) and configuration errors."""
+
+import dataclasses
+
+import grain
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from train.data import (
+    DataConfig,
+    bits_per_byte,
+    data_manifest,
+    make_train_iterator,
+)
+from train.synthetic import MQAR, MultiHop
+from train.tokenizer import BOS_ID, PAD_ID, SEP_ID
+
+MIXED = DataConfig(
+    seq_len=64,
+    batch_size=4,
+    seed=5,
+    long_document_bias=0.5,
+    mqar_weight=0.2,
+    needle_weight=0.1,
+    multihop_weight=0.1,
+    mqar=MQAR(num_kv_pairs=4),
+    multihop=MultiHop(num_pairs=8, num_hops=2, num_queries=2),
+    packing_bins=8,
+)
+
+
+def _take(iterator, n):
+    return [next(iterator) for _ in range(n)]
+
+
+def _assert_same_batches(first, second):
+    assert len(first) == len(second)
+    for a, b in zip(first, second, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_stdlib_batches_have_the_documented_format():
+    cfg = DataConfig(seq_len=128, batch_size=8)
+    for batch in _take(make_train_iterator(cfg), 3):
+        assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
+            "tokens": ((8, 128), np.int32),
+            "targets": ((8, 128), np.int32),
+            "loss_mask": ((8, 128), np.float32),
+            "segment_ids": ((8, 128), np.int32),
+            "positions": ((8, 128), np.int32),
+        }
+        occupied = batch["segment_ids"] > 0
+        assert (batch["tokens"][occupied] <= BOS_ID).all()
+        assert (batch["tokens"][~occupied] == PAD_ID).all()
+        starts = occupied & (batch["positions"] == 0)
+        # A segment opens a document (BOS) or continues one from its previous chunk (a byte).
+        assert (batch["tokens"][starts] <= BOS_ID).all()
+        assert (batch["loss_mask"][~occupied] == 0).all()
+        assert (batch["targets"][batch["loss_mask"] > 0] < 256).all()  # only bytes are targets
+        assert occupied.mean() > 0.9  # packing leaves little padding
+
+
+def test_same_seed_same_batches_and_another_seed_differs():
+    cfg = DataConfig(seq_len=64, batch_size=4, seed=1)
+    _assert_same_batches(_take(make_train_iterator(cfg), 3), _take(make_train_iterator(cfg), 3))
+    other = _take(make_train_iterator(dataclasses.replace(cfg, seed=2)), 1)[0]
+    assert not np.array_equal(other["tokens"], make_train_iterator(cfg).__next__()["tokens"])
+
+
+def test_mix_follows_the_weights():
+    cfg = dataclasses.replace(MIXED, long_document_bias=0.0)
+    batches = _take(make_train_iterator(cfg), 40)
+    rows = np.concatenate([b["tokens"] for b in batches])
+    examples = sum(b["segment_ids"].max(axis=1).sum() for b in batches)
+    # A multi-hop example fills one row and is the only source with SEP_ID. Its weight is
+    # 0.1 of 1.0 + 0.2 + 0.1 + 0.1, and grain interleaves by weight, so 1 example in 14.
+    multihop_share = (rows == SEP_ID).any(axis=1).sum() / examples
+    assert abs(multihop_share - 1 / 14) < 0.02
+
+
+def test_long_document_bias_fills_rows_with_single_documents():
+    def share_of_rows_that_are_one_chunk(bias):
+        cfg = DataConfig(seq_len=2048, batch_size=4, long_document_bias=bias, packing_bins=8)
+        batches = _take(make_train_iterator(cfg), 6)
+        return np.mean([(b["segment_ids"] == 1).all(axis=1).mean() for b in batches])
+
+    # Without the bias, the ends of documents and short documents share padded rows.
+    assert share_of_rows_that_are_one_chunk(1.0) == 1.0 > share_of_rows_that_are_one_chunk(0.0)
+
+
+@pytest.mark.parametrize(
+    "cfg", [DataConfig(seq_len=32, batch_size=3), MIXED], ids=["stdlib", "mixed"]
+)
+def test_iterator_state_restores_the_same_next_batches(cfg):
+    iterator = make_train_iterator(cfg)
+    _take(iterator, 7)  # mid-way through a group of packed rows
+    state = iterator.get_state()
+    expected = _take(iterator, 5)
+    resumed = make_train_iterator(cfg)
+    resumed.set_state(state)
+    _assert_same_batches(_take(resumed, 5), expected)
+
+
+def test_orbax_checkpoint_of_the_iterator_resumes_exactly(tmp_path):
+    iterator = make_train_iterator(MIXED)
+    _take(iterator, 3)
+    options = ocp.CheckpointManagerOptions(max_to_keep=2)
+    with ocp.CheckpointManager(tmp_path / "ckpt", options=options) as manager:
+        manager.save(3, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(iterator)))
+        manager.wait_until_finished()
+    expected = _take(iterator, 4)
+
+    resumed = make_train_iterator(MIXED)
+    with ocp.CheckpointManager(tmp_path / "ckpt", options=options) as manager:
+        assert manager.latest_step() == 3
+        manager.restore(
+            3, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(resumed))
+        )
+    _assert_same_batches(_take(resumed, 4), expected)
+
+
+def test_user_files_train_and_report_their_hash(tmp_path):
+    paths = []
+    for i in range(30):
+        path = tmp_path / f"{i}.txt"
+        path.write_text(f"file number {i}\n" * 20)
+        paths.append(str(path))
+    cfg = DataConfig(seq_len=64, batch_size=2, paths=paths, val_fraction=0.2)
+    assert cfg.paths == tuple(paths)
+    batch = next(make_train_iterator(cfg))
+    text = bytes(batch["tokens"][batch["tokens"] < 256].astype(np.uint8).tolist())
+    assert b"file number" in text
+    manifest = data_manifest(cfg)
+    assert manifest["corpus_sha256"] == data_manifest(cfg)["corpus_sha256"]
+    assert manifest["train_documents"] + manifest["validation_documents"] == 30
+    assert 0 < manifest["validation_unigram_bits_per_byte"] < 8
+    (tmp_path / "3.txt").write_text("changed")
+    assert data_manifest(cfg)["corpus_sha256"] != manifest["corpus_sha256"]
+
+
+def test_missing_data_file_fails_when_the_pipeline_is_built(tmp_path):
+    cfg = DataConfig(paths=(str(tmp_path / "nope.txt"),))
+    with pytest.raises(ValueError, match=r"nope\.txt' does not exist"):
+        make_train_iterator(cfg)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"seq_len": 1}, "seq_len must be at least 2"),
+        ({"batch_size": 0}, "batch_size must be at least 1"),
+        ({"packing_bins": 0}, "packing_bins"),
+        ({"seed": -1}, "seed must be at least 0"),
+        ({"paths": "book.txt"}, r"paths=\('book.txt',\)"),
+        ({"val_fraction": 0.0}, "val_fraction"),
+        ({"long_document_bias": 1.5}, "long_document_bias must lie in"),
+        ({"corpus_weight": 0.0}, "not all zero.*corpus_weight=1"),
+        ({"mqar_weight": -1.0}, "non-negative"),
+        ({"needle_weight": float("nan")}, "finite"),
+    ],
+)
+def test_bad_config_fields_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DataConfig(**fields)
+
+
+def test_settings_that_conflict_with_the_data_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="too short for MQAR"):
+        make_train_iterator(DataConfig(seq_len=16, mqar_weight=1.0))
+    paths = []
+    for i in range(10):
+        (tmp_path / f"{i}.txt").write_text("short")
+        paths.append(str(tmp_path / f"{i}.txt"))
+    cfg = DataConfig(seq_len=64, paths=paths, val_fraction=0.3, long_document_bias=0.5)
+    with pytest.raises(ValueError, match=r"no document .* is longer than seq_len=64"):
+        make_train_iterator(cfg)
+
+
+def test_bits_per_byte():
+    assert bits_per_byte(np.log(2.0) * 10, 10) == pytest.approx(1.0)
+    assert bits_per_byte(np.log(256.0) * 3, 3) == pytest.approx(8.0)
+    with pytest.raises(ValueError, match="num_targets"):
+        bits_per_byte(1.0, 0)

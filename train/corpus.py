@@ -1,0 +1,244 @@
+"""Document corpora held in memory as one byte buffer: the embedded default corpus and user files.
+
+The default corpus needs no download: it is every `.py` file of the running interpreter's standard
+library (UTF-8 text only, `site-packages` excluded) plus each `pydoc_data` help topic as its own
+document. That is real code and English documentation, about 32 MB and 1,800 documents on
+CPython 3.12. User data is plain-text files (one document per file) or JSONL files (one document
+per line, in its `text` field).
+
+Documents are split into train and validation by a hash of their name, so the split is the same on
+every run and machine and never cuts a document in two. Each corpus carries a sha256 over its
+sorted document names and contents; record it with a run, because the standard library differs
+between Python patch releases.
+"""
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import pathlib
+import platform
+import sysconfig
+from collections.abc import Sequence
+from pydoc_data import topics
+
+import numpy as np
+
+from train.tokenizer import NUM_BYTES
+
+SPLITS = ("train", "validation")
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Corpus:
+    """Documents stored back to back in one byte array.
+
+    name: where the documents came from, e.g. "stdlib-3.12.1" or "stdlib-3.12.1/validation".
+    doc_names: [D] document ids (paths relative to the stdlib, file paths, or "file:line"), sorted.
+    data: uint8 [N] all documents concatenated; the bytes are the token ids.
+    offsets: int64 [D + 1]; document i is data[offsets[i]:offsets[i + 1]].
+    sha256: hex digest over the sorted names and contents (`_sha256`).
+    """
+
+    name: str
+    doc_names: tuple[str, ...]
+    data: np.ndarray
+    offsets: np.ndarray
+    sha256: str
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.doc_names)
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.data.size)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """int64 [D] document lengths in bytes."""
+        return np.diff(self.offsets)
+
+    def document(self, index: int) -> np.ndarray:
+        """uint8 [len] bytes of document `index` (a view, not a copy)."""
+        return self.data[self.offsets[index] : self.offsets[index + 1]]
+
+    def unigram_entropy_bits(self) -> float:
+        """Order-0 entropy of the byte distribution in bits per byte.
+
+        The bits per byte of the best model that ignores context; a trained model should be far
+        below it.
+        """
+        # Counting 1 MiB at a time stays in cache: several times faster than one bincount.
+        block = 1 << 20
+        counts = sum(
+            np.bincount(self.data[start : start + block], minlength=NUM_BYTES)
+            for start in range(0, self.num_bytes, block)
+        ).astype(np.float64)
+        probs = counts[counts > 0] / counts.sum()
+        return float(-(probs * np.log2(probs)).sum())
+
+
+def _sha256(documents: Sequence[tuple[str, bytes]]) -> str:
+    """Digest of (name, content) pairs in the given (sorted) order; lengths make it unambiguous."""
+    digest = hashlib.sha256()
+    for name, content in documents:
+        encoded_name = name.encode("utf-8")
+        digest.update(len(encoded_name).to_bytes(8, "little") + encoded_name)
+        digest.update(len(content).to_bytes(8, "little") + content)
+    return digest.hexdigest()
+
+
+def build_corpus(name: str, documents: Sequence[tuple[str, bytes]]) -> Corpus:
+    """A `Corpus` from (document name, content) pairs; empty documents are dropped.
+
+    Raises ValueError on a repeated document name or when no document has any content.
+    """
+    kept = sorted((doc_name, content) for doc_name, content in documents if content)
+    names = [doc_name for doc_name, _ in kept]
+    if len(set(names)) != len(names):
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(
+            f"corpus {name!r}: document names must be unique, got {repeated[:3]} more than once; "
+            "pass each data file only once"
+        )
+    if not kept:
+        raise ValueError(f"corpus {name!r} has no non-empty documents; give it some text")
+    lengths = np.array([len(content) for _, content in kept], dtype=np.int64)
+    offsets = np.concatenate([np.zeros(1, np.int64), np.cumsum(lengths)])
+    data = np.frombuffer(b"".join(content for _, content in kept), dtype=np.uint8)
+    return Corpus(name, tuple(names), data, offsets, _sha256(kept))
+
+
+def _is_text(content: bytes) -> bool:
+    if b"\0" in content:
+        return False
+    try:
+        content.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+@functools.cache
+def stdlib_corpus() -> Corpus:
+    """The embedded default corpus: this interpreter's standard library sources and help topics.
+
+    Cached: the first call reads the files (about a second), later calls return the same object.
+    """
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    # topics.py holds the same text as the per-topic documents below; keeping both would leak
+    # validation topics into training.
+    skipped = {"pydoc_data/topics.py"}
+    documents = []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if "site-packages" in relative.parts or relative.as_posix() in skipped:
+            continue
+        content = path.read_bytes()
+        if _is_text(content):
+            documents.append((relative.as_posix(), content))
+    documents += [
+        (f"pydoc_data/topics/{topic}", text.encode("utf-8"))
+        for topic, text in topics.topics.items()
+    ]
+    return build_corpus(f"stdlib-{platform.python_version()}", documents)
+
+
+def _check_data_file(path: str) -> None:
+    fix = "pass an existing plain-text file or a JSONL file with a 'text' field on each line"
+    if not os.path.isfile(path):
+        raise ValueError(f"data file {path!r} does not exist (or is not a file); {fix}")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"data file {path!r} is empty; {fix}")
+
+
+def _jsonl_documents(path: str) -> list[tuple[str, bytes]]:
+    documents = []
+    with open(path, encoding="utf-8") as lines:
+        for line_number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"data file {path!r}, line {line_number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f"{where} is not valid JSON ({error.msg}); write one JSON object per line, "
+                    'like {"text": "..."}'
+                ) from None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise ValueError(
+                    f"{where} has no string 'text' field; write one JSON object per line, "
+                    'like {"text": "..."}'
+                )
+            documents.append((f"{path}:{line_number}", record["text"].encode("utf-8")))
+    return documents
+
+
+@functools.lru_cache(maxsize=4)
+def _load_files(files: tuple[tuple[str, int, int], ...]) -> Corpus:
+    """Corpus of (path, mtime_ns, size) keys; the stamps make the cache notice edited files."""
+    documents = []
+    for path, _, _ in files:
+        if path.endswith(JSONL_SUFFIXES):
+            file_documents = _jsonl_documents(path)
+        else:
+            file_documents = [(path, pathlib.Path(path).read_bytes())]
+        if not any(content for _, content in file_documents):
+            raise ValueError(
+                f"data file {path!r} contains no text; give it at least one non-empty document"
+            )
+        documents += file_documents
+    return build_corpus("files:" + ",".join(os.path.basename(p) for p, _, _ in files), documents)
+
+
+def load_text_files(paths: Sequence[str]) -> Corpus:
+    """A corpus from plain-text files (one document each) and `.jsonl` files (one per line).
+
+    Raises ValueError naming the path (and line) for a missing or empty file, a JSONL line that is
+    not JSON, or one without a string `text` field.
+    """
+    if isinstance(paths, str) or not paths:
+        raise ValueError(f"paths must be a non-empty sequence of file paths, got {paths!r}")
+    for path in paths:
+        _check_data_file(path)
+    stat = [os.stat(path) for path in paths]
+    keys = tuple(
+        (os.path.normpath(p), s.st_mtime_ns, s.st_size) for p, s in zip(paths, stat, strict=True)
+    )
+    return _load_files(keys)
+
+
+def load_corpus(paths: Sequence[str] = ()) -> Corpus:
+    """The user's files when `paths` is non-empty, else the embedded standard-library corpus."""
+    return load_text_files(paths) if paths else stdlib_corpus()
+
+
+def _validation_draw(doc_name: str) -> float:
+    """A uniform number in [0, 1) fixed by the document name alone."""
+    digest = hashlib.sha256(doc_name.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "little") / 2**64
+
+
+@functools.lru_cache(maxsize=8)
+def split_corpus(corpus: Corpus, which: str, val_fraction: float) -> Corpus:
+    """The train or validation documents of `corpus`: a document is in validation when a hash of
+    its name falls below `val_fraction`. Cached per (corpus, split, fraction)."""
+    if which not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {which!r}")
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}; try 0.02")
+    in_validation = np.array([_validation_draw(n) < val_fraction for n in corpus.doc_names])
+    chosen = np.flatnonzero(in_validation if which == "validation" else ~in_validation)
+    if chosen.size == 0:
+        raise ValueError(
+            f"the {which} split of corpus {corpus.name!r} is empty ({corpus.num_documents} "
+            f"documents, val_fraction={val_fraction}); documents are split whole, so give more "
+            "of them (more files, or a JSONL file with one document per line) or change "
+            "val_fraction"
+        )
+    documents = [(corpus.doc_names[i], corpus.document(i).tobytes()) for i in chosen]
+    return build_corpus(f"{corpus.name}/{which}", documents)
