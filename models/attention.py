@@ -3,13 +3,14 @@
 Projections (d = d_model, H heads, N = qk_nope_head_dim, R = qk_rope_head_dim, V = v_head_dim,
 C = kv_lora_rank, Q = q_lora_rank):
 
-    c_q          = RMSNorm(x W_qa)                       x W_qa: d -> Q
+    c_q          = RMSNorm(x W_qa)                       x W_qa: d -> Q (or c_q = x, no Q)
     [q_n ; q_r]  = c_q W_qb                              per head N + R
     [c_kv ; k_r] = x W_kva                               d -> C + R, then c_kv <- RMSNorm(c_kv)
     [k_n ; v]    = c_kv W_kvb                            per head N + V
     k            = [k_n ; k_r]                           k_r: one R-dim key part shared by all heads
     o            = softmax(q k^T / sqrt(N + R)) v        causal, within a document
     y            = W_o (sigmoid(x W_g) * o)              elementwise, per head, after attention
+                                                         (y = W_o o without the gate)
 
 The R-dim "rope" part keeps its released name but is never rotated: the model has no positional
 encoding (order comes from the KDA layers), so it is an extra key channel shared across heads.
@@ -38,24 +39,21 @@ class MLAConfig:
     """Gated MLA hyper-parameters; field names follow the released K3 config."""
 
     num_heads: int
-    q_lora_rank: int
+    q_lora_rank: int | None  # None: queries straight from x (Kimi Linear), no low-rank step
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+    output_gate: bool = True
     norm_eps: float = 1e-5
     # None picks cuDNN on GPU for 16-bit compute and XLA otherwise.
     implementation: AttentionImplementation | None = None
 
     def __post_init__(self):
-        for name in (
-            "num_heads",
-            "q_lora_rank",
-            "kv_lora_rank",
-            "qk_nope_head_dim",
-            "qk_rope_head_dim",
-            "v_head_dim",
-        ):
+        names = ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if self.q_lora_rank is not None:
+            names += ("q_lora_rank",)
+        for name in names:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"MLAConfig.{name} must be a positive int, got {value!r}")
@@ -82,14 +80,16 @@ class MLAConfig:
 def count_mla_params(d_model: int, cfg: MLAConfig) -> int:
     """Parameters of one Gated MLA layer (all of them active for every token)."""
     heads = cfg.num_heads
+    if cfg.q_lora_rank is None:
+        queries = d_model * heads * cfg.qk_head_dim
+    else:  # down projection, norm gain, up projection
+        queries = (d_model + 1 + heads * cfg.qk_head_dim) * cfg.q_lora_rank
     return (
-        d_model * cfg.q_lora_rank
-        + cfg.q_lora_rank  # q norm gain
-        + cfg.q_lora_rank * heads * cfg.qk_head_dim
+        queries
         + d_model * cfg.latent_dim
         + cfg.kv_lora_rank  # kv norm gain
         + cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        + d_model * heads * cfg.v_head_dim  # output gate
+        + (d_model * heads * cfg.v_head_dim if cfg.output_gate else 0)
         + heads * cfg.v_head_dim * d_model  # output projection
     )
 
@@ -191,21 +191,26 @@ class GatedMLA(nnx.Module):
         heads = cfg.num_heads
         common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         linear_init = nnx.initializers.lecun_normal()
-        self.q_down = nnx.Linear(
-            d_model,
-            cfg.q_lora_rank,
-            use_bias=False,
-            kernel_init=nnx.with_partitioning(linear_init, ("embed", "latent")),
-            **common,
-        )
-        self.q_norm = RMSNorm(
-            cfg.q_lora_rank, eps=cfg.norm_eps, axis_name="latent", dtype=dtype,
-            param_dtype=param_dtype,
-        )
+        if cfg.q_lora_rank is None:
+            self.q_down, self.q_norm = None, None
+            query_source, query_source_axis = d_model, "embed"
+        else:
+            self.q_down = nnx.Linear(
+                d_model,
+                cfg.q_lora_rank,
+                use_bias=False,
+                kernel_init=nnx.with_partitioning(linear_init, ("embed", "latent")),
+                **common,
+            )
+            self.q_norm = RMSNorm(
+                cfg.q_lora_rank, eps=cfg.norm_eps, axis_name="latent", dtype=dtype,
+                param_dtype=param_dtype,
+            )
+            query_source, query_source_axis = cfg.q_lora_rank, "latent"
         self.q_up = nnx.Einsum(
             "btc,chk->bthk",
-            (cfg.q_lora_rank, heads, cfg.qk_head_dim),
-            kernel_init=_fan_in_init(0, (1, 2), ("latent", "heads", "kv")),
+            (query_source, heads, cfg.qk_head_dim),
+            kernel_init=_fan_in_init(0, (1, 2), (query_source_axis, "heads", "kv")),
             **common,
         )
         self.kv_down = nnx.Linear(
@@ -225,11 +230,15 @@ class GatedMLA(nnx.Module):
             kernel_init=_fan_in_init(0, (1, 2), ("latent", "heads", "kv")),
             **common,
         )
-        self.gate = nnx.Einsum(
-            "btd,dhv->bthv",
-            (d_model, heads, cfg.v_head_dim),
-            kernel_init=_fan_in_init(0, (1, 2), ("embed", "heads", "kv")),
-            **common,
+        self.gate = (
+            nnx.Einsum(
+                "btd,dhv->bthv",
+                (d_model, heads, cfg.v_head_dim),
+                kernel_init=_fan_in_init(0, (1, 2), ("embed", "heads", "kv")),
+                **common,
+            )
+            if cfg.output_gate
+            else None
         )
         self.out = nnx.Einsum(
             "bthv,hvd->btd",
@@ -240,6 +249,8 @@ class GatedMLA(nnx.Module):
 
     def _queries(self, x: jax.Array) -> jax.Array:
         """x: [B, T, d] -> q: [B, T, H, N + R]."""
+        if self.q_down is None:
+            return self.q_up(x)
         return self.q_up(self.q_norm(self.q_down(x)))
 
     def _latents(self, x: jax.Array) -> jax.Array:
@@ -249,6 +260,8 @@ class GatedMLA(nnx.Module):
 
     def _gated_output(self, x: jax.Array, o: jax.Array) -> jax.Array:
         """Per-head elementwise sigmoid gate from the layer input, then W_o. o: [B, T, H, V]."""
+        if self.gate is None:
+            return self.out(o.astype(self.dtype))
         gate = jax.nn.sigmoid(self.gate(x).astype(jnp.float32))
         return self.out((o.astype(jnp.float32) * gate).astype(self.dtype))
 

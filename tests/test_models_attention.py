@@ -1,5 +1,6 @@
 """Gated MLA: formula, causality, packed documents, decode == prefill through the paged cache."""
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,16 +50,19 @@ def reference_mla(layer: GatedMLA, x: np.ndarray) -> np.ndarray:
     """The layer's formula written out per head in float64 numpy. x: [B, T, d]."""
     cfg = layer.cfg
     w = {name: np.asarray(p, np.float64) for name, p in {
-        "qa": layer.q_down.kernel[...], "qn": layer.q_norm.scale[...], "qb": layer.q_up.kernel[...],
-        "kva": layer.kv_down.kernel[...], "kvn": layer.kv_norm.scale[...],
-        "kvb": layer.kv_up.kernel[...], "g": layer.gate.kernel[...], "o": layer.out.kernel[...],
+        "qb": layer.q_up.kernel[...], "kva": layer.kv_down.kernel[...],
+        "kvn": layer.kv_norm.scale[...], "kvb": layer.kv_up.kernel[...], "o": layer.out.kernel[...],
     }.items()}
 
     def rms(v, gain):
         return v / np.sqrt(np.mean(v**2, -1, keepdims=True) + cfg.norm_eps) * gain
 
     x = np.asarray(x, np.float64)
-    q = np.einsum("btc,chk->bthk", rms(x @ w["qa"], w["qn"]), w["qb"])
+    c_q = x
+    if cfg.q_lora_rank is not None:
+        c_q = rms(x @ np.asarray(layer.q_down.kernel[...], np.float64),
+                  np.asarray(layer.q_norm.scale[...], np.float64))
+    q = np.einsum("btc,chk->bthk", c_q, w["qb"])
     kv_a = x @ w["kva"]
     c_kv, k_shared = rms(kv_a[..., : cfg.kv_lora_rank], w["kvn"]), kv_a[..., cfg.kv_lora_rank :]
     kv = np.einsum("bsc,chk->bshk", c_kv, w["kvb"])
@@ -72,14 +76,26 @@ def reference_mla(layer: GatedMLA, x: np.ndarray) -> np.ndarray:
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         out[:, :, h] = probs @ v[:, :, h]
-    gate = 1 / (1 + np.exp(-np.einsum("btd,dhv->bthv", x, w["g"])))
-    return np.einsum("bthv,hvd->btd", gate * out, w["o"])
+    if cfg.output_gate:
+        gate_kernel = np.asarray(layer.gate.kernel[...], np.float64)
+        out = out / (1 + np.exp(-np.einsum("btd,dhv->bthv", x, gate_kernel)))
+    return np.einsum("bthv,hvd->btd", out, w["o"])
 
 
-def test_count_mla_params_matches_module():
-    layer = make_layer()
+VARIANTS = [
+    CFG,
+    # Kimi Linear's MLA: queries straight from x, no output gate.
+    dataclasses.replace(CFG, q_lora_rank=None, output_gate=False),
+    # Values wider than queries/keys (padding goes to q and k instead of v).
+    MLAConfig(2, 8, 6, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=10),
+]
+
+
+@pytest.mark.parametrize("cfg", VARIANTS)
+def test_count_mla_params_matches_module(cfg):
+    layer = nnx.eval_shape(lambda: make_layer(cfg))
     actual = sum(p.size for p in jax.tree.leaves(nnx.state(layer, nnx.Param)))
-    assert count_mla_params(D_MODEL, CFG) == actual
+    assert count_mla_params(D_MODEL, cfg) == actual
 
 
 def test_k3_mla_sizes():
@@ -89,8 +105,9 @@ def test_k3_mla_sizes():
     assert count_mla_params(7168, k3) == 232_196_096  # moe_arch.md §0: ~0.232B per layer
 
 
-def test_training_path_matches_formula():
-    layer = make_layer()
+@pytest.mark.parametrize("cfg", VARIANTS)
+def test_training_path_matches_formula(cfg):
+    layer = make_layer(cfg)
     x = jax.random.normal(jax.random.key(1), (2, 9, D_MODEL))
     np.testing.assert_allclose(forward(layer, x), reference_mla(layer, x), rtol=2e-5, atol=2e-5)
 
@@ -111,13 +128,6 @@ def test_packed_documents_equal_separate_runs():
     packed = forward(layer, x, segment_ids)
     for start, stop in [(0, 4), (4, 7), (7, 10)]:
         np.testing.assert_allclose(packed[:, start:stop], forward(layer, x[:, start:stop]), atol=1e-5)
-
-
-def test_value_wider_than_query_key():
-    cfg = MLAConfig(2, 8, 6, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=10)
-    layer = make_layer(cfg)
-    x = jax.random.normal(jax.random.key(5), (1, 5, D_MODEL))
-    np.testing.assert_allclose(forward(layer, x), reference_mla(layer, x), rtol=2e-5, atol=2e-5)
 
 
 def decode_in_chunks(layer, x, chunks, page_size, interleave=True):
@@ -149,7 +159,7 @@ def decode_in_chunks(layer, x, chunks, page_size, interleave=True):
     page_size=st.sampled_from([1, 2, 4]),
 )
 def test_decode_equals_prefill(seed, prompt, page_size):
-    layer = make_layer(seed=seed % 3)
+    layer = make_layer(VARIANTS[seed % 2], seed=seed % 3)
     seq = 8
     x = jax.random.normal(jax.random.key(seed), (2, seq, D_MODEL))
     chunks = [prompt] + [1] * (seq - prompt)
