@@ -97,9 +97,9 @@ def test_user_text_and_jsonl_files(tmp_path):
     contents = {n: corpus.document(i).tobytes() for i, n in enumerate(corpus.doc_names)}
     # Empty documents are dropped; blank lines skipped.
     assert contents == {
-        text: b"Call me Ishmael.\n",
-        f"{jsonl}:1": b"first",
-        f"{jsonl}:2": "zweite ü".encode(),
+        "book.txt": b"Call me Ishmael.\n",
+        "docs.jsonl:1": b"first",
+        "docs.jsonl:2": "zweite ü".encode(),
     }
     assert load_corpus([text, jsonl]) is corpus  # cached while the files are unchanged
     os.utime(text, ns=(0, 0))
@@ -135,8 +135,11 @@ def test_bad_paths_arguments(tmp_path):
     text = _write(tmp_path / "a.txt", "hello")
     with pytest.raises(ValueError, match="non-empty sequence"):
         load_text_files(text)
-    with pytest.raises(ValueError, match="pass each data file only once"):
+    with pytest.raises(ValueError, match="distinct names, each once"):
         load_text_files([text, text])
+    (tmp_path / "other").mkdir()
+    with pytest.raises(ValueError, match="distinct names"):
+        load_text_files([text, _write(tmp_path / "other" / "a.txt", "same name")])
 
 
 def test_a_split_with_no_documents_says_how_to_fix_it(tmp_path):
@@ -148,3 +151,10 @@ def test_a_split_with_no_documents_says_how_to_fix_it(tmp_path):
         split_corpus(corpus, "train", 1.0)
     with pytest.raises(ValueError, match="split must be one of"):
         split_corpus(corpus, "test", 0.02)
+
+
+def test_user_corpus_does_not_depend_on_the_working_directory(tmp_path, monkeypatch):
+    absolute = load_text_files([_write(tmp_path / "a.txt", "some text")])
+    monkeypatch.chdir(tmp_path)
+    relative = load_text_files(["a.txt"])
+    assert relative is not absolute and relative.sha256 == absolute.sha256

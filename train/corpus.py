@@ -102,7 +102,7 @@ def build_corpus(name: str, documents: Sequence[tuple[str, bytes]]) -> Corpus:
         repeated = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(
             f"corpus {name!r}: document names must be unique, got {repeated[:3]} more than once; "
-            "pass each data file only once"
+            "data files are named by their base name, so pass files with distinct names, each once"
         )
     if not kept:
         raise ValueError(f"corpus {name!r} has no non-empty documents; give it some text")
@@ -174,7 +174,8 @@ def _jsonl_documents(path: str) -> list[tuple[str, bytes]]:
                     f"{where} has no string 'text' field; write one JSON object per line, "
                     'like {"text": "..."}'
                 )
-            documents.append((f"{path}:{line_number}", record["text"].encode("utf-8")))
+            name = f"{os.path.basename(path)}:{line_number}"
+            documents.append((name, record["text"].encode("utf-8")))
     return documents
 
 
@@ -186,7 +187,7 @@ def _load_files(files: tuple[tuple[str, int, int], ...]) -> Corpus:
         if path.endswith(JSONL_SUFFIXES):
             file_documents = _jsonl_documents(path)
         else:
-            file_documents = [(path, pathlib.Path(path).read_bytes())]
+            file_documents = [(os.path.basename(path), pathlib.Path(path).read_bytes())]
         if not any(content for _, content in file_documents):
             raise ValueError(
                 f"data file {path!r} contains no text; give it at least one non-empty document"
@@ -197,6 +198,9 @@ def _load_files(files: tuple[tuple[str, int, int], ...]) -> Corpus:
 
 def load_text_files(paths: Sequence[str]) -> Corpus:
     """A corpus from plain-text files (one document each) and `.jsonl` files (one per line).
+
+    Documents are named by the file's base name (and line), so the split and the hash do not
+    depend on the directory the files are read from.
 
     Raises ValueError naming the path (and line) for a missing or empty file, a JSONL line that is
     not JSON, or one without a string `text` field.
