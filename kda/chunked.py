@@ -1,0 +1,247 @@
+"""Chunk-parallel Kimi Delta Attention in plain JAX (the WY/UT form), exact and differentiable.
+
+Notation (per batch row and value head): the sequence is cut into chunks of C tokens (64); inside
+a chunk, rows r = 0..C-1, `G_r = sum_{t<=r} g_t` is the chunk-local cumulative log-decay `[C, K]`,
+`S` the state entering the chunk. Then (`../shared/reference/kda.md` §2.1):
+
+    Akk[i, j] = beta_i sum_c k_i[c] k_j[c] exp(G_i[c] - G_j[c])     j <  i
+    Aqk[i, j] =        sum_c q_i[c] k_j[c] exp(G_i[c] - G_j[c])     j <= i   (q carries the scale)
+    W = (I + Akk)^-1 (beta k exp(G)),     U = (I + Akk)^-1 (beta v)       (the UT transform)
+    V_new = U - W S
+    O = (q exp(G)) S + Aqk V_new
+    S_next = exp(G_last) S + (k exp(G_last - G))^T V_new
+
+Everything but the recurrence over chunks is parallel; `lax.scan` carries `S` from chunk to chunk.
+
+The score tiles are built in 16x16 tiles. An off-diagonal tile (row tile i > column tile j) uses
+the first row of tile i as its anchor `a`: `q exp(G - a)` and `k exp(a - G)` both have exponents
+<= 0, so the tile is a plain matmul for any gate. A diagonal tile needs `exp(G_r - G_s)` for s <= r
+within 16 tokens:
+
+* bounded gates (`gate_lower_bound = L`, every g >= L >= -5): the causal anchor
+  `a = G_first + 7.5 L` (fixed by the tile's first token, so appending tokens never moves it)
+  keeps both factors within e^(7.5 |L|) <= e^37.5, so the diagonal tile is a matmul too;
+* any other gate (softplus, unbounded): the exact per-element sum over c of
+  `q_r k_s exp(G_r - G_s)`, which never exponentiates a positive number.
+
+Packed documents: a token whose segment id differs from its predecessor's starts a new document.
+Scores between documents are masked, rows of a document that began inside the chunk do not read
+the incoming state, and only the chunk's last document writes the outgoing state.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.scipy.linalg import solve_triangular
+
+from kda.common import document_starts, einsum, prepare_qk
+
+CHUNK_SIZE = 64
+TILE_SIZE = 16
+
+
+def _tiles(x):
+    """[..., C, K] -> [..., C/16, 16, K]."""
+    return x.reshape(*x.shape[:-2], x.shape[-2] // TILE_SIZE, TILE_SIZE, x.shape[-1])
+
+
+def _off_diagonal_tiles(q, k, G):
+    """Score tiles below the diagonal, anchored on each row tile's first token.
+
+    Args:
+      q, k, G: float32 [..., NT, 16, K] (NT tiles per chunk).
+    Returns:
+      (qk, kk): [..., NT, NT, 16, 16], tile (i, j) filled for j < i and zero elsewhere.
+    """
+    num_tiles = G.shape[-3]
+    anchor = G[..., :, :1, :]  # [..., NT(i), 1, K]
+    row_decay = jnp.exp(G - anchor)  # exponent <= 0: the cumsum never increases
+    earlier = jnp.arange(num_tiles)[None, :] < jnp.arange(num_tiles)[:, None]  # [i, j]: j < i
+    # [..., NT(i), NT(j), 16, K]; only j < i is kept, so the exponent a_i - G_j is <= 0.
+    column_exponent = anchor[..., :, None, :, :] - G[..., None, :, :, :]
+    column_decay = jnp.exp(jnp.where(earlier[:, :, None, None], column_exponent, -jnp.inf))
+    k_columns = k[..., None, :, :, :] * column_decay
+    qk = einsum("...irc,...ijsc->...ijrs", q * row_decay, k_columns)
+    kk = einsum("...irc,...ijsc->...ijrs", k * row_decay, k_columns)
+    return qk, kk
+
+
+def _diagonal_tiles_exact(q, k, G):
+    """Diagonal score tiles by the per-element sum; finite for any gate.
+
+    Args:
+      q, k, G: float32 [..., NT, 16, K].
+    Returns:
+      (qk, kk): [..., NT, 16, 16], lower triangle including the diagonal (masked by the caller).
+    """
+    causal = jnp.tril(jnp.ones((TILE_SIZE, TILE_SIZE), bool))
+    exponent = G[..., :, None, :] - G[..., None, :, :]  # [..., NT, r, s, K]
+    decay = jnp.exp(jnp.where(causal[:, :, None], exponent, -jnp.inf))
+    qk = einsum("...rc,...sc,...rsc->...rs", q, k, decay)
+    kk = einsum("...rc,...sc,...rsc->...rs", k, k, decay)
+    return qk, kk
+
+
+def _diagonal_tiles_bounded(q, k, G, lower_bound):
+    """Diagonal score tiles as matmuls around a causal anchor; valid when every g >= lower_bound.
+
+    `G_r - a` and `a - G_s` lie in [7.5 L, -7.5 L] for the anchor `a = G_first + 7.5 L`, so the
+    factors are at most e^37.5 for L = -5 and the products e^(G_r - G_s) are recovered exactly.
+
+    Args:
+      q, k, G: float32 [..., NT, 16, K].
+      lower_bound: L in [-5, 0).
+    Returns:
+      (qk, kk): [..., NT, 16, 16] (the caller masks the upper triangle).
+    """
+    anchor = G[..., :1, :] + 0.5 * (TILE_SIZE - 1) * lower_bound
+    rows = jnp.exp(G - anchor)
+    columns = k * jnp.exp(anchor - G)
+    return (einsum("...rc,...sc->...rs", q * rows, columns),
+            einsum("...rc,...sc->...rs", k * rows, columns))
+
+
+def intra_chunk_scores(q, k, G, gate_lower_bound):
+    """The chunk's score matrices, before beta and document masks.
+
+    Args:
+      q, k, G: float32 [..., C, K], C a multiple of 16.
+      gate_lower_bound: None (exact diagonal tiles) or L in [-5, 0) (matmul diagonal tiles).
+    Returns:
+      (Aqk [..., C, C] with j <= i, Akk [..., C, C] with j < i), float32.
+    """
+    chunk = G.shape[-2]
+    q, k, G = _tiles(q), _tiles(k), _tiles(G)
+    off_qk, off_kk = _off_diagonal_tiles(q, k, G)
+    if gate_lower_bound is None:
+        diag_qk, diag_kk = _diagonal_tiles_exact(q, k, G)
+    else:
+        diag_qk, diag_kk = _diagonal_tiles_bounded(q, k, G, gate_lower_bound)
+    num_tiles = G.shape[-3]
+    on_diagonal = jnp.eye(num_tiles, dtype=bool)[:, :, None, None]
+
+    def assemble(off, diag):
+        blocks = jnp.where(on_diagonal, diag[..., :, None, :, :], off)  # [..., i, j, r, s]
+        blocks = jnp.swapaxes(blocks, -3, -2)  # [..., i, r, j, s]
+        return blocks.reshape(*blocks.shape[:-4], chunk, chunk)
+
+    inclusive = jnp.tril(jnp.ones((chunk, chunk), bool))
+    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
+    Aqk = jnp.where(inclusive, assemble(off_qk, diag_qk), 0.0)
+    Akk = jnp.where(strict, assemble(off_kk, diag_kk), 0.0)
+    return Aqk, Akk
+
+
+def _document_masks(starts, num_chunks, chunk):
+    """Document bookkeeping per chunk from the document-start flags.
+
+    Args:
+      starts: bool [B, N*C].
+    Returns:
+      same_document [B, N, C, C], reads_state [B, N, C], writes_state [B, N, C],
+      keeps_state [B, N]: whether row i / column j / the chunk as a whole belongs to the document
+      that was live when the chunk began (reads, keeps) or to the chunk's last document (writes).
+    """
+    document = jnp.cumsum(starts, axis=1, dtype=jnp.int32).reshape(-1, num_chunks, chunk)
+    # The document live just before each chunk: the previous chunk's last one (chunk 0: the first).
+    live_before = jnp.pad(document[:, :-1, -1], ((0, 0), (1, 0)))
+    same_document = document[..., :, None] == document[..., None, :]
+    reads_state = document == live_before[..., None]
+    writes_state = document == document[..., -1:]
+    return same_document, reads_state, writes_state, reads_state[..., -1]
+
+
+def chunk_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale,
+    initial_state=None,
+    output_final_state=False,
+    segment_ids=None,
+    use_qk_l2norm=False,
+    gate_lower_bound=None,
+    chunk_size=CHUNK_SIZE,
+):
+    """KDA by chunks; same arguments and results as `kda.reference.kda_reference`.
+
+    Args:
+      q, k: [B, T, H, K].
+      v: [B, T, HV, V], HV a multiple of H.
+      g: [B, T, HV, K] log-decay (<= 0).
+      beta: [B, T, HV].
+      scale: read scale.
+      initial_state: float32 [B, HV, K, V] or None.
+      output_final_state: also return the state after the last token.
+      segment_ids: integer [B, T] or None (packed documents).
+      use_qk_l2norm: L2-normalise q and k per head.
+      gate_lower_bound: None, or L in [-5, 0) when the caller guarantees g >= L; then the diagonal
+        16-token tiles are computed as matmuls. Gates below L make the result undefined.
+      chunk_size: 16, 32 or 64 tokens; T need not be a multiple (the tail is padded).
+    Returns:
+      (o [B, T, HV, V] in v.dtype, final_state float32 [B, HV, K, V] or None).
+    """
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
+    batch, length, num_value_heads, value_dim = v.shape
+    out_dtype = v.dtype
+    q, k = prepare_qk(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                      num_value_heads=num_value_heads)
+    key_dim, dtype = q.shape[-1], q.dtype  # float32 (float64 for float64 inputs)
+    starts = document_starts(segment_ids)
+
+    # Padded tokens (k = v = beta = g = 0) leave the state untouched; their outputs are dropped.
+    num_chunks = -(-length // chunk_size)
+    pad = num_chunks * chunk_size - length
+
+    def to_chunks(x):
+        """[B, T, HV, ...] -> [B, HV, N, C, ...] in the compute dtype."""
+        x = jnp.pad(x.astype(dtype), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(batch, num_chunks, chunk_size, *x.shape[2:])
+        return jnp.moveaxis(x, 3, 1)
+
+    q, k, v, g = map(to_chunks, (q, k, v, g))
+    beta = to_chunks(beta)[..., None]  # [B, HV, N, C, 1]
+    G = jnp.cumsum(g, axis=-2)
+    Aqk, Akk = intra_chunk_scores(q, k, G, gate_lower_bound)
+    decay_from_start = jnp.exp(G)  # [B, HV, N, C, K]
+    decay_to_end = jnp.exp(G[..., -1:, :] - G)
+    chunk_decay = decay_from_start[..., -1, :]  # [B, HV, N, K]
+    if starts is not None:
+        starts = jnp.pad(starts, ((0, 0), (0, pad)))
+        same_document, reads_state, writes_state, keeps_state = (
+            m[:, None] for m in _document_masks(starts, num_chunks, chunk_size))
+        Aqk = jnp.where(same_document, Aqk, 0.0)
+        Akk = jnp.where(same_document, Akk, 0.0)
+        decay_from_start = jnp.where(reads_state[..., None], decay_from_start, 0.0)
+        decay_to_end = jnp.where(writes_state[..., None], decay_to_end, 0.0)
+        chunk_decay = jnp.where(keeps_state[..., None], chunk_decay, 0.0)
+
+    # UT transform: one unit-lower-triangular solve gives W and U together.
+    eye = jnp.eye(chunk_size, dtype=dtype)
+    rhs = jnp.concatenate([beta * k * decay_from_start, beta * v], axis=-1)
+    WU = solve_triangular(eye + beta * Akk, rhs, lower=True, unit_diagonal=True)
+    W, U = WU[..., :key_dim], WU[..., key_dim:]
+    q_from_state = q * decay_from_start
+    k_to_state = k * decay_to_end
+
+    def chunk_step(state, xs):
+        w, u, q_s, k_s, decay = xs
+        v_new = u - einsum("bhck,bhkv->bhcv", w, state)
+        o_inter = einsum("bhck,bhkv->bhcv", q_s, state)
+        state = decay[..., None] * state + einsum("bhck,bhcv->bhkv", k_s, v_new)
+        return state, (v_new, o_inter)
+
+    if initial_state is None:
+        initial_state = jnp.zeros((batch, num_value_heads, key_dim, value_dim), dtype)
+    chunk_major = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731
+    final_state, (v_new, o_inter) = lax.scan(
+        chunk_step, initial_state.astype(dtype),
+        tuple(map(chunk_major, (W, U, q_from_state, k_to_state, chunk_decay))))
+    v_new, o_inter = (jnp.moveaxis(x, 0, 2) for x in (v_new, o_inter))
+    o = o_inter + einsum("bhnij,bhnjv->bhniv", Aqk, v_new)  # [B, HV, N, C, V]
+    o = jnp.moveaxis(o, 1, 3).reshape(batch, num_chunks * chunk_size, num_value_heads, value_dim)
+    return o[:, :length].astype(out_dtype), (final_state if output_final_state else None)

@@ -1,0 +1,240 @@
+"""The KDA token mixer as a Flax NNX layer, with a prefill/decode cache.
+
+    x [B, T, D] -> q|k|v projection -> causal depthwise conv (width 4) -> SiLU
+                -> q, k [B, T, H, K] (L2-normalised inside the op), v [B, T, HV, V]
+    decay gate g [B, T, HV, K] (lower-bound or softplus form, `kda.gate`), beta = sigmoid(linear)
+    o = kda_attention(q, k, v, g, beta) -> head-wise RMSNorm -> * sigmoid(output gate) -> o_proj
+
+A `KDACache` holds what a continuation needs: the last `conv_size - 1` projected inputs (the
+convolution's receptive field) and the float32 recurrent state. Feeding a sequence in pieces with
+the cache (prefill, then one-token decode steps) gives the same outputs as one full call.
+"""
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kda.api import kda_attention
+from kda.common import document_starts
+from kda.gate import check_lower_bound, lower_bound_gate, softplus_gate
+
+GATES = ("lower_bound", "softplus")
+
+# Parameters carry logical axis names only; `models.sharding` places them on a mesh explicitly,
+# so a layer can be built with or without one.
+_logical = functools.partial(nnx.with_partitioning, eager_sharding=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class KDAConfig:
+    """Shape and options of one KDA layer.
+
+    Attributes:
+      num_heads: H, query/key heads.
+      head_dim: K = V, the key and value width of a head.
+      num_value_heads: HV, a multiple of H (grouped value heads); None means H.
+      conv_size: width of the causal depthwise convolution on q, k and v.
+      gate: "lower_bound" (Kimi K3) or "softplus" (Kimi-Linear).
+      gate_lower_bound: L in [-5, 0) for the lower-bound gate.
+      full_rank_gate: decay-gate projection D -> HV*K directly (K3) instead of the low-rank
+        D -> K -> HV*K (Kimi-Linear).
+      norm_eps: epsilon of the head-wise output RMSNorm.
+      impl: KDA implementation for sequences longer than one token (see `kda.kda_attention`).
+    """
+
+    num_heads: int
+    head_dim: int
+    num_value_heads: int | None = None
+    conv_size: int = 4
+    gate: str = "lower_bound"
+    gate_lower_bound: float = -5.0
+    full_rank_gate: bool = False
+    norm_eps: float = 1e-5
+    impl: str = "auto"
+
+    def __post_init__(self):
+        if self.num_value_heads is None:
+            object.__setattr__(self, "num_value_heads", self.num_heads)
+        for name in ("num_heads", "head_dim", "num_value_heads", "conv_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"KDAConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_value_heads % self.num_heads:
+            raise ValueError(
+                f"KDAConfig.num_value_heads ({self.num_value_heads}) must be a multiple of "
+                f"num_heads ({self.num_heads})"
+            )
+        if self.gate not in GATES:
+            raise ValueError(f"KDAConfig.gate must be one of {GATES}, got {self.gate!r}")
+        if self.gate == "lower_bound":
+            check_lower_bound(self.gate_lower_bound, "KDAConfig.gate_lower_bound")
+
+    @property
+    def qkv_dim(self) -> int:
+        """Width of the fused q|k|v projection: 2*H*K + HV*V."""
+        return (2 * self.num_heads + self.num_value_heads) * self.head_dim
+
+
+class KDACache(NamedTuple):
+    """State carried between calls. conv: [B, conv_size - 1, qkv_dim]; state: f32 [B, HV, K, V]."""
+
+    conv: jax.Array
+    state: jax.Array
+
+
+def count_kda_params(d_model: int, cfg: KDAConfig) -> int:
+    """Number of parameters of `KDA(d_model, cfg)`, computed without building it."""
+    key_width = cfg.num_value_heads * cfg.head_dim
+    gate = d_model * key_width if cfg.full_rank_gate else (d_model + key_width) * cfg.head_dim
+    output_gate = (d_model + key_width) * cfg.head_dim + key_width  # low rank, bias on the up
+    return (
+        d_model * cfg.qkv_dim  # q|k|v projection
+        + cfg.conv_size * cfg.qkv_dim  # depthwise conv
+        + gate
+        + cfg.num_value_heads * (1 + cfg.head_dim)  # A_log, dt_bias
+        + d_model * cfg.num_value_heads  # beta projection
+        + output_gate
+        + cfg.head_dim  # output RMSNorm weight
+        + key_width * d_model  # output projection
+    )
+
+
+def causal_depthwise_conv(x, weight, prefix, segment_ids=None):
+    """Causal depthwise convolution that never mixes tokens of different packed documents.
+
+    Args:
+      x: [B, T, C] inputs.
+      weight: [W, C], `weight[-1]` multiplies the current token.
+      prefix: [B, W - 1, C], the inputs preceding x (zeros at the start of a sequence).
+      segment_ids: integer [B, T] or None; the prefix counts as part of the first document.
+    Returns:
+      (y [B, T, C], new_prefix [B, W - 1, C]: the last W - 1 inputs, for the next call).
+    """
+    width, length = weight.shape[0], x.shape[1]
+    padded = jnp.concatenate([prefix.astype(x.dtype), x], axis=1)  # [B, W - 1 + T, C]
+    starts = document_starts(segment_ids)
+    if starts is not None:
+        document = jnp.cumsum(starts, axis=1)
+        padded_document = jnp.pad(document, ((0, 0), (width - 1, 0)))
+    y = jnp.zeros_like(x)
+    for offset in range(width):  # W is 4: an unrolled sum of shifted copies
+        window = padded[:, offset:offset + length]
+        if starts is not None:
+            same = padded_document[:, offset:offset + length] == document
+            window = jnp.where(same[..., None], window, 0)
+        y = y + window * weight[offset].astype(x.dtype)
+    return y, padded[:, length:]
+
+
+def _rms_norm(x, weight, eps):
+    """RMSNorm over the last axis in float32. x: [..., V], weight: [V]."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps) * weight
+
+
+def _dt_bias_init(key, shape, dtype=jnp.float32):
+    """Mamba-style: softplus(dt_bias) = dt with dt log-uniform in [1e-3, 1e-1]."""
+    dt = jnp.exp(jax.random.uniform(key, shape, minval=jnp.log(1e-3), maxval=jnp.log(1e-1)))
+    dt = jnp.maximum(dt, 1e-4)
+    return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)  # inverse softplus
+
+
+class KDA(nnx.Module):
+    """Kimi Delta Attention layer: x [B, T, D] -> [B, T, D]."""
+
+    def __init__(self, d_model: int, cfg: KDAConfig, *, dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.dtype = dtype
+        heads, head_dim, value_heads = cfg.num_heads, cfg.head_dim, cfg.num_value_heads
+        key_width = value_heads * head_dim
+        init = nnx.initializers.lecun_normal()
+
+        def linear(d_in, d_out, axes, use_bias=False):
+            return nnx.Linear(d_in, d_out, use_bias=use_bias, dtype=dtype,
+                              param_dtype=param_dtype,
+                              kernel_init=_logical(init, axes),
+                              bias_init=_logical(nnx.initializers.zeros, axes[1:]),
+                              rngs=rngs)
+
+        self.qkv_proj = linear(d_model, cfg.qkv_dim, ("embed", "heads"))
+        bound = cfg.conv_size ** -0.5
+        conv_init = functools.partial(jax.random.uniform, minval=-bound, maxval=bound)
+        self.conv_weight = nnx.Param(
+            _logical(conv_init, (None, "heads"))(rngs.params(), (cfg.conv_size, cfg.qkv_dim),
+                                                 param_dtype))
+        if cfg.full_rank_gate:
+            self.gate_proj = linear(d_model, key_width, ("embed", "heads"))
+        else:
+            self.gate_proj = nnx.Sequential(linear(d_model, head_dim, ("embed", None)),
+                                            linear(head_dim, key_width, (None, "heads")))
+        # The lower-bound gate starts at rate exp(0) = 1; the softplus gate at Kimi-Linear's
+        # log U(1, 16).
+        if cfg.gate == "lower_bound":
+            A_log = jnp.zeros((value_heads,), param_dtype)
+        else:
+            A_log = jnp.log(jax.random.uniform(rngs.params(), (value_heads,), param_dtype, 1, 16))
+        self.A_log = nnx.Param(A_log)
+        self.dt_bias = nnx.Param(_dt_bias_init(rngs.params(), (value_heads, head_dim), param_dtype))
+        self.beta_proj = linear(d_model, value_heads, ("embed", None))
+        self.out_gate = nnx.Sequential(linear(d_model, head_dim, ("embed", None)),
+                                       linear(head_dim, key_width, (None, "heads"), True))
+        self.out_norm_weight = nnx.Param(jnp.ones((head_dim,), param_dtype))
+        self.o_proj = linear(key_width, d_model, ("heads", "embed"))
+
+    def init_cache(self, batch_size: int) -> KDACache:
+        """An empty cache: the state of a sequence before its first token."""
+        cfg = self.cfg
+        return KDACache(
+            conv=jnp.zeros((batch_size, cfg.conv_size - 1, cfg.qkv_dim), self.dtype),
+            state=jnp.zeros((batch_size, cfg.num_value_heads, cfg.head_dim, cfg.head_dim),
+                            jnp.float32),
+        )
+
+    def _decay(self, x):
+        """Log-decay g, float32 [B, T, HV, K]."""
+        cfg = self.cfg
+        f = self.gate_proj(x).reshape(*x.shape[:2], cfg.num_value_heads, cfg.head_dim)
+        if cfg.gate == "lower_bound":
+            return lower_bound_gate(f, self.A_log[...], self.dt_bias[...], cfg.gate_lower_bound)
+        return softplus_gate(f, self.A_log[...], self.dt_bias[...])
+
+    def __call__(self, x, *, segment_ids=None, cache: KDACache | None = None,
+                 return_cache: bool = False):
+        """Mixes tokens causally.
+
+        Args:
+          x: [B, T, D].
+          segment_ids: integer [B, T] or None; packed documents never see each other.
+          cache: a `KDACache` to continue from (None: start of the sequences).
+          return_cache: also return the cache after the last token.
+        Returns:
+          y [B, T, D] in the compute dtype, or (y, cache) if `return_cache`.
+        """
+        cfg = self.cfg
+        batch, length, _ = x.shape
+        x = x.astype(self.dtype)
+        conv_prefix = self.init_cache(batch).conv if cache is None else cache.conv
+        mixed, conv_tail = causal_depthwise_conv(self.qkv_proj(x), self.conv_weight[...],
+                                                 conv_prefix, segment_ids)
+        mixed = jax.nn.silu(mixed)
+        key_width = cfg.num_heads * cfg.head_dim
+        q, k, v = jnp.split(mixed, [key_width, 2 * key_width], axis=-1)
+        q = q.reshape(batch, length, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(batch, length, cfg.num_heads, cfg.head_dim)
+        v = v.reshape(batch, length, cfg.num_value_heads, cfg.head_dim)
+        beta = jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
+        o, state = kda_attention(
+            q, k, v, self._decay(x), beta, initial_state=None if cache is None else cache.state,
+            output_final_state=return_cache, segment_ids=segment_ids, use_qk_l2norm=True,
+            gate_lower_bound=cfg.gate_lower_bound if cfg.gate == "lower_bound" else None,
+            # One token is one recurrence step: the chunked op would pad it to a whole chunk.
+            impl="reference" if length == 1 else cfg.impl,
+        )
+        gate = self.out_gate(x).reshape(o.shape).astype(jnp.float32)
+        o = _rms_norm(o, self.out_norm_weight[...], cfg.norm_eps) * jax.nn.sigmoid(gate)
+        y = self.o_proj(o.reshape(batch, length, -1).astype(self.dtype))
+        return (y, KDACache(conv_tail, state)) if return_cache else y
