@@ -11,7 +11,9 @@ a chunk, rows r = 0..C-1, `G_r = sum_{t<=r} g_t` is the chunk-local cumulative l
     O = (q exp(G)) S + Aqk V_new
     S_next = exp(G_last) S + (k exp(G_last - G))^T V_new
 
-Everything but the recurrence over chunks is parallel; `lax.scan` carries `S` from chunk to chunk.
+Everything but the recurrence over chunks is parallel (`prepare_chunks`); `chunk_recurrence` carries
+`S` from chunk to chunk with `lax.scan`, and GPU kernels (`kda.kernels`) replace that part alone
+(`chunk_kda_with_recurrence`).
 
 The score tiles are built in 16x16 tiles. An off-diagonal tile (row tile i > column tile j) uses
 the first row of tile i as its anchor `a`: `q exp(G - a)` and `k exp(a - G)` both have exponents
@@ -29,10 +31,11 @@ Scores between documents are masked, rows of a document that began inside the ch
 the incoming state, and only the chunk's last document writes the outgoing state.
 """
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.scipy.linalg import solve_triangular
 
 from kda.common import document_starts, einsum, prepare_qk
 
@@ -76,10 +79,10 @@ def _diagonal_tiles_exact(q, k, G):
     """
     causal = jnp.tril(jnp.ones((TILE_SIZE, TILE_SIZE), bool))
     exponent = G[..., :, None, :] - G[..., None, :, :]  # [..., NT, r, s, K]
-    decay = jnp.exp(jnp.where(causal[:, :, None], exponent, -jnp.inf))
-    qk = einsum("...rc,...sc,...rsc->...rs", q, k, decay)
-    kk = einsum("...rc,...sc,...rsc->...rs", k, k, decay)
-    return qk, kk
+    decayed_k = k[..., None, :, :] * jnp.exp(jnp.where(causal[:, :, None], exponent, -jnp.inf))
+    # Multiply-and-reduce (not einsum): XLA fuses it into one pass over the [r, s, K] products.
+    return (jnp.sum(q[..., :, None, :] * decayed_k, axis=-1),
+            jnp.sum(k[..., :, None, :] * decayed_k, axis=-1))
 
 
 def _diagonal_tiles_bounded(q, k, G, lower_bound):
@@ -132,6 +135,43 @@ def intra_chunk_scores(q, k, G, gate_lower_bound):
     return Aqk, Akk
 
 
+def _invert_unit_lower(A):
+    """`(I + A)^-1` for strictly lower-triangular A [..., n, n], by forward substitution."""
+    n = A.shape[-1]
+    inverse = jnp.broadcast_to(jnp.eye(n, dtype=A.dtype), A.shape)
+    for row in range(1, n):  # row i of the inverse: e_i - sum_{j < i} A[i, j] inverse[j]
+        inverse = inverse.at[..., row, :].add(-einsum("...j,...jk->...k", A[..., row, :],
+                                                      inverse))
+    return inverse
+
+
+def solve_unit_lower(A, rhs):
+    """Solves `(I + A) X = rhs` for strictly lower-triangular A, in 16-row blocks.
+
+    Block forward substitution: each diagonal 16x16 block is inverted row by row, then
+    `X_i = D_i (rhs_i - sum_{m<i} A_im X_m)`. Exact like a triangular solve, but made of small
+    batched matmuls, which XLA runs far faster than its batched triangular solve.
+
+    Args:
+      A: [..., C, C], strictly lower triangular, C a multiple of 16.
+      rhs: [..., C, N].
+    Returns:
+      X: [..., C, N].
+    """
+    num_tiles = A.shape[-1] // TILE_SIZE
+    blocks = A.reshape(*A.shape[:-2], num_tiles, TILE_SIZE, num_tiles, TILE_SIZE)
+    diagonal_inverse = _invert_unit_lower(
+        jnp.stack([blocks[..., i, :, i, :] for i in range(num_tiles)], axis=-3))
+    rhs = _tiles(rhs)
+    solved = []
+    for i in range(num_tiles):
+        residual = rhs[..., i, :, :]
+        for m in range(i):
+            residual = residual - einsum("...rs,...sn->...rn", blocks[..., i, :, m, :], solved[m])
+        solved.append(einsum("...rs,...sn->...rn", diagonal_inverse[..., i, :, :], residual))
+    return jnp.concatenate(solved, axis=-2)
+
+
 def _document_masks(starts, num_chunks, chunk):
     """Document bookkeeping per chunk from the document-start flags.
 
@@ -149,6 +189,143 @@ def _document_masks(starts, num_chunks, chunk):
     reads_state = document == live_before[..., None]
     writes_state = document == document[..., -1:]
     return same_document, reads_state, writes_state, reads_state[..., -1]
+
+
+class ChunkedInputs(NamedTuple):
+    """What the recurrence over chunks consumes, per batch row, value head and chunk.
+
+    Everything here is computed in parallel over chunks (`prepare_chunks`); only the state
+    passing between chunks is sequential (`chunk_recurrence`, or a kernel with its contract).
+    """
+
+    W: jax.Array  # [B, HV, N, C, K]   (I + Akk)^-1 (beta k exp(G))
+    U: jax.Array  # [B, HV, N, C, V]   (I + Akk)^-1 (beta v)
+    q_from_state: jax.Array  # [B, HV, N, C, K]   q exp(G): reads the entering state
+    k_to_state: jax.Array  # [B, HV, N, C, K]   k exp(G_last - G): writes the leaving state
+    chunk_decay: jax.Array  # [B, HV, N, K]   exp(G_last): decays the state across the chunk
+    Aqk: jax.Array  # [B, HV, N, C, C]   causal scores, diagonal included
+
+
+def prepare_chunks(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm, gate_lower_bound,
+                   chunk_size):
+    """The chunk-parallel part of KDA: scores, document masks and the UT transform.
+
+    Args:
+      q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV].
+      scale, segment_ids, use_qk_l2norm, gate_lower_bound: as in `chunk_kda`.
+      chunk_size: C; T is padded up to N = ceil(T / C) chunks.
+    Returns:
+      `ChunkedInputs` in the compute dtype (float32, or float64 for float64 inputs).
+    """
+    batch, length, num_value_heads, _ = v.shape
+    q, k = prepare_qk(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                      num_value_heads=num_value_heads)
+    key_dim, dtype = q.shape[-1], q.dtype
+    starts = document_starts(segment_ids)
+
+    # Padded tokens (k = v = beta = g = 0) leave the state untouched; their outputs are dropped.
+    num_chunks = -(-length // chunk_size)
+    pad = num_chunks * chunk_size - length
+
+    def to_chunks(x):
+        """[B, T, HV, ...] -> [B, HV, N, C, ...] in the compute dtype."""
+        x = jnp.pad(x.astype(dtype), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(batch, num_chunks, chunk_size, *x.shape[2:])
+        return jnp.moveaxis(x, 3, 1)
+
+    q, k, v, g = map(to_chunks, (q, k, v, g))
+    beta = to_chunks(beta)[..., None]  # [B, HV, N, C, 1]
+    G = jnp.cumsum(g, axis=-2)
+    Aqk, Akk = intra_chunk_scores(q, k, G, gate_lower_bound)
+    decay_from_start = jnp.exp(G)  # [B, HV, N, C, K]
+    decay_to_end = jnp.exp(G[..., -1:, :] - G)
+    chunk_decay = decay_from_start[..., -1, :]  # [B, HV, N, K]
+    if starts is not None:
+        starts = jnp.pad(starts, ((0, 0), (0, pad)))
+        same_document, reads_state, writes_state, keeps_state = (
+            m[:, None] for m in _document_masks(starts, num_chunks, chunk_size))
+        Aqk = jnp.where(same_document, Aqk, 0.0)
+        Akk = jnp.where(same_document, Akk, 0.0)
+        decay_from_start = jnp.where(reads_state[..., None], decay_from_start, 0.0)
+        decay_to_end = jnp.where(writes_state[..., None], decay_to_end, 0.0)
+        chunk_decay = jnp.where(keeps_state[..., None], chunk_decay, 0.0)
+
+    # UT transform: one unit-lower-triangular solve gives W and U together.
+    rhs = jnp.concatenate([beta * k * decay_from_start, beta * v], axis=-1)
+    WU = solve_unit_lower(beta * Akk, rhs)
+    return ChunkedInputs(W=WU[..., :key_dim], U=WU[..., key_dim:],
+                         q_from_state=q * decay_from_start, k_to_state=k * decay_to_end,
+                         chunk_decay=chunk_decay, Aqk=Aqk)
+
+
+def chunk_recurrence(chunks: ChunkedInputs, initial_state, out_dtype):
+    """The sequential part of KDA in plain JAX: `lax.scan` carries the state from chunk to chunk.
+
+    Per chunk, with `S` the entering state:
+
+        V_new = U - W S
+        O = q_from_state S + Aqk V_new
+        S_next = chunk_decay * S + k_to_state^T V_new
+
+    Args:
+      chunks: `ChunkedInputs` [B, HV, N, ...].
+      initial_state: [B, HV, K, V] in the compute dtype.
+      out_dtype: dtype of the chunk outputs.
+    Returns:
+      (o [B, HV, N, C, V] in out_dtype, final_state [B, HV, K, V] in the compute dtype).
+    """
+
+    def chunk_step(state, xs):
+        w, u, q_s, k_s, decay = xs
+        v_new = u - einsum("bhck,bhkv->bhcv", w, state)
+        o_inter = einsum("bhck,bhkv->bhcv", q_s, state)
+        state = decay[..., None] * state + einsum("bhck,bhcv->bhkv", k_s, v_new)
+        return state, (v_new, o_inter)
+
+    chunk_major = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731
+    sequential = (chunks.W, chunks.U, chunks.q_from_state, chunks.k_to_state, chunks.chunk_decay)
+    final_state, (v_new, o_inter) = lax.scan(chunk_step, initial_state,
+                                             tuple(map(chunk_major, sequential)))
+    v_new, o_inter = (jnp.moveaxis(x, 0, 2) for x in (v_new, o_inter))
+    o = o_inter + einsum("bhnij,bhnjv->bhniv", chunks.Aqk, v_new)
+    return o.astype(out_dtype), final_state
+
+
+def chunk_kda_with_recurrence(
+    recurrence,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale,
+    initial_state=None,
+    output_final_state=False,
+    segment_ids=None,
+    use_qk_l2norm=False,
+    gate_lower_bound=None,
+    chunk_size=CHUNK_SIZE,
+):
+    """`chunk_kda` with the sequential part replaced by `recurrence` (e.g. a GPU kernel).
+
+    Args:
+      recurrence: `(ChunkedInputs, initial_state, out_dtype) -> (o [B, HV, N, C, V],
+        final_state [B, HV, K, V])` with the contract of `chunk_recurrence`.
+      The other arguments and the results are those of `chunk_kda`.
+    """
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
+    batch, length, num_value_heads, value_dim = v.shape
+    chunks = prepare_chunks(q, k, v, g, beta, scale=scale, segment_ids=segment_ids,
+                            use_qk_l2norm=use_qk_l2norm, gate_lower_bound=gate_lower_bound,
+                            chunk_size=chunk_size)
+    key_dim, dtype = chunks.W.shape[-1], chunks.W.dtype
+    if initial_state is None:
+        initial_state = jnp.zeros((batch, num_value_heads, key_dim, value_dim), dtype)
+    o, final_state = recurrence(chunks, initial_state.astype(dtype), v.dtype)
+    o = jnp.moveaxis(o, 1, 3).reshape(batch, -1, num_value_heads, value_dim)
+    return o[:, :length], (final_state if output_final_state else None)
 
 
 def chunk_kda(
@@ -184,64 +361,7 @@ def chunk_kda(
     Returns:
       (o [B, T, HV, V] in v.dtype, final_state float32 [B, HV, K, V] or None).
     """
-    if chunk_size not in (16, 32, 64):
-        raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
-    batch, length, num_value_heads, value_dim = v.shape
-    out_dtype = v.dtype
-    q, k = prepare_qk(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                      num_value_heads=num_value_heads)
-    key_dim, dtype = q.shape[-1], q.dtype  # float32 (float64 for float64 inputs)
-    starts = document_starts(segment_ids)
-
-    # Padded tokens (k = v = beta = g = 0) leave the state untouched; their outputs are dropped.
-    num_chunks = -(-length // chunk_size)
-    pad = num_chunks * chunk_size - length
-
-    def to_chunks(x):
-        """[B, T, HV, ...] -> [B, HV, N, C, ...] in the compute dtype."""
-        x = jnp.pad(x.astype(dtype), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        x = x.reshape(batch, num_chunks, chunk_size, *x.shape[2:])
-        return jnp.moveaxis(x, 3, 1)
-
-    q, k, v, g = map(to_chunks, (q, k, v, g))
-    beta = to_chunks(beta)[..., None]  # [B, HV, N, C, 1]
-    G = jnp.cumsum(g, axis=-2)
-    Aqk, Akk = intra_chunk_scores(q, k, G, gate_lower_bound)
-    decay_from_start = jnp.exp(G)  # [B, HV, N, C, K]
-    decay_to_end = jnp.exp(G[..., -1:, :] - G)
-    chunk_decay = decay_from_start[..., -1, :]  # [B, HV, N, K]
-    if starts is not None:
-        starts = jnp.pad(starts, ((0, 0), (0, pad)))
-        same_document, reads_state, writes_state, keeps_state = (
-            m[:, None] for m in _document_masks(starts, num_chunks, chunk_size))
-        Aqk = jnp.where(same_document, Aqk, 0.0)
-        Akk = jnp.where(same_document, Akk, 0.0)
-        decay_from_start = jnp.where(reads_state[..., None], decay_from_start, 0.0)
-        decay_to_end = jnp.where(writes_state[..., None], decay_to_end, 0.0)
-        chunk_decay = jnp.where(keeps_state[..., None], chunk_decay, 0.0)
-
-    # UT transform: one unit-lower-triangular solve gives W and U together.
-    eye = jnp.eye(chunk_size, dtype=dtype)
-    rhs = jnp.concatenate([beta * k * decay_from_start, beta * v], axis=-1)
-    WU = solve_triangular(eye + beta * Akk, rhs, lower=True, unit_diagonal=True)
-    W, U = WU[..., :key_dim], WU[..., key_dim:]
-    q_from_state = q * decay_from_start
-    k_to_state = k * decay_to_end
-
-    def chunk_step(state, xs):
-        w, u, q_s, k_s, decay = xs
-        v_new = u - einsum("bhck,bhkv->bhcv", w, state)
-        o_inter = einsum("bhck,bhkv->bhcv", q_s, state)
-        state = decay[..., None] * state + einsum("bhck,bhcv->bhkv", k_s, v_new)
-        return state, (v_new, o_inter)
-
-    if initial_state is None:
-        initial_state = jnp.zeros((batch, num_value_heads, key_dim, value_dim), dtype)
-    chunk_major = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731
-    final_state, (v_new, o_inter) = lax.scan(
-        chunk_step, initial_state.astype(dtype),
-        tuple(map(chunk_major, (W, U, q_from_state, k_to_state, chunk_decay))))
-    v_new, o_inter = (jnp.moveaxis(x, 0, 2) for x in (v_new, o_inter))
-    o = o_inter + einsum("bhnij,bhnjv->bhniv", Aqk, v_new)  # [B, HV, N, C, V]
-    o = jnp.moveaxis(o, 1, 3).reshape(batch, num_chunks * chunk_size, num_value_heads, value_dim)
-    return o[:, :length].astype(out_dtype), (final_state if output_final_state else None)
+    return chunk_kda_with_recurrence(
+        chunk_recurrence, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, segment_ids=segment_ids,
+        use_qk_l2norm=use_qk_l2norm, gate_lower_bound=gate_lower_bound, chunk_size=chunk_size)

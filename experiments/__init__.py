@@ -1,0 +1,1 @@
+"""Runnable jobs: `python -m experiments.<name> --help`."""

@@ -1,0 +1,298 @@
+"""Times KDA implementations side by side, in one process, and writes a markdown table.
+
+    python -m experiments.bench_kda              # this backend: chunked vs reference, T = 1K/4K/16K
+    python -m experiments.bench_kda --gpu        # H200 shapes: our ops and kernels, fla, jla, cuDNN
+
+Every contender gets the same inputs (bf16 q/k/v on GPU, float32 on CPU; lower-bound gates in
+[-5, 0); L2-normalised q and k); forward and forward+backward are timed after a warm-up, the
+outputs are compared with our chunked op, and peak memory is recorded. Peers that are not
+installed are skipped with a note. The table goes to `benchmarks/kda_<backend>.md`.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import importlib.metadata
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kda
+
+CPU_SHAPES = ["1x1024x4x64", "1x4096x4x64", "1x16384x4x64"]
+GPU_SHAPES = ["8x2048x16x128", "2x8192x16x128", "1x32768x16x128", "1x65536x32x128",
+              "16x4096x32x128"]
+# The token-by-token oracle is a scan over T: beyond this many tokens it only measures patience.
+REFERENCE_MAX_TOKENS = 16384
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    batch: int
+    length: int
+    heads: int
+    dim: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Shape":
+        try:
+            return cls(*(int(part) for part in text.lower().split("x")))
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(
+                f"shape must be BxTxHxD with four integers (e.g. 2x8192x16x128), got {text!r}")
+
+    def __str__(self):
+        return f"{self.batch}x{self.length}x{self.heads}x{self.dim}"
+
+
+@dataclasses.dataclass
+class Timing:
+    forward_ms: float | None = None
+    forward_backward_ms: float | None = None
+    error: float | None = None  # relative error of the output against our chunked op
+    peak_mib: float | None = None
+    note: str = ""
+
+
+def make_inputs(shape: Shape, dtype, seed: int = 0) -> dict[str, np.ndarray]:
+    """Numpy inputs in FLA layout with lower-bound gates in [-5, 0) and beta in (0, 1)."""
+    rng = np.random.default_rng(seed)
+    b, t, h, d = shape.batch, shape.length, shape.heads, shape.dim
+    raw_gate = rng.standard_normal((b, t, h, d), np.float32)
+    return dict(
+        q=rng.standard_normal((b, t, h, d), np.float32).astype(dtype),
+        k=rng.standard_normal((b, t, h, d), np.float32).astype(dtype),
+        v=rng.standard_normal((b, t, h, d), np.float32).astype(dtype),
+        g=(-5.0 / (1.0 + np.exp(-raw_gate))).astype(np.float32),
+        beta=(1.0 / (1.0 + np.exp(-rng.standard_normal((b, t, h), np.float32)))),
+        do=rng.standard_normal((b, t, h, d), np.float32).astype(dtype),
+    )
+
+
+def _time(fn: Callable[[], object], sync: Callable[[object], None], repeats: int) -> float:
+    """Median wall time in milliseconds of `fn` after two warm-up calls."""
+    for _ in range(2):
+        sync(fn())
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        sync(fn())
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def _jax_peak_mib(jitted, *args) -> float:
+    """Arguments + outputs + temporaries of one compiled call, from XLA's memory analysis."""
+    stats = jitted.lower(*args).compile().memory_analysis()
+    total = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+    return total / 2**20
+
+
+def bench_jax(attention: Callable, inputs, repeats: int):
+    """Times `attention(q, k, v, g, beta) -> o` and the gradient of `sum(o * do)`."""
+    args = [jnp.asarray(inputs[name]) for name in ("q", "k", "v", "g", "beta")]
+    d_o = jnp.asarray(inputs["do"])
+    forward = jax.jit(attention)
+
+    def loss(*xs):
+        return jnp.sum(attention(*xs).astype(jnp.float32) * d_o.astype(jnp.float32))
+
+    backward = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    sync = jax.block_until_ready
+    timing = Timing(forward_ms=_time(lambda: forward(*args), sync, repeats),
+                    forward_backward_ms=_time(lambda: backward(*args), sync, repeats),
+                    peak_mib=_jax_peak_mib(backward, *args))
+    return np.asarray(forward(*args), np.float32), timing
+
+
+def ours(impl: str) -> Callable:
+    def attention(q, k, v, g, beta):
+        return kda.kda_attention(q, k, v, g, beta, use_qk_l2norm=True, gate_lower_bound=-5.0,
+                                 impl=impl)[0]
+    return attention
+
+
+def jla_attention() -> Callable:
+    from jla.ops.mosaic_gpu.kda import kda as jla_kda  # noqa: PLC0415 (optional peer)
+
+    def attention(q, k, v, g, beta):
+        return jla_kda(q, k, v, g, beta, use_qk_l2norm=True)[0]
+    return attention
+
+
+def cudnn_attention(q, k, v, g, beta):
+    """Causal softmax attention on the same q, k, v (no gate): the quadratic baseline."""
+    del g, beta
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+def bench_fla(inputs, repeats: int):
+    """fla-core's Triton `chunk_kda` (safe_gate=True, lower_bound=-5) on the same inputs."""
+    import torch  # noqa: PLC0415 (optional peer)
+    from fla.ops.kda import chunk_kda as fla_chunk_kda  # noqa: PLC0415
+
+    def tensor(name, grad):
+        x = torch.from_numpy(np.asarray(inputs[name], np.float32)).cuda()
+        if name in ("q", "k", "v", "do"):  # gates and beta stay float32, as in our call
+            x = x.to(torch.bfloat16)
+        return x.requires_grad_(grad)
+
+    q, k, v, g, beta = (tensor(name, True) for name in ("q", "k", "v", "g", "beta"))
+    d_o = tensor("do", False)
+
+    def forward():
+        return fla_chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, safe_gate=True,
+                             lower_bound=-5.0)[0]
+
+    def forward_backward():
+        forward().backward(d_o)
+        return None
+
+    def sync(_):
+        torch.cuda.synchronize()
+
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        forward_ms = _time(forward, sync, repeats)
+    timing = Timing(forward_ms=forward_ms,
+                    forward_backward_ms=_time(forward_backward, sync, repeats))
+    timing.peak_mib = torch.cuda.max_memory_allocated() / 2**20
+    with torch.no_grad():
+        output = forward().float().cpu().numpy()
+    return output, timing
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def contenders(gpu: bool, impls: list[str]) -> dict[str, Callable]:
+    """name -> bench(inputs, repeats) -> (output, Timing)."""
+    table = {impl: (lambda inputs, repeats, impl=impl: bench_jax(ours(impl), inputs, repeats))
+             for impl in impls}
+    if gpu:
+        table["jla mosaic_gpu"] = lambda inputs, repeats: bench_jax(jla_attention(), inputs,
+                                                                    repeats)
+        table["fla chunk_kda"] = bench_fla
+        table["cuDNN attention"] = lambda inputs, repeats: bench_jax(cudnn_attention, inputs,
+                                                                     repeats)
+    return table
+
+
+def run(shapes: list[Shape], gpu: bool, impls: list[str], repeats: int):
+    dtype = jnp.bfloat16 if gpu else np.float32
+    results: dict[tuple[str, str], Timing] = {}
+    for shape in shapes:
+        inputs = make_inputs(shape, dtype)
+        anchor = None
+        for name, bench in contenders(gpu, impls).items():
+            if name == "reference" and shape.batch * shape.length > REFERENCE_MAX_TOKENS:
+                results[(str(shape), name)] = Timing(note=f"skipped: > {REFERENCE_MAX_TOKENS} "
+                                                          "tokens")
+                continue
+            try:
+                output, timing = bench(inputs, repeats)
+            except Exception as error:  # a peer that is missing or fails must not stop the run
+                results[(str(shape), name)] = Timing(note=f"{type(error).__name__}: "
+                                                          f"{str(error).splitlines()[0][:100]}")
+                print(f"{shape} {name}: {results[(str(shape), name)].note}", file=sys.stderr)
+                continue
+            if name == "chunked":
+                anchor = output
+            if anchor is not None and name != "cuDNN attention":
+                timing.error = float(np.linalg.norm(output - anchor) / np.linalg.norm(anchor))
+            results[(str(shape), name)] = timing
+            print(f"{shape} {name}: fwd {timing.forward_ms:.2f} ms, fwd+bwd "
+                  f"{timing.forward_backward_ms:.2f} ms", flush=True)
+    return results
+
+
+def _cell(value, fmt):
+    return "–" if value is None else format(value, fmt)
+
+
+def write_table(path: Path, results, shapes, names, baseline: str, command: str, gpu: bool):
+    device = jax.devices()[0]
+    lines = [
+        f"# KDA forward and forward+backward on {device.device_kind}",
+        "",
+        f"- Command: `{command}`",
+        f"- Date: {datetime.date.today().isoformat()}",
+        f"- Versions: python {platform.python_version()}, jax {jax.__version__}, "
+        f"flax {_version('flax')}" + (f", torch {_version('torch')}, triton "
+                                      f"{_version('triton')}, fla-core {_version('fla-core')}, "
+                                      f"jax-linear-attention {_version('jax-linear-attention')}"
+                                      if gpu else ""),
+        f"- Inputs: {'bf16' if gpu else 'float32'} q/k/v, lower-bound gates in [-5, 0), "
+        "use_qk_l2norm, no initial state. Shapes are BxTxHxD (K = V = D, HV = H).",
+        "- Times are medians of repeated calls after warm-up, in milliseconds. "
+        f"'vs {baseline}' = {baseline}'s time / this row's time (above 1: this row is faster).",
+        "- Error: relative L2 error of the output against our chunked op. Memory: arguments, "
+        "outputs and temporaries of the forward+backward (XLA's analysis; torch's peak for fla).",
+        "",
+        f"| shape | implementation | fwd ms | fwd+bwd ms | fwd vs {baseline} | fwd+bwd vs "
+        f"{baseline} | error | memory MiB | note |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for shape in shapes:
+        base = results.get((str(shape), baseline), Timing())
+        for name in names:
+            t = results.get((str(shape), name), Timing(note="not run"))
+            ratio = lambda ours, theirs: (None if ours is None or theirs is None  # noqa: E731
+                                          else theirs / ours)
+            lines.append(
+                f"| {shape} | {name} | {_cell(t.forward_ms, '.2f')} | "
+                f"{_cell(t.forward_backward_ms, '.2f')} | "
+                f"{_cell(ratio(t.forward_ms, base.forward_ms), '.2f')} | "
+                f"{_cell(ratio(t.forward_backward_ms, base.forward_backward_ms), '.2f')} | "
+                f"{_cell(t.error, '.1e')} | {_cell(t.peak_mib, '.0f')} | {t.note} |")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpu", action="store_true",
+                        help="GPU shapes and peers (fla, jla, cuDNN); needs a CUDA backend")
+    parser.add_argument("--shapes", nargs="+", type=Shape.parse, metavar="BxTxHxD",
+                        help="shapes to time (default: the backend's standard list)")
+    parser.add_argument("--impls", nargs="+", metavar="IMPL",
+                        help="our implementations to time (default: reference, chunked and every "
+                             "registered kernel)")
+    parser.add_argument("--baseline", help="row the ratios compare with (default: chunked on "
+                                           "CPU, the jla kernel with --gpu)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, help="markdown file (default benchmarks/kda_<backend>.md)")
+    args = parser.parse_args(argv)
+    backend = jax.default_backend()
+    if args.gpu and backend != "gpu":
+        parser.error(f"--gpu needs a CUDA backend, but JAX runs on {backend!r}")
+    impls = args.impls or [name for name in kda.available_implementations() if name != "auto"]
+    unknown = set(impls) - set(kda.available_implementations())
+    if unknown:
+        parser.error(f"--impls: unknown {sorted(unknown)}; choose from "
+                     f"{kda.available_implementations()}")
+    shapes = args.shapes or [Shape.parse(s) for s in (GPU_SHAPES if args.gpu else CPU_SHAPES)]
+    baseline = args.baseline or ("jla mosaic_gpu" if args.gpu else "chunked")
+    results = run(shapes, args.gpu, impls, args.repeats)
+    names = list(contenders(args.gpu, impls))
+    out = args.out or Path("benchmarks") / f"kda_{'h200' if args.gpu else backend}.md"
+    command = "python -m experiments.bench_kda " + " ".join(argv if argv is not None
+                                                             else sys.argv[1:])
+    write_table(out, results, shapes, names, baseline, command.strip(), args.gpu)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
