@@ -189,12 +189,14 @@ def contenders(gpu: bool, impls: list[str]) -> dict[str, Callable]:
     return table
 
 
-def run(shapes: list[Shape], gpu: bool, impls: list[str], repeats: int):
+def run(shapes: list[Shape], gpu: bool, impls: list[str], repeats: int,
+        on_shape_done: Callable[[dict], None]):
+    """Times every contender on every shape; calls `on_shape_done(results)` after each shape."""
     dtype = jnp.bfloat16 if gpu else np.float32
     results: dict[tuple[str, str], Timing] = {}
     for shape in shapes:
         inputs = make_inputs(shape, dtype)
-        anchor = None
+        outputs = {}
         for name, bench in contenders(gpu, impls).items():
             if name == "reference" and shape.batch * shape.length > REFERENCE_MAX_TOKENS:
                 results[(str(shape), name)] = Timing(note=f"skipped: > {REFERENCE_MAX_TOKENS} "
@@ -207,13 +209,16 @@ def run(shapes: list[Shape], gpu: bool, impls: list[str], repeats: int):
                                                           f"{str(error).splitlines()[0][:100]}")
                 print(f"{shape} {name}: {results[(str(shape), name)].note}", file=sys.stderr)
                 continue
-            if name == "chunked":
-                anchor = output
-            if anchor is not None and name != "cuDNN attention":
-                timing.error = float(np.linalg.norm(output - anchor) / np.linalg.norm(anchor))
+            outputs[name] = output
             results[(str(shape), name)] = timing
             print(f"{shape} {name}: fwd {timing.forward_ms:.2f} ms, fwd+bwd "
                   f"{timing.forward_backward_ms:.2f} ms", flush=True)
+        anchor = outputs.get("chunked")
+        for name, output in outputs.items():
+            if anchor is not None and name != "cuDNN attention":  # softmax attention: no match
+                error = np.linalg.norm(output - anchor) / np.linalg.norm(anchor)
+                results[(str(shape), name)].error = float(error)
+        on_shape_done(results)  # the table so far survives a run cut short
     return results
 
 
@@ -285,12 +290,12 @@ def main(argv=None):
                      f"{kda.available_implementations()}")
     shapes = args.shapes or [Shape.parse(s) for s in (GPU_SHAPES if args.gpu else CPU_SHAPES)]
     baseline = args.baseline or ("jla mosaic_gpu" if args.gpu else "chunked")
-    results = run(shapes, args.gpu, impls, args.repeats)
     names = list(contenders(args.gpu, impls))
     out = args.out or Path("benchmarks") / f"kda_{'h200' if args.gpu else backend}.md"
     command = "python -m experiments.bench_kda " + " ".join(argv if argv is not None
                                                              else sys.argv[1:])
-    write_table(out, results, shapes, names, baseline, command.strip(), args.gpu)
+    run(shapes, args.gpu, impls, args.repeats, lambda results: write_table(
+        out, results, shapes, names, baseline, command.strip(), args.gpu))
     print(f"wrote {out}")
 
 
