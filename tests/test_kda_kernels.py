@@ -1,0 +1,155 @@
+"""The Mosaic GPU kernel path against the token-by-token oracle.
+
+On CPU the kernel runs in Mosaic GPU interpret mode (simulated Hopper: TMA, barriers, wgmma, with
+race detection) at small shapes, and is lowered for Hopper to check layouts and shapes at K = 128.
+On a Hopper GPU (`gpu` marker) it runs for real at the shapes the dispatcher hands it.
+"""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.sharding import AbstractDevice, AbstractMesh
+
+# Interpret mode has no public race report yet; jax is pinned, so the private one is stable here.
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
+
+import kda
+import kda.api
+from kda.kernels import mosaic_gpu
+from kda_inputs import make_inputs, relative_error
+from test_kda_ops import BF16_TOLERANCE, _loss_and_grads, run
+
+HOPPER = AbstractMesh((), (), abstract_device=AbstractDevice(
+    device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
+
+
+@contextlib.contextmanager
+def interpreted_on_simulated_hopper():
+    """Runs Mosaic GPU kernels in interpret mode on CPU and fails on any data race."""
+    gpu_interpret.reset_gpu_interpret_mode_state()
+    with (jax.sharding.use_abstract_mesh(HOPPER),
+          plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True))):
+        yield
+    assert not gpu_interpret.get_races().races_found, "the kernel has a data race"
+
+
+@pytest.fixture
+def kernel_on_any_backend(monkeypatch):
+    """Lets `kda_attention(impl="mosaic_gpu")` reach the kernel on CPU (for interpret mode)."""
+    kernel = kda.api.Implementation(mosaic_gpu.NAME, mosaic_gpu.mosaic_gpu_kda,
+                                    lambda call: True)
+    monkeypatch.setattr(kda.api, "_KERNELS", [kernel])
+
+
+def bf16_inputs(seed, batch, length, heads, value_heads, dim, **options):
+    return make_inputs(seed, batch, length, heads, value_heads, dim, dim, dtype=jnp.bfloat16,
+                       **options)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gate,lower_bound,length,heads,initial_state,segments", [
+    ("lower_bound", -5.0, 128, (2, 2), True, False),
+    ("softplus", None, 100, (1, 2), False, True),  # padded tail, grouped value heads
+])
+def test_interpreted_kernel_matches_reference(kernel_on_any_backend, gate, lower_bound, length,
+                                              heads, initial_state, segments):
+    inputs = bf16_inputs(0, 1, length, *heads, 64, gate=gate, initial_state=initial_state,
+                         segments=segments)
+    o_ref, state_ref = run("reference", inputs)
+    with interpreted_on_simulated_hopper():
+        o, state = run(mosaic_gpu.NAME, inputs, gate_lower_bound=lower_bound)
+    assert o.dtype == jnp.bfloat16 and state.dtype == jnp.float32
+    assert relative_error(o, o_ref) <= BF16_TOLERANCE["o"]
+    assert relative_error(state, state_ref) <= BF16_TOLERANCE["state"]
+
+
+@pytest.mark.slow
+def test_interpreted_kernel_gradients_match_reference(kernel_on_any_backend):
+    inputs = bf16_inputs(1, 1, 128, 2, 2, 64, initial_state=True, segments=True)
+    expected = _loss_and_grads("reference", inputs, None)
+    with interpreted_on_simulated_hopper():
+        actual = _loss_and_grads(mosaic_gpu.NAME, inputs, -5.0)
+    for name, tolerance in BF16_TOLERANCE.items():
+        assert relative_error(actual[name], expected[name]) <= tolerance, name
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_kernel_lowers_for_hopper(dim):
+    """Mosaic GPU's layout inference, wgmma and TMA checks run at lowering, with no GPU."""
+    inputs = bf16_inputs(2, 2, 200, 2, 4, dim, initial_state=True, segments=True)
+    use_qk_l2norm = inputs.pop("use_qk_l2norm")
+    kernel_path = jax.jit(lambda x: mosaic_gpu.mosaic_gpu_kda(
+        **x, scale=dim**-0.5, output_final_state=True, use_qk_l2norm=use_qk_l2norm))
+    with jax.sharding.use_abstract_mesh(HOPPER):
+        lowered = kernel_path.trace(inputs).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_unsupported_head_sizes_are_refused():
+    inputs = bf16_inputs(3, 1, 64, 1, 1, 32)
+    with pytest.raises(ValueError, match=r"K and V in \(64, 128\), got K=32, V=32"):
+        mosaic_gpu.mosaic_gpu_kda(**inputs, scale=0.2)
+
+
+def test_dispatcher_uses_the_kernel_only_on_hopper_for_bf16_heads_of_64_or_128(monkeypatch):
+    assert mosaic_gpu.NAME in kda.available_implementations()
+    supported = kda.KDACall(
+        batch=2, seq_len=8192, num_heads=16, num_value_heads=16, key_dim=128, value_dim=128,
+        dtype=jnp.bfloat16, has_initial_state=True, output_final_state=True,
+        has_segment_ids=True, use_qk_l2norm=True, gate_lower_bound=None, backend="gpu")
+    monkeypatch.setattr(mosaic_gpu, "_on_hopper", lambda: True)
+    assert mosaic_gpu.supports(supported)
+    assert mosaic_gpu.supports(supported.__class__(**{**vars(supported), "key_dim": 64,
+                                                      "value_dim": 64}))
+    for change in ({"backend": "cpu"}, {"dtype": jnp.float32}, {"key_dim": 64},
+                   {"key_dim": 32, "value_dim": 32}, {"key_dim": 256, "value_dim": 256}):
+        assert not mosaic_gpu.supports(supported.__class__(**{**vars(supported), **change}))
+    monkeypatch.setattr(mosaic_gpu, "_on_hopper", lambda: False)
+    assert not mosaic_gpu.supports(supported)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU fallback")
+def test_on_cpu_auto_falls_back_and_asking_by_name_is_refused():
+    inputs = bf16_inputs(4, 1, 70, 2, 2, 64)
+    np.testing.assert_array_equal(run("auto", inputs)[0], run("chunked", inputs)[0])
+    with pytest.raises(ValueError, match=r"impl='mosaic_gpu' does not support this call"):
+        run(mosaic_gpu.NAME, inputs)
+
+
+# On the GPU: real shapes, against the oracle (or the chunked op where the oracle's per-token
+# scan would be too slow to differentiate).
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate,lower_bound", [("lower_bound", -5.0), ("softplus", None)])
+def test_gpu_kernel_matches_reference(gate, lower_bound):
+    inputs = bf16_inputs(5, 2, 8192, 16, 16, 128, gate=gate, initial_state=True)
+    expected = _loss_and_grads("reference", inputs, None)
+    actual = _loss_and_grads(mosaic_gpu.NAME, inputs, lower_bound)
+    for name, tolerance in BF16_TOLERANCE.items():
+        assert relative_error(actual[name], expected[name]) <= tolerance, name
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_packed_documents_and_grouped_heads():
+    inputs = bf16_inputs(6, 2, 8192, 8, 16, 128, gate="softplus", initial_state=True,
+                         segments=True)
+    expected = _loss_and_grads("reference", inputs, None)
+    actual = _loss_and_grads(mosaic_gpu.NAME, inputs, None)
+    for name, tolerance in BF16_TOLERANCE.items():
+        assert relative_error(actual[name], expected[name]) <= tolerance, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [64, 128])
+def test_gpu_kernel_long_sequence(dim):
+    inputs = bf16_inputs(7, 1, 65536, 2, 2, dim, initial_state=True)
+    o_ref, state_ref = run("reference", inputs)
+    o, state = run("auto", inputs, gate_lower_bound=-5.0)
+    np.testing.assert_array_equal(o, run(mosaic_gpu.NAME, inputs, gate_lower_bound=-5.0)[0])
+    assert relative_error(o, o_ref) <= BF16_TOLERANCE["o"]
+    assert relative_error(state, state_ref) <= BF16_TOLERANCE["state"]
