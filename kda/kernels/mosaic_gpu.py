@@ -36,7 +36,9 @@ from kda.api import KDACall, register_kernel
 from kda.chunked import CHUNK_SIZE, ChunkedInputs, chunk_kda_with_recurrence, chunk_recurrence
 
 NAME = "mosaic_gpu"
-BLOCK_V = 64  # state columns per program: S [K, 64] float32 is 64 registers a thread at K = 128
+# State columns per program: S [K, 64] float32 is 64 registers a thread at K = 128. 32 would halve
+# that, but the 64-byte swizzle of a [K, 32] bf16 operand cannot pair with W's 128-byte one.
+BLOCK_V = 64
 SUPPORTED_DIMS = (64, 128)  # K and V; K = 256 would not fit two pipeline stages in shared memory
 OPERAND_DTYPE = jnp.bfloat16
 PIPELINE_STAGES = 2
@@ -76,7 +78,9 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, s0_g
     def load_initial_state(state_smem, barrier):
         plgpu.copy_gmem_to_smem(s0_gmem.at[batch, head, :, columns], state_smem, barrier)
         plgpu.barrier_wait(barrier)
-        return plgpu.load(state_smem, layout=plgpu.Layout.WGMMA)
+        state = plgpu.load(state_smem, layout=plgpu.Layout.WGMMA)
+        plgpu.commit_smem()  # the load is done before TMA reuses this memory for the pipeline
+        return state
 
     initial_state = pl.run_scoped(load_initial_state, _smem(state_shape, jnp.float32),
                                   plgpu.Barrier())
@@ -85,7 +89,10 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, s0_g
         def chunk_step(indices, w, u, q, kt, a, decay, state):
             (n,) = indices
             state_smem[...] = state.astype(OPERAND_DTYPE)
-            plgpu.commit_smem()  # make the stores visible to wgmma
+            decayed_state = state * lax.broadcast_in_dim(decay[...], state_shape, (0,))
+            # Fences the stores for wgmma, and orders the plain load of `decay` (like the one of
+            # `u` below) before the TMA that refills this pipeline slot after the step.
+            plgpu.commit_smem()
 
             def reads_of_state(ws_acc, o_acc, update_acc):
                 plgpu.wgmma(ws_acc, w, state_smem)
@@ -105,7 +112,7 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, s0_g
             slot[...] = o.astype(slot.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(slot, o_gmem.at[batch, head, n, :, columns])
-            return state * lax.broadcast_in_dim(decay[...], state_shape, (0,)) + update
+            return decayed_state + update
 
         pipeline = plgpu.emit_pipeline(
             chunk_step,
