@@ -1,5 +1,6 @@
 """`kda_attention`: input validation, and how the dispatcher chooses an implementation."""
 
+import chex
 import jax.numpy as jnp
 import pytest
 
@@ -42,8 +43,10 @@ def test_bad_options_are_refused(inputs):
 def test_outputs_have_the_documented_dtypes_and_shapes(inputs):
     bf16 = {n: inputs[n].astype(jnp.bfloat16) for n in ("q", "k", "v")}
     o, state = kda.kda_attention(**{**inputs, **bf16}, output_final_state=True)
-    assert o.shape == (2, 10, 4, 6) and o.dtype == jnp.bfloat16
-    assert state.shape == (2, 4, 8, 6) and state.dtype == jnp.float32
+    chex.assert_shape(o, (2, 10, 4, 6))
+    chex.assert_type(o, jnp.bfloat16)
+    chex.assert_shape(state, (2, 4, 8, 6))
+    chex.assert_type(state, jnp.float32)
     assert kda.kda_attention(**inputs)[1] is None
 
 
