@@ -206,7 +206,10 @@ def _version(package: str) -> str:
         return "not installed"
 
 
-def contenders(gpu: bool, impls: list[str]) -> dict[str, Callable]:
+PEERS = ("jla", "fla", "cudnn")
+
+
+def contenders(gpu: bool, impls: list[str], peers=PEERS) -> dict[str, Callable]:
     """name -> bench(inputs, repeats) -> (output, Timing)."""
     table = {impl: (lambda inputs, repeats, impl=impl: bench_jax(ours(impl), inputs, repeats))
              for impl in impls}
@@ -217,23 +220,25 @@ def contenders(gpu: bool, impls: list[str]) -> dict[str, Callable]:
         if "mosaic_gpu" in impls:
             table["recurrence: mosaic_gpu"] = lambda inputs, repeats: bench_recurrence(
                 kernel_recurrence, inputs, repeats)
-        table["jla mosaic_gpu"] = lambda inputs, repeats: bench_jax(jla_attention(), inputs,
-                                                                    repeats)
-        table["fla chunk_kda"] = bench_fla
-        table["cuDNN attention"] = lambda inputs, repeats: bench_jax(cudnn_attention, inputs,
-                                                                     repeats)
+        if "jla" in peers:
+            table["jla mosaic_gpu"] = lambda inputs, repeats: bench_jax(jla_attention(), inputs,
+                                                                        repeats)
+        if "fla" in peers:
+            table["fla chunk_kda"] = bench_fla
+        if "cudnn" in peers:
+            table["cuDNN attention"] = lambda inputs, repeats: bench_jax(cudnn_attention, inputs,
+                                                                         repeats)
     return table
 
 
-def run(shapes: list[Shape], gpu: bool, impls: list[str], repeats: int,
-        on_shape_done: Callable[[dict], None]):
-    """Times every contender on every shape; calls `on_shape_done(results)` after each shape."""
-    dtype = jnp.bfloat16 if gpu else np.float32
+def run(shapes: list[Shape], table: dict[str, Callable], dtype, repeats: int,
+        on_progress: Callable[[dict], None]):
+    """Times every contender on every shape; calls `on_progress(results)` after each one."""
     results: dict[tuple[str, str], Timing] = {}
     for shape in shapes:
         inputs = make_inputs(shape, dtype)
         outputs = {}
-        for name, bench in contenders(gpu, impls).items():
+        for name, bench in table.items():
             if name == "reference" and shape.batch * shape.length > REFERENCE_MAX_TOKENS:
                 results[(str(shape), name)] = Timing(note=f"skipped: > {REFERENCE_MAX_TOKENS} "
                                                           "tokens")
@@ -250,12 +255,13 @@ def run(shapes: list[Shape], gpu: bool, impls: list[str], repeats: int,
             results[(str(shape), name)] = timing
             print(f"{shape} {name}: fwd {timing.forward_ms:.2f} ms, fwd+bwd "
                   f"{timing.forward_backward_ms:.2f} ms", flush=True)
+            on_progress(results)  # the table so far survives a run cut short
         anchor = outputs.get("chunked")
         for name, output in outputs.items():
             if anchor is not None and name != "cuDNN attention":  # softmax attention: no match
                 error = np.linalg.norm(output - anchor) / np.linalg.norm(anchor)
                 results[(str(shape), name)].error = float(error)
-        on_shape_done(results)  # the table so far survives a run cut short
+        on_progress(results)
     return results
 
 
@@ -310,10 +316,12 @@ def main(argv=None):
     parser.add_argument("--shapes", nargs="+", type=Shape.parse, metavar="BxTxHxD",
                         help="shapes to time (default: the backend's standard list)")
     parser.add_argument("--impls", nargs="+", metavar="IMPL",
-                        help="our implementations to time (default: reference and chunked, and "
-                             "with --gpu every registered kernel)")
+                        help="our implementations to time (default: reference and chunked; with "
+                             "--gpu chunked and every registered kernel)")
     parser.add_argument("--baseline", help="row the ratios compare with (default: chunked on "
                                            "CPU, the jla kernel with --gpu)")
+    parser.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS),
+                        help="peers to time with --gpu (fla's first call autotunes for minutes)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, help="markdown file (default benchmarks/kda_<backend>.md)")
     args = parser.parse_args(argv)
@@ -321,19 +329,26 @@ def main(argv=None):
     if args.gpu and backend != "gpu":
         parser.error(f"--gpu needs a CUDA backend, but JAX runs on {backend!r}")
     # The registered kernels (`kda.kernels`) run only on GPUs; on CPU their rows would only say so.
-    impls = args.impls or [name for name in kda.available_implementations()
-                           if name != "auto" and (args.gpu or name in ("reference", "chunked"))]
+    if args.impls:
+        impls = args.impls
+    elif args.gpu:  # the token-by-token scan would only measure patience at these lengths
+        impls = [name for name in kda.available_implementations()
+                 if name not in ("auto", "reference")]
+    else:  # the registered kernels run only on GPUs
+        impls = ["reference", "chunked"]
     unknown = set(impls) - set(kda.available_implementations())
     if unknown:
         parser.error(f"--impls: unknown {sorted(unknown)}; choose from "
                      f"{kda.available_implementations()}")
     shapes = args.shapes or [Shape.parse(s) for s in (GPU_SHAPES if args.gpu else CPU_SHAPES)]
     baseline = args.baseline or ("jla mosaic_gpu" if args.gpu else "chunked")
-    names = list(contenders(args.gpu, impls))
+    table = contenders(args.gpu, impls, args.peers)
+    names = list(table)
     out = args.out or Path("benchmarks") / f"kda_{'h200' if args.gpu else backend}.md"
     command = "python -m experiments.bench_kda " + " ".join(argv if argv is not None
                                                              else sys.argv[1:])
-    run(shapes, args.gpu, impls, args.repeats, lambda results: write_table(
+    dtype = jnp.bfloat16 if args.gpu else np.float32
+    run(shapes, table, dtype, args.repeats, lambda results: write_table(
         out, results, shapes, names, baseline, command.strip(), args.gpu))
     print(f"wrote {out}")
 
