@@ -1,0 +1,363 @@
+"""The hybrid decoder: KDA and Gated MLA token mixers, dense then Stable LatentMoE FFNs, AttnRes.
+
+    tokens -> embedding -> [layer 0 .. L-1] -> AttnRes read -> RMSNorm -> LM head -> logits
+
+    layer l:  x = READ(stream);  stream += mixer_l(RMSNorm(x))     mixer: KDA or Gated MLA
+              x = READ(stream);  stream += ffn_l(RMSNorm(x))       ffn: dense GLU or MoE
+
+READ and the stream bookkeeping are `models.attn_res` (Block AttnRes, Full AttnRes or plain
+residuals). Parameters are float32 by default and computation runs in `cfg.dtype`; logits are
+float32. With `cfg.scan_layers`, each run of identical layer groups (K3: [KDA, KDA, MLA, KDA]
+x 22) is one stacked module applied with `lax.scan`; `cfg.remat` sets what the backward pass
+recomputes per layer (or per scanned group).
+
+    model = HybridLM(preset("tiny"), rngs=nnx.Rngs(0))
+    logits = model(tokens, segment_ids)                      # [B, T, vocab] float32
+    logits, router_stats = model.forward(tokens, segment_ids) # stats for the MoE balancer
+    update_router_biases(model, router_stats)                # after the optimizer step
+
+Generation continues sequences through `DecodeState` (KDA conv/recurrent state, paged MLA
+latents): `state = model.init_decode_state(...)`, then `logits, state = model.extend(tokens,
+state)` for the prompt and for each new token (`models.generate` drives it).
+"""
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kda.layer import KDA, KDACache
+from models.attention import GatedMLA
+from models.attn_res import AttnResRead, ResidualStream, attn_res_read, num_seal_slots
+from models.attn_res import sublayer_input
+from models.config import ModelConfig
+from models.norms import RMSNorm
+from models.paged_cache import PagedLatentCache, init_pages
+from models.sharding import constrain
+from moe.experts import DenseFFN, StableLatentMoE
+from moe.routing import RouterStats, updated_bias
+
+REMAT = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+STREAM_AXES = ("batch", "seq", "embed")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPlan:
+    """Layers first .. first + size * repeats - 1, as `repeats` copies of a `size`-layer group."""
+
+    first: int
+    size: int
+    repeats: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.size * self.repeats
+
+
+def layer_plan(cfg: ModelConfig) -> tuple[GroupPlan, ...]:
+    """How the layers are grouped: runs of repeated groups (scanned) and single layers.
+
+    The group size is the spacing of the full-attention layers (K3: 4), so a group is one period
+    of the KDA/MLA pattern. Without `scan_layers` every layer is its own group.
+    """
+    kinds = tuple(zip(cfg.mixer_kinds, cfg.ffn_kinds))
+    if not cfg.scan_layers:
+        return tuple(GroupPlan(i, 1, 1) for i in range(cfg.num_layers))
+    gaps = [b - a for a, b in zip(cfg.full_attn_layers, cfg.full_attn_layers[1:])]
+    size = max(set(gaps), key=gaps.count) if gaps else 1
+    plan, first = [], 0
+    while first < cfg.num_layers:
+        repeats = 1
+        while kinds[first + repeats * size : first + (repeats + 1) * size] == (
+            kinds[first : first + size]
+        ):
+            repeats += 1
+        if repeats > 1:
+            plan.append(GroupPlan(first, size, repeats))
+            first += size * repeats
+        else:
+            plan.append(GroupPlan(first, 1, 1))
+            first += 1
+    return tuple(plan)
+
+
+class DecoderLayer(nnx.Module):
+    """One layer: AttnRes read, RMSNorm, token mixer; AttnRes read, RMSNorm, FFN."""
+
+    def __init__(self, cfg: ModelConfig, mixer: str, ffn: str, *, rngs: nnx.Rngs):
+        d, eps = cfg.d_model, cfg.norm_eps
+        dtypes = dict(dtype=cfg.compute_dtype, param_dtype=cfg.parameter_dtype)
+        reads = cfg.residual != "plain"
+        self.mixer_kind, self.ffn_kind = mixer, ffn
+        self.mixer_read = AttnResRead(d, eps=eps, param_dtype=cfg.parameter_dtype) if reads else None
+        self.mixer_norm = RMSNorm(d, eps=eps, axis_name="embed", **dtypes)
+        if mixer == "kda":
+            self.mixer = KDA(d, cfg.kda, rngs=rngs, **dtypes)
+        else:
+            self.mixer = GatedMLA(d, cfg.mla, rngs=rngs, **dtypes)
+        self.ffn_read = AttnResRead(d, eps=eps, param_dtype=cfg.parameter_dtype) if reads else None
+        self.ffn_norm = RMSNorm(d, eps=eps, axis_name="embed", **dtypes)
+        if ffn == "dense":
+            moe = cfg.moe
+            self.ffn = DenseFFN(
+                d, cfg.dense_hidden, moe.activation, situ_beta=moe.situ_beta,
+                situ_linear_beta=moe.situ_linear_beta, swiglu_limit=moe.swiglu_limit, rngs=rngs,
+                **dtypes,
+            )
+        else:
+            self.ffn = StableLatentMoE(d, cfg.moe, rngs=rngs, **dtypes)
+
+    def init_cache(self, batch_size: int, num_pages: int, page_size: int):
+        """Empty per-sequence state: a `KDACache`, or a page pool for the MLA latents."""
+        if self.mixer_kind == "kda":
+            return self.mixer.init_cache(batch_size)
+        return init_pages(num_pages, page_size, self.mixer.cfg.latent_dim, self.mixer.dtype)
+
+    def __call__(self, stream, index, period, segment_ids, cache, page_table):
+        """Applies layer `index` (0-based, int or traced) to the residual stream.
+
+        cache: None (training) or this layer's cache; page_table: (block_tables, lengths).
+        Returns (stream, RouterStats or None, new cache or None).
+        """
+        x, stream = sublayer_input(stream, self.mixer_read, 2 * index, period)
+        h = self.mixer_norm(x)
+        if cache is None:
+            mixed = self.mixer(h, segment_ids=segment_ids)
+        elif self.mixer_kind == "kda":
+            mixed, cache = self.mixer(h, cache=cache, return_cache=True)
+        else:
+            mixed, paged = self.mixer(h, cache=PagedLatentCache(cache, *page_table))
+            cache = paged.pages
+        stream = stream.add(mixed)
+        x, stream = sublayer_input(stream, self.ffn_read, 2 * index + 1, period)
+        h = self.ffn_norm(x)
+        stats = None
+        if self.ffn_kind == "moe":
+            out, stats = self.ffn(h, segment_ids)
+        else:
+            out = self.ffn(h)
+        stream = stream.add(out)
+        return dataclasses.replace(stream, live=constrain(stream.live, STREAM_AXES)), stats, cache
+
+
+class LayerGroup(nnx.Module):
+    """Consecutive layers applied in order (the unit that `lax.scan` repeats)."""
+
+    def __init__(self, cfg: ModelConfig, first: int, size: int, *, rngs: nnx.Rngs):
+        self.layers = nnx.List(
+            [
+                DecoderLayer(cfg, cfg.mixer_kinds[i], cfg.ffn_kinds[i], rngs=rngs)
+                for i in range(first, first + size)
+            ]
+        )
+
+    def __call__(self, stream, first, period, segment_ids, caches, page_table):
+        """Returns (stream, per-layer RouterStats or None, per-layer caches or None)."""
+        all_stats, new_caches = [], []
+        for offset, layer in enumerate(self.layers):
+            cache = None if caches is None else caches[offset]
+            stream, stats, cache = layer(
+                stream, first + offset, period, segment_ids, cache, page_table
+            )
+            all_stats.append(stats)
+            new_caches.append(cache)
+        return stream, tuple(all_stats), None if caches is None else tuple(new_caches)
+
+
+def _stacked_group(cfg: ModelConfig, plan: GroupPlan, rngs: nnx.Rngs) -> LayerGroup:
+    """`plan.repeats` independently initialised copies of a group, stacked on a leading axis."""
+
+    @nnx.split_rngs(splits=plan.repeats)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+    def build(rngs):
+        return LayerGroup(cfg, plan.first, plan.size, rngs=rngs)
+
+    return build(rngs)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything a continuation needs, for a batch of sequences.
+
+    caches: per layer group, per layer: a `KDACache` or the MLA page pool [N, page, latent]
+      (stacked on a leading axis for scanned groups).
+    block_tables: [B, max_pages_per_seq] int32, shared by every MLA layer (`models.paged_cache`).
+    lengths: [B] int32 tokens consumed so far.
+    """
+
+    caches: tuple
+    block_tables: jax.Array
+    lengths: jax.Array
+
+
+class HybridLM(nnx.Module):
+    """The hybrid decoder of `cfg`. `model(tokens [B, T] int32, segment_ids=None)` -> logits
+    [B, T, vocab] float32."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        # Variables keep their logical axis names; `models.sharding` places them on a mesh, so
+        # the model builds the same way with or without one.
+        with nnx.use_eager_sharding(False):
+            self.plan = layer_plan(cfg)
+            d, dtypes = cfg.d_model, dict(dtype=cfg.compute_dtype, param_dtype=cfg.parameter_dtype)
+            self.embed = nnx.Embed(
+                cfg.vocab_size, d,
+                embedding_init=nnx.with_partitioning(
+                    nnx.initializers.normal(1.0), ("vocab", "embed")
+                ),
+                rngs=rngs, **dtypes,
+            )
+            self.groups = nnx.List(
+                [
+                    LayerGroup(cfg, p.first, p.size, rngs=rngs)
+                    if p.repeats == 1
+                    else _stacked_group(cfg, p, rngs)
+                    for p in self.plan
+                ]
+            )
+            reads = cfg.residual != "plain"
+            self.final_read = (
+                AttnResRead(d, eps=cfg.norm_eps, param_dtype=cfg.parameter_dtype) if reads else None
+            )
+            self.final_norm = RMSNorm(d, eps=cfg.norm_eps, axis_name="embed", **dtypes)
+            self.lm_head = nnx.Linear(
+                d, cfg.vocab_size, use_bias=False,
+                kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(),
+                                                  ("embed", "vocab")),
+                preferred_element_type=jnp.float32, rngs=rngs, **dtypes,
+            )
+
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        """tokens: [B, T] int32; segment_ids: [B, T] packed-document ids -> [B, T, V] float32."""
+        return self.forward(tokens, segment_ids)[0]
+
+    def forward(self, tokens, segment_ids=None) -> tuple[jax.Array, tuple[RouterStats, ...]]:
+        """Logits [B, T, V] float32 and the RouterStats of every MoE layer, in `moe_sites` order
+        (stacked on a leading axis for scanned groups)."""
+        logits, stats, _ = self._run(tokens, segment_ids, None)
+        return logits, stats
+
+    def extend(self, tokens: jax.Array, state: DecodeState) -> tuple[jax.Array, DecodeState]:
+        """Appends tokens [B, T] to the sequences of `state` (a prompt, or one decoded token).
+
+        The page table must already cover lengths + T tokens (`PageAllocator.reserve`).
+        Returns logits [B, T, V] float32 and the continued state.
+        """
+        logits, _, state = self._run(tokens, None, state)
+        return logits, state
+
+    def init_decode_state(
+        self, batch_size: int, *, num_pages: int, page_size: int, max_pages_per_seq: int
+    ) -> DecodeState:
+        """Empty caches for `batch_size` sequences; MLA latents in a pool of `num_pages` pages."""
+        caches = []
+        for plan, group in zip(self.plan, self.groups):
+            one = tuple(layer.init_cache(batch_size, num_pages, page_size) for layer in group.layers)
+            if plan.repeats > 1:  # a scanned group's caches stack like its parameters
+                one = jax.tree.map(lambda c: jnp.stack([c] * plan.repeats), one)
+            caches.append(one)
+        return DecodeState(
+            caches=tuple(caches),
+            block_tables=jnp.zeros((batch_size, max_pages_per_seq), jnp.int32),
+            lengths=jnp.zeros((batch_size,), jnp.int32),
+        )
+
+    def _run(self, tokens, segment_ids, state: DecodeState | None):
+        cfg = self.cfg
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [B, T] int, got shape {tokens.shape}")
+        if segment_ids is not None and segment_ids.shape != tokens.shape:
+            raise ValueError(
+                f"segment_ids must have the shape of tokens {tokens.shape}, got "
+                f"{segment_ids.shape}"
+            )
+        period = cfg.seal_period
+        embedded = constrain(self.embed(tokens), STREAM_AXES)
+        stream = ResidualStream.start(embedded, num_seal_slots(2 * cfg.num_layers, period))
+        page_table = None if state is None else (state.block_tables, state.lengths)
+        remat = REMAT[cfg.remat]
+        all_stats, all_caches = [], []
+        for index, (plan, group) in enumerate(zip(self.plan, self.groups)):
+            caches = None if state is None else state.caches[index]
+            stream, stats, caches = _apply_group(
+                group, plan, stream, period, segment_ids, caches, page_table, remat
+            )
+            all_stats.extend(s for s in stats if s is not None)
+            all_caches.append(caches)
+        if self.final_read is not None:
+            stream = dataclasses.replace(stream, live=self.final_read(stream))
+        logits = self.lm_head(self.final_norm(stream.live))
+        new_state = None
+        if state is not None:
+            new_state = DecodeState(
+                tuple(all_caches), state.block_tables, state.lengths + tokens.shape[1]
+            )
+        return logits, tuple(all_stats), new_state
+
+    def moe_sites(self) -> list[tuple[StableLatentMoE, bool]]:
+        """Every MoE module with whether it is stacked, in the order `forward` returns stats."""
+        return [
+            (layer.ffn, plan.repeats > 1)
+            for plan, group in zip(self.plan, self.groups)
+            for layer in group.layers
+            if layer.ffn_kind == "moe"
+        ]
+
+
+def _apply_group(group, plan, stream, period, segment_ids, caches, page_table, remat):
+    """Runs one layer group (a Python call) or a stack of them (`lax.scan`), with remat."""
+    graphdef, state = nnx.split(group)
+
+    def call(state, stream, first, caches):
+        return nnx.merge(graphdef, state)(stream, first, period, segment_ids, caches, page_table)
+
+    if plan.repeats == 1:
+        if remat is not None:
+            call = jax.checkpoint(call, policy=remat, static_argnums=(2,))
+        return call(state, stream, plan.first, caches)
+
+    def body(carry, xs):
+        stream, first = carry
+        state, caches = xs
+        stream, stats, caches = call(state, stream, first, caches)
+        return (stream, first + plan.size), (stats, caches)
+
+    if remat is not None:
+        body = jax.checkpoint(body, policy=remat)
+    (stream, _), (stats, caches) = jax.lax.scan(
+        body, (stream, jnp.int32(plan.first)), (state, caches)
+    )
+    return stream, stats, caches
+
+
+def aux_loss(router_stats: Sequence[RouterStats]) -> jax.Array:
+    """Sum of the MoE auxiliary losses (zero unless `moe.balancing == "aux_loss"`)."""
+    return sum((jnp.sum(s.aux_loss) for s in router_stats), jnp.zeros((), jnp.float32))
+
+
+def update_router_biases(model: HybridLM, router_stats: Sequence[RouterStats]) -> None:
+    """Applies the MoE balancer to every MoE layer in place (after the optimizer step).
+
+    router_stats: as returned by `model.forward`, one entry per `model.moe_sites()` entry.
+    """
+    sites = model.moe_sites()
+    if len(sites) != len(router_stats):
+        raise ValueError(
+            f"got {len(router_stats)} RouterStats for {len(sites)} MoE sites; pass the stats "
+            "model.forward returned"
+        )
+    for (moe, stacked), stats in zip(sites, router_stats):
+        update = functools.partial(updated_bias, moe.cfg)
+        if stacked:
+            update = jax.vmap(update)
+        moe.router_bias[...] = update(moe.router_bias[...], stats)

@@ -1,0 +1,250 @@
+"""The hybrid decoder: interface, parameter counts, causality, packing, decode == prefill, scan.
+
+XLA compiles are the cost of these tests on a CPU, so the jitted functions live at module level
+(one compile per model structure and shape) and the composition tests run KDA through its
+recurrent oracle (`impl="reference"`, compiles in a fraction of the chunked op's time; `kda`'s own
+tests check chunked == reference). The interface and causality tests use the default path.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kda.layer import KDAConfig
+from models.attention import MLAConfig
+from models.config import count_params, preset
+from models.lm import HybridLM, aux_loss, layer_plan, update_router_biases
+from models.paged_cache import PageAllocator, pages_needed
+from moe.config import MoEConfig
+
+VOCAB = 264
+# Five layers: a dense KDA layer, then [KDA, MLA] twice, a scannable run of two groups.
+FIVE = dict(num_layers=5, kda_layers=(1, 2, 4), full_attn_layers=(3, 5))
+
+
+def reference_kda_config(**overrides):
+    cfg = preset("tiny", **overrides)
+    return dataclasses.replace(cfg, kda=dataclasses.replace(cfg.kda, impl="reference"))
+
+
+@jax.jit
+def forward(model, tokens, segment_ids=None):
+    return model(tokens, segment_ids)
+
+
+@jax.jit
+def forward_with_stats(model, tokens):
+    return model.forward(tokens)
+
+
+@jax.jit
+def extend(model, tokens, state):
+    return model.extend(tokens, state)
+
+
+def loss_fn(model, tokens):
+    logits, stats = model.forward(tokens)
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 0]) + aux_loss(stats)
+
+
+value_and_grad = jax.jit(nnx.value_and_grad(loss_fn))
+
+
+def random_tokens(seed, shape):
+    return jax.random.randint(jax.random.key(seed), shape, 0, VOCAB, jnp.int32)
+
+
+def param_count(model_or_abstract) -> int:
+    return sum(p.size for p in jax.tree.leaves(nnx.state(model_or_abstract, nnx.Param)))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return HybridLM(preset("tiny"), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.slow
+def test_interface_and_causality(tiny):
+    tokens = random_tokens(1, (2, 12))
+    logits = forward(tiny, tokens)
+    assert logits.shape == (2, 12, VOCAB) and logits.dtype == jnp.float32
+    changed = tokens.at[:, 7:].set(random_tokens(2, (2, 5)))
+    changed_logits = forward(tiny, changed)
+    # Changing a future token never changes an earlier logit, not even by rounding.
+    np.testing.assert_array_equal(logits[:, :7], changed_logits[:, :7])
+    assert not np.allclose(logits[:, 7:], changed_logits[:, 7:])
+
+
+def test_mixed_precision_dtypes():
+    model = nnx.eval_shape(lambda: HybridLM(preset("tiny", dtype="bfloat16"), rngs=nnx.Rngs(0)))
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    logits = jax.eval_shape(lambda m, t: m(t), model, jax.ShapeDtypeStruct((1, 4), jnp.int32))
+    assert logits.dtype == jnp.float32
+
+
+COUNT_VARIANTS = {
+    "tiny": preset("tiny"),
+    "tiny_scanned_plain": preset("tiny", scan_layers=True, residual="plain", **FIVE),
+    "tiny_full_attn_res": preset("tiny", residual="full_attn_res"),
+    "tiny_kimi_linear_style": preset(
+        "tiny",
+        kda=KDAConfig(num_heads=2, head_dim=32, gate="softplus"),
+        mla=MLAConfig(2, None, 32, 16, 8, 16, output_gate=False),
+        moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=32, shared_hidden=32,
+                      activation="swiglu"),
+        first_k_dense=0,
+    ),
+    "small": preset("small"),
+    "1b": preset("1b"),
+    "kimi_linear_48b": preset("kimi_linear_48b", scan_layers=True),
+    "k3": preset("k3", scan_layers=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COUNT_VARIANTS))
+def test_analytic_count_equals_eval_shape(name):
+    cfg = COUNT_VARIANTS[name]
+    abstract = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))
+    counts = count_params(cfg)
+    assert param_count(abstract) == counts["total"] + counts["embedding"]
+
+
+def test_scan_plan_of_k3():
+    plan = layer_plan(preset("k3", scan_layers=True))
+    # Layer 0 (dense FFN) alone, [KDA, KDA, MLA, KDA] x 22, then layers 89..92 one by one.
+    assert [(p.first, p.size, p.repeats) for p in plan] == (
+        [(0, 1, 1), (1, 4, 22)] + [(i, 1, 1) for i in range(89, 93)]
+    )
+
+
+@pytest.mark.slow
+def test_packed_documents_equal_separate_runs():
+    model = HybridLM(reference_kda_config(), rngs=nnx.Rngs(3))
+    lengths = (5, 4, 3)
+    packed_row = random_tokens(3, (1, sum(lengths)))
+    segments = jnp.repeat(jnp.arange(1, 4), jnp.array(lengths), total_repeat_length=12)
+    # Row 0 is the packed row; rows 1..3 each hold one document alone (padded at the end, which
+    # a causal model never looks at).
+    starts = np.cumsum((0,) + lengths[:-1])
+    rows = [packed_row[0]] + [
+        jnp.pad(packed_row[0, s : s + n], (0, 12 - n)) for s, n in zip(starts, lengths)
+    ]
+    segment_ids = jnp.stack([segments] + [jnp.ones(12, jnp.int32)] * 3)
+    logits = forward(model, jnp.stack(rows), segment_ids)
+    for row, (start, length) in enumerate(zip(starts, lengths), start=1):
+        np.testing.assert_allclose(
+            logits[0, start : start + length], logits[row, :length], rtol=1e-5, atol=1e-5
+        )
+
+
+def decode_logits(model, tokens, prompt_length, page_size=2):
+    """Logits of tokens [B, T]: the prompt through one `extend`, then one token per call."""
+    batch, length = tokens.shape
+    max_pages = -(-length // page_size)
+    allocator = PageAllocator(pages_needed(batch, length, page_size), page_size, batch, max_pages)
+    state = model.init_decode_state(batch, num_pages=allocator.num_pages, page_size=page_size,
+                                    max_pages_per_seq=max_pages)
+    pieces, start = [], 0
+    for stop in [prompt_length] + list(range(prompt_length + 1, length + 1)):
+        for row in range(batch):
+            allocator.reserve(row, stop)
+        state = dataclasses.replace(state, block_tables=jnp.asarray(allocator.block_tables))
+        logits, state = extend(model, tokens[:, start:stop], state)
+        pieces.append(logits)
+        start = stop
+    np.testing.assert_array_equal(state.lengths, [length] * batch)
+    return jnp.concatenate(pieces, axis=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scan", [False, True])
+def test_decode_equals_prefill(scan):
+    model = HybridLM(reference_kda_config(scan_layers=scan, **FIVE), rngs=nnx.Rngs(4))
+    tokens = random_tokens(5, (2, 8))
+    np.testing.assert_allclose(
+        decode_logits(model, tokens, prompt_length=4), forward(model, tokens),
+        rtol=2e-5, atol=2e-5,
+    )
+
+
+def restacked(plan, source: dict, target: dict) -> dict:
+    """`target` (a scanned model's pure param dict) filled from an unscanned model's `source`."""
+    target = dict(target, groups=dict(target["groups"]))
+    for key in ("embed", "final_read", "final_norm", "lm_head"):
+        target[key] = source[key]
+    for index, group in enumerate(plan):
+        if group.repeats == 1:
+            target["groups"][index] = source["groups"][group.first]
+            continue
+        layers = {}
+        for offset in range(group.size):
+            copies = [source["groups"][group.first + r * group.size + offset]["layers"][0]
+                      for r in range(group.repeats)]
+            layers[offset] = jax.tree.map(lambda *xs: jnp.stack(xs), *copies)
+        target["groups"][index] = {"layers": layers}
+    return target
+
+
+@pytest.mark.slow
+def test_scanned_rematted_equals_unscanned_forward_and_gradients():
+    plain = HybridLM(reference_kda_config(**FIVE), rngs=nnx.Rngs(6))
+    scanned = HybridLM(reference_kda_config(scan_layers=True, remat="full", **FIVE), rngs=nnx.Rngs(7))
+    assert [(p.size, p.repeats) for p in scanned.plan] == [(1, 1), (2, 2)]
+    state = nnx.state(scanned, nnx.Param)
+    nnx.replace_by_pure_dict(state, restacked(scanned.plan, nnx.to_pure_dict(
+        nnx.state(plain, nnx.Param)), nnx.to_pure_dict(state)))
+    nnx.update(scanned, state)
+    tokens = random_tokens(8, (2, 8))
+    loss_plain, grads_plain = value_and_grad(plain, tokens)
+    loss_scanned, grads_scanned = value_and_grad(scanned, tokens)
+    np.testing.assert_allclose(loss_scanned, loss_plain, rtol=1e-6)
+    expected = restacked(scanned.plan, nnx.to_pure_dict(grads_plain),
+                         nnx.to_pure_dict(grads_scanned))
+    assert_grads_close(nnx.to_pure_dict(grads_scanned), expected)
+
+
+def assert_grads_close(got, want):
+    """float32 agreement up to summation order (relative to each tensor's largest entry), except
+    the MoE router weight: `moe.routing.router_scores` computes its logits from bf16 pieces, so
+    that gradient is only bf16-accurate (one ulp is 2^-8)."""
+    want_leaves = jax.tree.leaves(want)
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], want_leaves):
+        name = jax.tree_util.keystr(path)
+        rtol = 2**-7 if name.endswith("['router']") else 1e-4
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-4 * np.abs(w).max(), err_msg=name)
+
+
+@pytest.mark.slow
+def test_dots_remat_keeps_gradients():
+    tokens = random_tokens(10, (2, 8))
+    _, want = value_and_grad(HybridLM(reference_kda_config(**FIVE), rngs=nnx.Rngs(6)), tokens)
+    _, got = value_and_grad(HybridLM(reference_kda_config(remat="dots", **FIVE), rngs=nnx.Rngs(6)), tokens)
+    assert_grads_close(nnx.to_pure_dict(got), nnx.to_pure_dict(want))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scan", [False, True])
+def test_router_bias_update_reaches_every_moe_layer(scan):
+    model = HybridLM(reference_kda_config(scan_layers=scan, **FIVE), rngs=nnx.Rngs(12))
+    _, stats = forward_with_stats(model, random_tokens(13, (2, 8)))
+    sites = model.moe_sites()
+    assert len(sites) == len(stats) == (2 if scan else 4)
+    before = [np.asarray(moe.router_bias[...]) for moe, _ in sites]
+    update_router_biases(model, stats)
+    for (moe, stacked), old in zip(sites, before):
+        new = np.asarray(moe.router_bias[...])
+        assert new.shape == old.shape == ((2,) if stacked else ()) + (8,)
+        assert not np.allclose(new, old)  # QB moves the zero-initialised bias
+    with pytest.raises(ValueError, match="RouterStats"):
+        update_router_biases(model, stats[:-1])
+
+
+def test_bad_inputs_raise(tiny):
+    with pytest.raises(ValueError, match="tokens"):
+        tiny(jnp.zeros((4,), jnp.int32))
+    with pytest.raises(ValueError, match="segment_ids"):
+        tiny(jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 3), jnp.int32))
