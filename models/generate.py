@@ -1,0 +1,150 @@
+"""Autoregressive generation: prefill the prompt, then decode one token at a time.
+
+The model continues each sequence from a `DecodeState`: KDA layers carry their convolution tail and
+float32 recurrent state, MLA layers their latents in a paged pool. The host keeps the page
+allocator: before each step it reserves the page the step writes, and a sequence that emits the
+end token has its pages returned to the free list at once (its row keeps computing, writing only
+to the null page, so the batch keeps one shape).
+
+    result = generate(model, prompts, max_new_tokens=32, sampling=Sampling(temperature=0.8,
+                      top_p=0.95), seed=0, end_token=EOS)
+    result.tokens   # [B, max_new_tokens] int32, `pad_token` after each sequence's end
+    result.lengths  # [B] tokens generated, the end token included
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.lm import DecodeState, HybridLM
+from models.paged_cache import PageAllocator, pages_needed
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is drawn from the logits.
+
+    temperature: 0 picks the argmax (greedy); otherwise logits are divided by it.
+    top_k: keep only the k most likely tokens (None: all).
+    top_p: keep the smallest set of most likely tokens whose probability reaches p (None: all).
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be None or >= 1, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be None or in (0, 1], got {self.top_p}")
+
+
+def filter_logits(logits: jax.Array, top_k: int | None, top_p: float | None) -> jax.Array:
+    """Sets the logits outside the top-k / top-p (nucleus) set to -inf. logits: [B, V] float32."""
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth_largest = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
+    if top_p is not None and top_p < 1:
+        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        # A token stays if the tokens ranked above it hold less than top_p: the first always does.
+        mass_above = jnp.cumsum(probs, axis=-1) - probs
+        kept = jnp.where(mass_above < top_p, sorted_logits, jnp.inf)
+        threshold = jnp.min(kept, axis=-1, keepdims=True)
+        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    return logits
+
+
+def sample_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+    """Next tokens [B] int32 from logits [B, V]."""
+    logits = logits.astype(jnp.float32)
+    if sampling.temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _extend_and_sample(graphdef, sampling: Sampling, variables, tokens, state: DecodeState, key):
+    """One prefill or decode step: the next token [B] of every sequence and the new state.
+
+    Compiled once per model structure, sampling rule and token shape, across `generate` calls.
+    """
+    logits, state = nnx.merge(graphdef, variables).extend(tokens, state)
+    return sample_tokens(logits[:, -1], key, sampling), state
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    tokens: np.ndarray  # [B, max_new_tokens] int32
+    lengths: np.ndarray  # [B] int32, generated tokens per sequence (end token included)
+
+
+def generate(
+    model: HybridLM,
+    prompts: jax.Array,
+    *,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    seed: int = 0,
+    end_token: int | None = None,
+    pad_token: int = 0,
+    page_size: int = 16,
+) -> GenerationResult:
+    """Continues each prompt [B, T] (equal lengths) by up to `max_new_tokens` tokens.
+
+    A sequence stops after `end_token` (when given) or at the length limit; the loop stops when
+    every sequence has. Sampling is reproducible for a given `seed`.
+    """
+    prompts = jnp.asarray(prompts, jnp.int32)
+    if prompts.ndim != 2 or prompts.shape[1] < 1:
+        raise ValueError(f"prompts must be [B, T] token ids with T >= 1, got {prompts.shape}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    batch, prompt_length = prompts.shape
+    max_pages = math.ceil((prompt_length + max_new_tokens) / page_size)
+    allocator = PageAllocator(
+        pages_needed(batch, prompt_length + max_new_tokens, page_size), page_size, batch, max_pages
+    )
+    state = model.init_decode_state(
+        batch, num_pages=allocator.num_pages, page_size=page_size, max_pages_per_seq=max_pages
+    )
+    graphdef, variables = nnx.split(model)
+
+    def step(variables, tokens, state, key):
+        return _extend_and_sample(graphdef, sampling, variables, tokens, state, key)
+
+    def with_tables(state: DecodeState) -> DecodeState:
+        return dataclasses.replace(state, block_tables=jnp.asarray(allocator.block_tables))
+
+    for row in range(batch):
+        allocator.reserve(row, prompt_length)
+    keys = jax.random.split(jax.random.key(seed), max_new_tokens)
+    next_tokens, state = step(variables, prompts, with_tables(state), keys[0])
+    generated = np.full((batch, max_new_tokens), pad_token, np.int32)
+    lengths = np.zeros((batch,), np.int32)
+    active = np.ones((batch,), bool)
+    for position in range(max_new_tokens):
+        tokens = np.asarray(next_tokens)
+        generated[active, position] = tokens[active]
+        lengths[active] += 1
+        if end_token is not None:
+            for row in np.flatnonzero(active & (tokens == end_token)):
+                active[row] = False
+                allocator.release(row)
+        if not active.any() or position + 1 == max_new_tokens:
+            break
+        for row in np.flatnonzero(active):
+            allocator.reserve(row, prompt_length + position + 1)
+        next_tokens, state = step(
+            variables, jnp.asarray(tokens)[:, None], with_tables(state), keys[position + 1]
+        )
+    return GenerationResult(generated, lengths)
