@@ -1,0 +1,58 @@
+"""Mixture of experts: Quantile-Balanced sigmoid routing, Stable LatentMoE with SiTU-GLU, dropless
+grouped-GEMM dispatch and expert parallelism.
+
+Layer: `StableLatentMoE(d_model, cfg, *, dtype, param_dtype, rngs)(x [B, T, D], segment_ids)`
+returns `(y [B, T, D], RouterStats)`; `DenseFFN` for the first dense layers. `MoEConfig` holds
+every knob; `count_moe_params` gives the analytic parameter counts.
+
+Balancer, the single entry point the trainer calls after each optimizer step, outside the
+gradient (identical on every replica):
+
+    new_bias = moe.routing.updated_bias(cfg, bias, stats)     # one layer
+    moe.experts.update_router_biases(model, stats_per_layer)  # every MoE layer, in place
+
+The router bias is a `RouterBias` variable, not an `nnx.Param`: optimizers built with
+`wrt=nnx.Param` and `nnx.grad` never touch it. Metrics: `moe.routing.balance_metrics`.
+"""
+
+from moe.activations import GLUActivation, clamped_swiglu, situ_glu, swiglu
+from moe.config import MoEConfig, active_matmul_flops, count_moe_params
+from moe.dispatch import dropless_moe, expert_parallel_moe
+from moe.experts import (
+    DenseFFN,
+    RouterBias,
+    StableLatentMoE,
+    moe_layers,
+    update_router_biases,
+)
+from moe.routing import (
+    RouterStats,
+    balance_metrics,
+    max_violation,
+    quantile_balance,
+    route,
+    updated_bias,
+)
+
+__all__ = [
+    "DenseFFN",
+    "GLUActivation",
+    "MoEConfig",
+    "RouterBias",
+    "RouterStats",
+    "StableLatentMoE",
+    "active_matmul_flops",
+    "balance_metrics",
+    "clamped_swiglu",
+    "count_moe_params",
+    "dropless_moe",
+    "expert_parallel_moe",
+    "max_violation",
+    "moe_layers",
+    "quantile_balance",
+    "route",
+    "situ_glu",
+    "swiglu",
+    "update_router_biases",
+    "updated_bias",
+]

@@ -1,0 +1,66 @@
+"""Gated-linear-unit activations of the expert and dense FFNs, computed in float32.
+
+SiTU-GLU (Kimi K3 report Eq. 12): `(b1·tanh(g/b1)·sigmoid(g)) ⊙ (b2·tanh(u/b2))`. Both branches
+are soft-capped, so `|SiTU-GLU| < b1·b2` (100 at the K3 betas 4 and 25) with a non-zero gradient
+everywhere, while for |g| << b1 and |u| << b2 it is SwiGLU `silu(g)·u`. SwiGLU and a hard-clamped
+SwiGLU (`silu(min(g, L))·clip(u, -L, L)`, GLM / DeepSeek-V4 style) are kept for ablations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from moe.config import ACTIVATIONS
+
+
+def softcap(z: jax.Array, cap: float) -> jax.Array:
+    """`cap · tanh(z / cap)`: the identity near 0, bounded by ±cap."""
+    return cap * jnp.tanh(z / cap)
+
+
+def situ_glu(gate: jax.Array, up: jax.Array, beta: float = 4.0, linear_beta: float = 25.0):
+    """SiTU-GLU of gate and up pre-activations (same shape), float32."""
+    gate = gate.astype(jnp.float32)
+    return softcap(gate, beta) * jax.nn.sigmoid(gate) * softcap(up.astype(jnp.float32), linear_beta)
+
+
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """SwiGLU `silu(gate) · up`, float32."""
+    return jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float = 7.0) -> jax.Array:
+    """SwiGLU with hard clamps `silu(min(gate, limit)) · clip(up, ±limit)`, float32."""
+    gate = jnp.minimum(gate.astype(jnp.float32), limit)
+    return jax.nn.silu(gate) * jnp.clip(up.astype(jnp.float32), -limit, limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class GLUActivation:
+    """A GLU activation chosen by name, with its constants; `act(gate, up)` is float32."""
+
+    kind: str = "situ"
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+    swiglu_limit: float = 7.0
+
+    def __post_init__(self):
+        if self.kind not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.kind!r}.")
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        if gate.shape != up.shape:
+            raise ValueError(f"gate {gate.shape} and up {up.shape} must have the same shape.")
+        if self.kind == "situ":
+            return situ_glu(gate, up, self.situ_beta, self.situ_linear_beta)
+        if self.kind == "swiglu":
+            return swiglu(gate, up)
+        return clamped_swiglu(gate, up, self.swiglu_limit)
+
+    @classmethod
+    def from_config(cls, cfg) -> GLUActivation:
+        """The activation a `MoEConfig` names."""
+        return cls(cfg.activation, cfg.situ_beta, cfg.situ_linear_beta, cfg.swiglu_limit)

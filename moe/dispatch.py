@@ -1,0 +1,331 @@
+"""Token dispatch to routed experts: dropless on one device, fixed-capacity expert parallel.
+
+Dropless (`dropless_moe`): sort the T·k token copies by expert, run every expert's GLU MLP with two
+grouped matmuls, un-sort, and sum each token's k outputs with its mixture weights. The sort moves
+rows with gathers whose gradients are gathers too (`_gather_rows`), so no scatter-add appears in
+the backward pass, which is where XLA's default gather transpose loses its time on GPU.
+
+Expert parallel (`expert_parallel_moe`, under `jax.shard_map`): experts are split over the mesh
+axis `expert`, tokens over all mesh axes. Each shard packs its token copies into a fixed buffer
+per destination shard (`capacity` rows, first choices first), exchanges buffers with
+`jax.lax.all_to_all`, runs the dropless path on what it received, and sends the results back.
+Copies beyond a full buffer are dropped and counted; `capacity_factor=None` sizes the buffers so
+that nothing can be dropped, and then the result equals `dropless_moe`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from moe.grouped_matmul import grouped_matmul
+from moe.routing import load_counts
+
+EXPERT_AXIS = "expert"
+
+Activation = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+class DispatchPlan(NamedTuple):
+    """How rows are grouped by expert.
+
+    order: [R] int32 row indices in expert order (stable; rows without an expert last).
+    inverse: [R] int32 position of each row in that order (`order[inverse] == arange(R)`).
+    group_sizes: [E] int32 rows per expert.
+    """
+
+    order: jax.Array
+    inverse: jax.Array
+    group_sizes: jax.Array
+
+
+def plan_dispatch(
+    row_expert: jax.Array, num_experts: int, row_valid: jax.Array | None = None
+) -> DispatchPlan:
+    """Sort rows by expert. row_expert: [R] int, row_valid: [R] bool (None = all valid)."""
+    key = row_expert.astype(jnp.int32)
+    if row_valid is not None:
+        key = jnp.where(row_valid, key, num_experts)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+    group_sizes = load_counts(key, num_experts).astype(jnp.int32)
+    return DispatchPlan(order, inverse, group_sizes)
+
+
+def expert_mlp(
+    x_sorted: jax.Array,
+    group_sizes: jax.Array,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    activation: Activation,
+    *,
+    backend: str = "auto",
+) -> jax.Array:
+    """Every expert's GLU MLP on its rows.
+
+    Args:
+        x_sorted: [R, W] rows grouped by expert.
+        group_sizes: [E] rows per expert.
+        w_in: [E, W, 2, M] gate (index 0) and up (index 1) projections.
+        w_out: [E, M, W] down projections.
+        activation: `act(gate, up)` -> float32.
+        backend: grouped matmul backend.
+
+    Returns:
+        [R, W] in x_sorted.dtype.
+    """
+    num_experts, width, _, hidden = w_in.shape
+    fused = grouped_matmul(
+        x_sorted, w_in.reshape(num_experts, width, 2 * hidden), group_sizes, backend=backend
+    )
+    hidden_act = activation(fused[:, :hidden], fused[:, hidden:]).astype(x_sorted.dtype)
+    return grouped_matmul(hidden_act, w_out, group_sizes, backend=backend)
+
+
+def combine(y_copies: jax.Array, weights: jax.Array) -> jax.Array:
+    """Weighted sum of each token's expert outputs (float32 accumulation).
+
+    y_copies: [T, k, W], weights: [T, k] -> [T, W] in y_copies.dtype. Written as a multiply and a
+    sum (not an einsum, which XLA would lower to a batched matrix-vector product) so that it fuses
+    with the gather that produces y_copies.
+    """
+    products = y_copies.astype(jnp.float32) * weights.astype(jnp.float32)[..., None]
+    return jnp.sum(products, axis=1).astype(y_copies.dtype)
+
+
+def dropless_moe(
+    x: jax.Array,
+    expert_ids: jax.Array,
+    weights: jax.Array,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    activation: Activation,
+    *,
+    backend: str = "auto",
+) -> jax.Array:
+    """Routed-expert output of every token, no token copy dropped.
+
+    Args:
+        x: [T, W] expert inputs.
+        expert_ids: [T, k] int experts of each token.
+        weights: [T, k] mixture weights (0 for copies that should not count).
+        w_in: [E, W, 2, M], w_out: [E, M, W] expert weights (cast to x.dtype).
+        activation: `act(gate, up)` -> float32.
+        backend: grouped matmul backend.
+
+    Returns:
+        [T, W] `sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`, in x.dtype.
+    """
+    _check_dispatch_args(x, expert_ids, weights, w_in, w_out)
+    k = expert_ids.shape[1]
+    plan = plan_dispatch(expert_ids.reshape(-1), w_in.shape[0])
+    x_sorted = _gather_rows(x, plan.order // k, plan.inverse, k)
+    y_sorted = expert_mlp(
+        x_sorted,
+        plan.group_sizes,
+        w_in.astype(x.dtype),
+        w_out.astype(x.dtype),
+        activation,
+        backend=backend,
+    )
+    return _unsort_combine(y_sorted, weights, plan.order, plan.inverse)
+
+
+def expert_parallel_moe(
+    x: jax.Array,
+    expert_ids: jax.Array,
+    weights: jax.Array,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    activation: Activation,
+    *,
+    copy_mask: jax.Array | None = None,
+    capacity_factor: float | None = None,
+    backend: str = "auto",
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`dropless_moe` with experts sharded over the `expert` mesh axis (fixed-capacity all-to-all).
+
+    Args:
+        x, expert_ids, weights, w_in, w_out, activation, backend: as in `dropless_moe`; the token
+            count must divide by the mesh size and E by the `expert` axis size.
+        copy_mask: [T, k] bool, copies to send (None = all); the others contribute nothing and
+            take no buffer room.
+        capacity_factor: buffer rows per destination shard = ceil(capacity_factor · n·k / P) for
+            n local tokens and P expert shards; None = n·k, which never drops.
+        mesh: the mesh (None = the one set by `jax.set_mesh`).
+
+    Returns:
+        y: [T, W] as `dropless_moe` (dropped copies contribute 0).
+        dropped: [] float32 number of token copies dropped, over all shards.
+    """
+    _check_dispatch_args(x, expert_ids, weights, w_in, w_out)
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if EXPERT_AXIS not in mesh.axis_names:
+        raise ValueError(
+            f"expert_parallel_moe needs a mesh with an {EXPERT_AXIS!r} axis, got axes "
+            f"{mesh.axis_names}; build one with jax.make_mesh(..., ('{EXPERT_AXIS}',)) and "
+            "jax.set_mesh, or use dropless_moe."
+        )
+    shards = mesh.shape[EXPERT_AXIS]
+    num_experts = w_in.shape[0]
+    if num_experts % shards:
+        raise ValueError(
+            f"num_experts={num_experts} must divide by the '{EXPERT_AXIS}' axis size {shards}."
+        )
+    if x.shape[0] % mesh.size:
+        raise ValueError(
+            f"the token count {x.shape[0]} must divide by the mesh size {mesh.size} "
+            f"(tokens are split over all mesh axes {mesh.axis_names})."
+        )
+    local_copies = x.shape[0] // mesh.size * expert_ids.shape[1]
+    capacity = (
+        local_copies
+        if capacity_factor is None
+        else min(local_copies, math.ceil(capacity_factor * local_copies / shards))
+    )
+    if copy_mask is None:
+        copy_mask = jnp.ones(expert_ids.shape, bool)
+    tokens = P(mesh.axis_names)
+    experts = P(EXPERT_AXIS)
+    body = functools.partial(
+        _expert_parallel_shard,
+        activation=activation,
+        capacity=capacity,
+        backend=backend,
+        all_axes=mesh.axis_names,
+    )
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(tokens, tokens, tokens, tokens, experts, experts),
+        out_specs=(tokens, P()),
+    )(x, expert_ids, weights, copy_mask, w_in.astype(x.dtype), w_out.astype(x.dtype))
+
+
+def _expert_parallel_shard(
+    x, expert_ids, weights, copy_mask, w_in, w_out, *, activation, capacity, backend, all_axes
+):
+    """One shard's part of `expert_parallel_moe` (local tokens n, local experts E/P)."""
+    shards = jax.lax.axis_size(EXPERT_AXIS)
+    local_experts = w_in.shape[0]
+    num_tokens, k = expert_ids.shape
+    width = x.shape[1]
+
+    # Copies in slot-major order (all first choices, then all second choices, ...), so a stable
+    # sort by destination keeps first choices ahead and a full buffer drops later choices.
+    ids = expert_ids.T.reshape(-1)
+    valid = copy_mask.T.reshape(-1)
+    destination = ids // local_experts
+    by_destination = plan_dispatch(destination, shards, valid)
+    starts = jnp.cumsum(by_destination.group_sizes) - by_destination.group_sizes
+
+    # Send buffer slot (d, c) holds the c-th copy bound for shard d, if there is one.
+    slot = jnp.arange(capacity)
+    source_position = jnp.minimum(starts[:, None] + slot, ids.shape[0] - 1)
+    source_copy = by_destination.order[source_position]
+    slot_used = slot < by_destination.group_sizes[:, None]
+    send_x = jnp.where(slot_used[..., None], x[source_copy % num_tokens], 0)
+    send_expert = jnp.where(slot_used, ids[source_copy] % local_experts, local_experts)
+
+    recv_x = jax.lax.all_to_all(send_x, EXPERT_AXIS, 0, 0)
+    recv_expert = jax.lax.all_to_all(send_expert, EXPERT_AXIS, 0, 0).reshape(-1)
+    rows = recv_x.reshape(shards * capacity, width)
+    row_used = recv_expert < local_experts
+    plan = plan_dispatch(recv_expert, local_experts, row_used)
+    y_sorted = expert_mlp(
+        _gather_rows(rows, plan.order, plan.inverse, 1),
+        plan.group_sizes,
+        w_in,
+        w_out,
+        activation,
+        backend=backend,
+    )
+    # Rows past the groups are padding the grouped matmul may leave unwritten: select, never
+    # multiply, so that whatever they hold cannot leak.
+    y_rows = jnp.where(row_used[:, None], _gather_rows(y_sorted, plan.inverse, plan.order, 1), 0)
+    back = jax.lax.all_to_all(y_rows.reshape(shards, capacity, width), EXPERT_AXIS, 0, 0)
+
+    position = by_destination.inverse - starts[destination]
+    kept = valid & (position < capacity)
+    flat_slot = destination * capacity + jnp.minimum(position, capacity - 1)
+    y_copies = jnp.where(kept[:, None], back.reshape(-1, width)[flat_slot], 0)
+    y_copies = y_copies.reshape(k, num_tokens, width).transpose(1, 0, 2)
+    dropped = jnp.sum(valid & ~kept).astype(jnp.float32)
+    return combine(y_copies, weights), jax.lax.psum(dropped, all_axes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gather_rows(x, index, transpose_index, group):
+    """`x[index]`, where `index` repeats each row of x `group` times at positions `transpose_index`.
+
+    x: [S, W], index: [S·group], transpose_index: [S·group] with
+    `index[transpose_index[s·group + j]] == s`. The gradient is then a gather and a sum over the
+    group (`g[transpose_index].reshape(S, group, W).sum(1)`) instead of a scatter-add.
+    """
+    return x[index]
+
+
+def _gather_rows_forward(x, index, transpose_index, group):
+    return x[index], (index, transpose_index)
+
+
+def _gather_rows_backward(group, residuals, out_grad):
+    index, transpose_index = residuals
+    rows = out_grad[transpose_index]
+    x_grad = rows.reshape(-1, group, rows.shape[-1]).sum(axis=1, dtype=jnp.float32)
+    return x_grad.astype(out_grad.dtype), None, None
+
+
+_gather_rows.defvjp(_gather_rows_forward, _gather_rows_backward)
+
+
+@jax.custom_vjp
+def _unsort_combine(y_sorted, weights, order, inverse):
+    """`combine` of expert outputs in token order: out[t] = sum_j w[t, j] y_sorted[inv[t·k + j]].
+
+    y_sorted: [T·k, W] expert outputs in expert order, weights: [T, k], order/inverse: the
+    `DispatchPlan` of the T·k copies. The gradient of y_sorted is gathered straight from the
+    [T, W] output gradient (`dy_sorted[p] = w[order[p]] · g[order[p] // k]`), never through a
+    materialised [T, k, W] cotangent.
+    """
+    num_tokens, k = weights.shape
+    return combine(y_sorted[inverse].reshape(num_tokens, k, -1), weights)
+
+
+def _unsort_combine_forward(y_sorted, weights, order, inverse):
+    return _unsort_combine(y_sorted, weights, order, inverse), (y_sorted, weights, order, inverse)
+
+
+def _unsort_combine_backward(residuals, out_grad):
+    y_sorted, weights, order, inverse = residuals
+    num_tokens, k = weights.shape
+    out_grad = out_grad.astype(jnp.float32)
+    sorted_weights = weights.reshape(-1)[order].astype(jnp.float32)
+    y_grad = out_grad[order // k] * sorted_weights[:, None]
+    y_copies = y_sorted[inverse].reshape(num_tokens, k, -1).astype(jnp.float32)
+    weights_grad = jnp.sum(y_copies * out_grad[:, None, :], axis=-1)
+    return y_grad.astype(y_sorted.dtype), weights_grad.astype(weights.dtype), None, None
+
+
+_unsort_combine.defvjp(_unsort_combine_forward, _unsort_combine_backward)
+
+
+def _check_dispatch_args(x, expert_ids, weights, w_in, w_out):
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, W], got shape {x.shape}.")
+    if expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"expert_ids must be [T={x.shape[0]}, k], got {expert_ids.shape}.")
+    if weights.shape != expert_ids.shape:
+        raise ValueError(f"weights must match expert_ids {expert_ids.shape}, got {weights.shape}.")
+    if w_in.ndim != 4 or w_in.shape[1] != x.shape[1] or w_in.shape[2] != 2:
+        raise ValueError(f"w_in must be [E, W={x.shape[1]}, 2, M], got {w_in.shape}.")
+    expected_out = (w_in.shape[0], w_in.shape[3], x.shape[1])
+    if w_out.shape != expected_out:
+        raise ValueError(f"w_out must be [E, M, W] = {expected_out}, got {w_out.shape}.")

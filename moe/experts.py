@@ -1,0 +1,296 @@
+"""Flax NNX modules: the Stable LatentMoE layer, the dense GLU FFN, and the router-bias update.
+
+Stable LatentMoE (Kimi K3 report Eq. 11-13):
+
+    s, (ids, p) = sigmoid(W_r x), top-k of s + b        router on the full-width x
+    u = sum_{j in ids} p_j · E_j(W_down x)              routed experts in latent width l
+    y = W_up · RMSNorm_l(u) + Shared(x)                 one norm on the aggregated u
+
+Experts and the shared expert are GLU MLPs with the configured activation (SiTU-GLU by default).
+With `latent_dim=None` it is a plain MoE (experts read x directly, no W_down / W_up / norm).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moe.activations import GLUActivation
+from moe.config import MoEConfig
+from moe.dispatch import EXPERT_AXIS, dropless_moe, expert_parallel_moe
+from moe.routing import (
+    RouterStats,
+    dynamic_route,
+    initial_dynamic_bias,
+    load_counts,
+    route,
+    router_scores,
+    switch_aux_loss,
+    updated_bias,
+)
+
+
+class RouterBias(nnx.Variable):
+    """Per-expert router bias b [E]: changes which experts are chosen, never the weights.
+
+    Not an `nnx.Param`, so optimizers built with `wrt=nnx.Param` and `nnx.grad` leave it alone;
+    only the balancer (`update_router_biases`) writes it. Under dynamic_k it is minus the
+    per-expert firing threshold.
+    """
+
+
+def _fan_in_normal(fan_in: int, axes: tuple[str | None, ...]):
+    """Normal(0, 1/fan_in) initializer with logical axis names (variance-preserving)."""
+    return nnx.with_partitioning(nnx.initializers.normal(stddev=fan_in**-0.5), axes)
+
+
+def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis in float32, cast back to x.dtype. x: [..., W], gain: [W]."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return (normed * gain.astype(jnp.float32)).astype(x.dtype)
+
+
+class DenseFFN(nnx.Module):
+    """Dense GLU FFN `W_out · act(W_gate x, W_up x)` (the first `first_k_dense` layers' FFN and
+    the shared expert).
+
+    Parameters: w_in [D, 2, H] (gate, up) with axes ("embed", None, "mlp"); w_out [H, D] with
+    axes ("mlp", "embed").
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        hidden: int,
+        activation: str = "situ",
+        *,
+        situ_beta: float = 4.0,
+        situ_linear_beta: float = 25.0,
+        swiglu_limit: float = 7.0,
+        dtype=jnp.bfloat16,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        if d_model < 1 or hidden < 1:
+            raise ValueError(f"d_model and hidden must be >= 1, got {d_model} and {hidden}.")
+        self.activation = GLUActivation(activation, situ_beta, situ_linear_beta, swiglu_limit)
+        self.dtype = dtype
+        self.w_in = nnx.Param(
+            _fan_in_normal(d_model, ("embed", None, "mlp"))(
+                rngs.params(), (d_model, 2, hidden), param_dtype
+            )
+        )
+        self.w_out = nnx.Param(
+            _fan_in_normal(hidden, ("mlp", "embed"))(rngs.params(), (hidden, d_model), param_dtype)
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [..., D] -> [..., D] in self.dtype."""
+        if x.shape[-1] != self.w_in.shape[0]:
+            raise ValueError(f"x must be [..., D={self.w_in.shape[0]}], got shape {x.shape}.")
+        w_in = self.w_in[...].astype(self.dtype)
+        gate_up = jnp.einsum("...d,dch->...ch", x.astype(self.dtype), w_in)
+        hidden = self.activation(gate_up[..., 0, :], gate_up[..., 1, :]).astype(self.dtype)
+        return hidden @ self.w_out[...].astype(self.dtype)
+
+
+class StableLatentMoE(nnx.Module):
+    """Sigmoid-routed MoE with latent experts, latent RMSNorm and a full-width shared expert.
+
+    Parameters (logical axes): router [D, E] ("embed", None), float32 compute; router_bias [E]
+    (`RouterBias`, ("expert",)); w_down [D, l] ("embed", "latent"); latent_gain [l] ("latent",);
+    w_up [l, D] ("latent", "embed"); expert_w_in [E, l, 2, M] ("expert", "latent", None, "mlp");
+    expert_w_out [E, M, l] ("expert", "mlp", "latent"); shared: `DenseFFN`. In a plain MoE the
+    expert width axis is "embed".
+
+    Under a mesh with an `expert` axis of size > 1 (`jax.set_mesh`), the routed experts run expert
+    parallel (`moe.dispatch.expert_parallel_moe`); otherwise dropless on each device.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        cfg: MoEConfig,
+        *,
+        dtype=jnp.bfloat16,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        if d_model < 1:
+            raise ValueError(f"d_model must be >= 1, got {d_model}.")
+        self.cfg = cfg
+        self.d_model = d_model
+        self.dtype = dtype
+        self.activation = GLUActivation.from_config(cfg)
+        num_experts, hidden = cfg.num_experts, cfg.expert_hidden
+        width = cfg.routed_width(d_model)
+        width_axis = "embed" if cfg.latent_dim is None else "latent"
+
+        self.router = nnx.Param(
+            _fan_in_normal(d_model, ("embed", None))(
+                rngs.params(), (d_model, num_experts), param_dtype
+            )
+        )
+        initial_bias = (
+            initial_dynamic_bias(num_experts, cfg.top_k)
+            if cfg.dynamic_k
+            else jnp.zeros((num_experts,), jnp.float32)
+        )
+        self.router_bias = RouterBias(initial_bias, out_sharding=("expert",))
+        if cfg.latent_dim is not None:
+            self.w_down = nnx.Param(
+                _fan_in_normal(d_model, ("embed", "latent"))(
+                    rngs.params(), (d_model, width), param_dtype
+                )
+            )
+            self.w_up = nnx.Param(
+                _fan_in_normal(width, ("latent", "embed"))(
+                    rngs.params(), (width, d_model), param_dtype
+                )
+            )
+        if cfg.latent_norm:
+            self.latent_gain = nnx.Param(
+                nnx.with_partitioning(nnx.initializers.ones_init(), ("latent",))(
+                    rngs.params(), (width,), param_dtype
+                )
+            )
+        self.expert_w_in = nnx.Param(
+            _fan_in_normal(width, ("expert", width_axis, None, "mlp"))(
+                rngs.params(), (num_experts, width, 2, hidden), param_dtype
+            )
+        )
+        self.expert_w_out = nnx.Param(
+            _fan_in_normal(hidden, ("expert", "mlp", width_axis))(
+                rngs.params(), (num_experts, hidden, width), param_dtype
+            )
+        )
+        self.shared = (
+            DenseFFN(
+                d_model,
+                cfg.shared_hidden,
+                cfg.activation,
+                situ_beta=cfg.situ_beta,
+                situ_linear_beta=cfg.situ_linear_beta,
+                swiglu_limit=cfg.swiglu_limit,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                rngs=rngs,
+            )
+            if cfg.shared_hidden
+            else None
+        )
+
+    def __call__(
+        self, x: jax.Array, segment_ids: jax.Array | None = None
+    ) -> tuple[jax.Array, RouterStats]:
+        """Mix each token's routed experts and add the shared expert.
+
+        Args:
+            x: [B, T, D] layer input (the router reads it at full width, in float32).
+            segment_ids: [B, T] int packing ids; 0 marks padding, which gets no routed output
+                and is left out of the balancer statistics and the auxiliary loss.
+
+        Returns:
+            y: [B, T, D] in self.dtype.
+            stats: `RouterStats` for `update_router_biases` and `moe.routing.balance_metrics`.
+        """
+        cfg = self.cfg
+        if x.ndim != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must be [B, T, D={self.d_model}], got shape {x.shape}.")
+        if segment_ids is not None and segment_ids.shape != x.shape[:2]:
+            raise ValueError(
+                f"segment_ids must be [B, T] = {x.shape[:2]}, got {segment_ids.shape}."
+            )
+        batch, length, _ = x.shape
+        tokens = x.reshape(batch * length, self.d_model)
+        token_mask = (
+            jnp.ones((tokens.shape[0],), bool)
+            if segment_ids is None
+            else segment_ids.reshape(-1) != 0
+        )
+
+        scores = router_scores(tokens, self.router[...])
+        bias = self.router_bias[...]
+        if cfg.dynamic_k:
+            expert_ids, weights, fired = dynamic_route(
+                scores, bias, cfg.slots_per_token, cfg.routed_scaling_factor
+            )
+        else:
+            expert_ids, weights = route(scores, bias, cfg.top_k, cfg.routed_scaling_factor)
+            fired = jnp.ones(expert_ids.shape, bool)
+        copy_mask = fired & token_mask[:, None]
+        weights = jnp.where(copy_mask, weights, 0.0)
+
+        routed_in = tokens.astype(self.dtype)
+        if cfg.latent_dim is not None:
+            routed_in = routed_in @ self.w_down[...].astype(self.dtype)
+        routed, dropped = self._routed_experts(routed_in, expert_ids, weights, copy_mask)
+        if cfg.latent_norm:
+            routed = rms_norm(routed, self.latent_gain[...], cfg.norm_eps)
+        if cfg.latent_dim is not None:
+            routed = routed @ self.w_up[...].astype(self.dtype)
+        y = routed if self.shared is None else routed + self.shared(tokens)
+
+        aux_loss = (
+            cfg.aux_loss_weight * switch_aux_loss(scores, expert_ids, copy_mask)
+            if cfg.balancing == "aux_loss"
+            else jnp.zeros((), jnp.float32)
+        )
+        stats = RouterStats(
+            scores=jax.lax.stop_gradient(scores).reshape(batch, length, -1),
+            expert_ids=expert_ids.reshape(batch, length, -1),
+            copy_mask=copy_mask.reshape(batch, length, -1),
+            token_mask=token_mask.reshape(batch, length),
+            load=load_counts(expert_ids, cfg.num_experts, copy_mask),
+            aux_loss=aux_loss,
+            dropped=dropped,
+        )
+        return y.reshape(batch, length, self.d_model).astype(self.dtype), stats
+
+    def _routed_experts(self, z, expert_ids, weights, copy_mask):
+        """Routed-expert mix of z [N, W]: expert parallel under an `expert` mesh axis."""
+        w_in, w_out = self.expert_w_in[...], self.expert_w_out[...]
+        mesh = jax.sharding.get_abstract_mesh()
+        if EXPERT_AXIS in mesh.axis_names and mesh.shape[EXPERT_AXIS] > 1:
+            return expert_parallel_moe(
+                z,
+                expert_ids,
+                weights,
+                w_in,
+                w_out,
+                self.activation,
+                copy_mask=copy_mask,
+                capacity_factor=self.cfg.capacity_factor,
+                backend=self.cfg.gmm_backend,
+                mesh=mesh,
+            )
+        y = dropless_moe(
+            z, expert_ids, weights, w_in, w_out, self.activation, backend=self.cfg.gmm_backend
+        )
+        return y, jnp.zeros((), jnp.float32)
+
+
+def moe_layers(model: nnx.Module) -> list[StableLatentMoE]:
+    """The `StableLatentMoE` layers of a model, in NNX graph order (the order stats are given)."""
+    return [module for _, module in nnx.iter_modules(model) if isinstance(module, StableLatentMoE)]
+
+
+def update_router_biases(model: nnx.Module, stats: Sequence[RouterStats]) -> None:
+    """Apply the balancer to every MoE layer, in place (after the optimizer step, no gradient).
+
+    Args:
+        model: an NNX module containing `StableLatentMoE` layers.
+        stats: one `RouterStats` per layer, in `moe_layers(model)` order.
+    """
+    layers = moe_layers(model)
+    if len(layers) != len(stats):
+        raise ValueError(
+            f"got {len(stats)} RouterStats for {len(layers)} MoE layers; pass one per layer in "
+            "moe_layers(model) order."
+        )
+    for layer, layer_stats in zip(layers, stats):
+        layer.router_bias[...] = updated_bias(layer.cfg, layer.router_bias[...], layer_stats)
