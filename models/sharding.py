@@ -7,11 +7,16 @@ single place where those names meet the mesh axes:
     mesh axes (outermost first): data, fsdp, expert, tensor
 
     batch  -> data, fsdp, expert     tokens are split over every data-like axis
-    embed  -> fsdp                   parameters at rest are split over fsdp (ZeRO-3 style)
-    latent -> fsdp                   low-rank / latent widths: fsdp when embed is not in the tensor
+    embed  -> fsdp, expert           parameters at rest are split ZeRO-3 style over the fsdp and
+                                     expert axes (expert ranks are data ranks outside the MoE)
+    latent -> fsdp, expert           low-rank / latent widths, when embed is not in the array
     heads, mlp, vocab -> tensor      Megatron-style tensor parallelism
     expert -> expert                 expert parallelism
     seq, kv -> not split
+
+An expert weight [expert, latent, mlp] is thus split over expert, fsdp and tensor; a dense weight
+[embed, heads] over fsdp x expert and tensor; an activation [batch, seq, embed] over the batch
+axes only (embed finds its axes taken).
 
 Resolution follows Flax's convention: a mesh axis already used by an earlier dimension of the
 same array is skipped, and so is an axis that does not divide the dimension (that dimension is
@@ -31,8 +36,8 @@ MESH_AXES = ("data", "fsdp", "expert", "tensor")
 LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("batch", ("data", "fsdp", "expert")),
     ("seq", ()),
-    ("embed", ("fsdp",)),
-    ("latent", ("fsdp",)),
+    ("embed", ("fsdp", "expert")),
+    ("latent", ("fsdp", "expert")),
     ("heads", ("tensor",)),
     ("kv", ()),
     ("mlp", ("tensor",)),

@@ -1,0 +1,225 @@
+"""Per-device memory of a training run, planned without allocating anything.
+
+    plan = print_memory_plan(preset("k3"), {"fsdp": 64, "expert": 16}, batch_size=1024,
+                             seq_len=8192)
+
+or from the shell:
+
+    python -m models.memory --preset k3 --mesh fsdp=64,expert=16 --batch 1024 --seq 8192
+
+Parameters, gradients and optimizer state are exact: the parameter tree comes from
+`jax.eval_shape` of the real model and every array is split as `models.sharding` would split it
+(a dimension that an axis does not divide stays replicated over that axis, and counts so).
+Activations are an estimate: per token and layer, the tensors the backward pass keeps under the
+config's remat policy (flash attention assumed: no [T, T] scores are kept), the AttnRes snapshots,
+and the float32 logits. XLA's real peak adds temporaries and collective buffers; treat the
+activation figure as a planning number, good to tens of percent.
+"""
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.attn_res import num_seal_slots
+from models.config import ModelConfig, count_params, format_count, preset
+from models.lm import HybridLM
+from models.sharding import MESH_AXES, abstract_mesh, describe_mesh, logical_to_mesh
+
+H200_BYTES = 141e9
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per device of one training step (see the module docstring for what is estimated)."""
+
+    mesh: Mapping[str, int]
+    batch_size: int
+    seq_len: int
+    remat: str
+    num_params: int
+    params: float
+    gradients: float
+    optimizer: float
+    activations: float
+    largest: tuple[tuple[str, float], ...]  # the biggest per-device parameter shards
+
+    @property
+    def total(self) -> float:
+        return self.params + self.gradients + self.optimizer + self.activations
+
+    def report(self, device_bytes: float = H200_BYTES) -> str:
+        devices = math.prod(self.mesh.values())
+        tokens = self.batch_size * self.seq_len
+        lines = [
+            f"mesh {describe_mesh(self.mesh)}; batch {self.batch_size} x {self.seq_len} tokens "
+            f"({format_count(tokens)} per step); remat {self.remat}; "
+            f"{format_count(self.num_params)} parameters",
+            "per device:",
+            f"  parameters   {self.params / GIB:10.2f} GiB",
+            f"  gradients    {self.gradients / GIB:10.2f} GiB",
+            f"  optimizer    {self.optimizer / GIB:10.2f} GiB",
+            f"  activations  {self.activations / GIB:10.2f} GiB  (estimate)",
+            f"  total        {self.total / GIB:10.2f} GiB of {device_bytes / GIB:.1f} GiB "
+            f"({100 * self.total / device_bytes:.0f}%){'' if self.total <= device_bytes else '  DOES NOT FIT'}",
+            f"all {devices} devices: {devices * self.total / 2**40:.1f} TiB",
+            "largest parameter shards per device:",
+        ]
+        lines += [f"  {bytes_ / GIB:8.3f} GiB  {path}" for path, bytes_ in self.largest]
+        return "\n".join(lines)
+
+
+def _shard_factor(spec, sizes: Mapping[str, int]) -> int:
+    factor = 1
+    for entry in spec:
+        for axis in (entry,) if isinstance(entry, str) else entry or ():
+            factor *= sizes[axis]
+    return factor
+
+
+def _layer_activation_floats(cfg: ModelConfig, mixer: str, ffn: str, tensor: int):
+    """Numbers kept per token by one layer: (matmul outputs, everything else).
+
+    Widths that tensor parallelism splits (heads, mlp) are divided by the tensor axis size.
+    """
+    d = cfg.d_model
+    kda, mla, moe = cfg.kda, cfg.mla, cfg.moe
+    if mixer == "kda":
+        keys = kda.num_value_heads * kda.head_dim
+        matmul = (kda.qkv_dim + keys + kda.num_value_heads + keys) / tensor + kda.head_dim + d
+        # conv and SiLU outputs, float32 log-decays, attention output, its norm and gating, and
+        # the float32 chunk states of the chunked algorithm (one K x V state per 64 tokens).
+        other = (2 * kda.qkv_dim + 2 * keys + 3 * keys
+                 + 2 * kda.num_value_heads * kda.head_dim * kda.head_dim / 64) / tensor
+    else:
+        heads = mla.num_heads
+        queries = (mla.q_lora_rank or 0)
+        matmul = (queries + mla.latent_dim + d
+                  + heads * (mla.qk_head_dim + mla.qk_nope_head_dim + 2 * mla.v_head_dim) / tensor)
+        other = queries + mla.kv_lora_rank + heads * (2 * mla.v_head_dim + 2) / tensor
+    if ffn == "dense":
+        matmul += 2 * cfg.dense_hidden / tensor + d
+        other += cfg.dense_hidden / tensor
+    else:
+        width = moe.routed_width(d)
+        copies = moe.slots_per_token
+        matmul += (2 * moe.num_experts  # float32 router logits
+                   + (width if moe.latent_dim else 0)
+                   + copies * (2 * moe.expert_hidden / tensor + width)
+                   + 2 * moe.shared_hidden / tensor + 2 * d)
+        other += (2 * moe.num_experts + copies * (width + moe.expert_hidden / tensor)
+                  + 2 * width + moe.shared_hidden / tensor)
+    # Two AttnRes reads and two RMSNorms (inputs kept in float32 for the backward pass).
+    other += 4 * 2 * d
+    return matmul, other
+
+
+def estimate_activation_bytes(cfg: ModelConfig, sizes: Mapping[str, int], batch_size: int,
+                              seq_len: int) -> float:
+    """Activation bytes per device kept for the backward pass (see the module docstring)."""
+    data_parallel = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("expert", 1)
+    tensor = sizes.get("tensor", 1)
+    tokens = math.ceil(batch_size / data_parallel) * seq_len
+    per_layer = [
+        _layer_activation_floats(cfg, mixer, ffn, tensor)
+        for mixer, ffn in zip(cfg.mixer_kinds, cfg.ffn_kinds)
+    ]
+    if cfg.remat == "none":
+        kept = sum(m + o for m, o in per_layer)
+    elif cfg.remat in ("dots", "dots_no_batch"):
+        kept = sum(m for m, _ in per_layer) + cfg.num_layers * cfg.d_model
+    else:  # "full": each layer keeps its input; one layer at a time is recomputed
+        kept = cfg.num_layers * cfg.d_model + max(m + o for m, o in per_layer)
+    snapshots = (num_seal_slots(2 * cfg.num_layers, cfg.seal_period) + 1) * cfg.d_model
+    floats = kept + snapshots + cfg.d_model  # the embedding output
+    logits_bytes = 2 * 4 * cfg.vocab_size / tensor  # float32 logits and their gradient
+    return tokens * (floats * cfg.compute_dtype.itemsize + logits_bytes)
+
+
+def plan_memory(
+    cfg: ModelConfig,
+    mesh: Mapping[str, int] | jax.sharding.Mesh | jax.sharding.AbstractMesh,
+    *,
+    batch_size: int,
+    seq_len: int,
+    optimizer_moments: int = 2,
+    moment_dtype: jnp.dtype = jnp.float32,
+    top: int = 5,
+) -> MemoryPlan:
+    """Per-device memory of training `cfg` on `mesh` ({axis: size}, or a mesh), AdamW-style.
+
+    optimizer_moments: float arrays the optimizer keeps per parameter (AdamW: 2, SGD-momentum: 1).
+    """
+    sizes = dict(mesh) if isinstance(mesh, Mapping) else dict(mesh.shape)
+    unknown = set(sizes) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"mesh axes must be among {MESH_AXES}, got {sorted(unknown)}")
+    planning_mesh = abstract_mesh(**sizes)
+    abstract = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))
+    state = nnx.state(abstract, nnx.Param)
+    params_bytes, shards, num_params = 0.0, [], 0
+    for path, variable in jax.tree_util.tree_flatten_with_path(
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )[0]:
+        names = variable.get_metadata().get("out_sharding") or (None,) * len(variable.shape)
+        spec = logical_to_mesh(names, variable.shape, planning_mesh)
+        local = math.prod(variable.shape) / _shard_factor(spec, sizes)
+        params_bytes += local * variable.dtype.itemsize
+        num_params += math.prod(variable.shape)
+        shards.append((jax.tree_util.keystr(path), local * variable.dtype.itemsize))
+    local_params = params_bytes / cfg.parameter_dtype.itemsize
+    return MemoryPlan(
+        mesh={name: sizes.get(name, 1) for name in MESH_AXES},
+        batch_size=batch_size,
+        seq_len=seq_len,
+        remat=cfg.remat,
+        num_params=num_params,
+        params=params_bytes,
+        gradients=params_bytes,
+        optimizer=optimizer_moments * local_params * jnp.dtype(moment_dtype).itemsize,
+        activations=estimate_activation_bytes(cfg, sizes, batch_size, seq_len),
+        largest=tuple(sorted(shards, key=lambda s: -s[1])[:top]),
+    )
+
+
+def print_memory_plan(cfg: ModelConfig, mesh, *, batch_size: int, seq_len: int,
+                      device_bytes: float = H200_BYTES, **kwargs) -> MemoryPlan:
+    """Prints `plan_memory(...).report()` and returns the plan."""
+    plan = plan_memory(cfg, mesh, batch_size=batch_size, seq_len=seq_len, **kwargs)
+    print(plan.report(device_bytes))
+    return plan
+
+
+def _parse_mesh(text: str) -> dict[str, int]:
+    sizes = {}
+    for item in filter(None, text.split(",")):
+        name, _, size = item.partition("=")
+        if name not in MESH_AXES or not size.isdigit():
+            raise ValueError(f"--mesh takes axis=size pairs over {MESH_AXES}, got {item!r}")
+        sizes[name] = int(size)
+    return sizes
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="k3")
+    parser.add_argument("--mesh", default="fsdp=64,expert=16",
+                        help="axis=size pairs over data, fsdp, expert, tensor")
+    parser.add_argument("--batch", type=int, default=1024, help="sequences per step")
+    parser.add_argument("--seq", type=int, default=8192, help="tokens per sequence")
+    parser.add_argument("--remat", default="full", choices=("none", "full", "dots",
+                                                             "dots_no_batch"))
+    args = parser.parse_args(argv)
+    cfg = preset(args.preset, remat=args.remat, scan_layers=True)
+    print(f"{args.preset}: {format_count(count_params(cfg)['total'])} parameters, "
+          f"{format_count(count_params(cfg)['active'])} active per token")
+    print_memory_plan(cfg, _parse_mesh(args.mesh), batch_size=args.batch, seq_len=args.seq)
+
+
+if __name__ == "__main__":
+    main()
