@@ -23,19 +23,20 @@ def softcap(z: jax.Array, cap: float) -> jax.Array:
 
 def situ_glu(gate: jax.Array, up: jax.Array, beta: float = 4.0, linear_beta: float = 25.0):
     """SiTU-GLU of gate and up pre-activations (same shape), float32."""
-    gate = gate.astype(jnp.float32)
-    return softcap(gate, beta) * jax.nn.sigmoid(gate) * softcap(up.astype(jnp.float32), linear_beta)
+    gate = jnp.asarray(gate, jnp.float32)
+    up = jnp.asarray(up, jnp.float32)
+    return softcap(gate, beta) * jax.nn.sigmoid(gate) * softcap(up, linear_beta)
 
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     """SwiGLU `silu(gate) · up`, float32."""
-    return jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
+    return jax.nn.silu(jnp.asarray(gate, jnp.float32)) * jnp.asarray(up, jnp.float32)
 
 
 def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float = 7.0) -> jax.Array:
     """SwiGLU with hard clamps `silu(min(gate, limit)) · clip(up, ±limit)`, float32."""
-    gate = jnp.minimum(gate.astype(jnp.float32), limit)
-    return jax.nn.silu(gate) * jnp.clip(up.astype(jnp.float32), -limit, limit)
+    gate = jnp.minimum(jnp.asarray(gate, jnp.float32), limit)
+    return jax.nn.silu(gate) * jnp.clip(jnp.asarray(up, jnp.float32), -limit, limit)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,219 @@
+"""Dispatch: dropless == naive dense reference (values and gradients); expert parallel == single
+device on several meshes; capacity drops are counted; grouped matmul backends."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moe.activations import GLUActivation
+from moe.dispatch import combine, dropless_moe, expert_parallel_moe, plan_dispatch
+from moe.grouped_matmul import grouped_matmul, mosaic_gpu_supports
+
+SITU = GLUActivation("situ")
+
+
+def naive_moe(x, expert_ids, weights, w_in, w_out, activation):
+    """Each token times each of its k experts, weighted and summed (no sorting, no grouping)."""
+    w_in_tok = w_in[expert_ids]  # [T, k, W, 2, M]
+    hidden = jnp.einsum("tw,tkwcm->tkcm", x, w_in_tok, precision="highest")
+    act = activation(hidden[..., 0, :], hidden[..., 1, :])
+    y = jnp.einsum("tkm,tkmw->tkw", act, w_out[expert_ids], precision="highest")
+    return jnp.sum(y * weights[..., None], axis=1)
+
+
+def make_problem(seed, tokens, width, experts, hidden, k):
+    keys = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(keys[0], (tokens, width))
+    scores = jax.random.uniform(keys[1], (tokens, experts))
+    expert_ids = jax.lax.top_k(scores, k)[1].astype(jnp.int32)
+    weights = jax.random.uniform(keys[2], (tokens, k))
+    w_in = jax.random.normal(keys[3], (experts, width, 2, hidden)) * width**-0.5
+    w_out = jax.random.normal(keys[4], (experts, hidden, width)) * hidden**-0.5
+    return x, expert_ids, weights, w_in, w_out
+
+
+@settings(deadline=None, max_examples=4)
+@given(
+    shape=st.sampled_from([(16, 8, 4, 6, 2), (33, 16, 8, 8, 3)]),
+    activation=st.sampled_from(["situ", "swiglu", "clamped_swiglu"]),
+    seed=st.integers(0, 100),
+)
+def test_dropless_equals_naive_reference_values_and_gradients(shape, activation, seed):
+    tokens, width, experts, hidden, k = shape
+    act = GLUActivation(activation)
+    x, ids, weights, w_in, w_out = make_problem(seed, tokens, width, experts, hidden, k)
+    ours = functools.partial(dropless_moe, expert_ids=ids, activation=act, backend="xla")
+    ref = functools.partial(naive_moe, expert_ids=ids, activation=act)
+    args = dict(x=x, weights=weights, w_in=w_in, w_out=w_out)
+    cotangent = jax.random.normal(jax.random.key(seed + 7), (tokens, width))
+
+    @jax.jit
+    def outputs_and_grads(args):
+        def loss(fn, a):
+            return jnp.sum(fn(**a) * cotangent)
+
+        return [(fn(**args), jax.grad(functools.partial(loss, fn))(args)) for fn in (ours, ref)]
+
+    (y_ours, grads_ours), (y_ref, grads_ref) = outputs_and_grads(args)
+    np.testing.assert_allclose(y_ours, y_ref, rtol=1e-5, atol=1e-5)
+    for name in args:
+        np.testing.assert_allclose(grads_ours[name], grads_ref[name], rtol=1e-4, atol=1e-5)
+
+
+def test_dropless_in_bf16_is_close_to_the_float32_reference():
+    x, ids, weights, w_in, w_out = make_problem(0, 64, 32, 8, 16, 2)
+    ours = dropless_moe(x.astype(jnp.bfloat16), ids, weights, w_in, w_out, SITU, backend="xla")
+    assert ours.dtype == jnp.bfloat16
+    ref = naive_moe(x, ids, weights, w_in, w_out, SITU)
+    np.testing.assert_allclose(ours.astype(jnp.float32), ref, atol=0.05, rtol=0.05)
+
+
+def test_plan_dispatch_groups_rows_and_inverts():
+    row_expert = jnp.array([2, 0, 2, 1, 0, 2])
+    valid = jnp.array([True, True, False, True, True, True])
+    plan = plan_dispatch(row_expert, 3, valid)
+    np.testing.assert_array_equal(plan.group_sizes, [2, 1, 2])
+    np.testing.assert_array_equal(plan.order, [1, 4, 3, 0, 5, 2])
+    np.testing.assert_array_equal(plan.order[plan.inverse], np.arange(6))
+
+
+def test_combine_weights_each_copy():
+    y = jnp.arange(12.0).reshape(2, 3, 2)
+    w = jnp.array([[1.0, 0.0, 2.0], [0.5, 0.5, 0.0]])
+    np.testing.assert_allclose(combine(y, w), [[8.0, 11.0], [7.0, 8.0]])
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, axis_names",
+    [((8,), ("expert",)), ((2, 4), ("data", "expert")), ((4, 2), ("data", "expert"))],
+)
+def test_expert_parallel_equals_single_device(mesh_shape, axis_names):
+    x, ids, weights, w_in, w_out = make_problem(1, 64, 16, 8, 8, 2)
+    mesh = jax.make_mesh(
+        mesh_shape, axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(axis_names)
+    )
+    single = dropless_moe(x, ids, weights, w_in, w_out, SITU, backend="xla")
+
+    def parallel(x, weights, w_in, w_out):
+        return expert_parallel_moe(x, ids, weights, w_in, w_out, SITU, backend="xla", mesh=mesh)
+
+    with jax.set_mesh(mesh):
+        y, dropped = jax.jit(parallel)(x, weights, w_in, w_out)
+        cotangent = jax.random.normal(jax.random.key(3), y.shape)
+        grads = jax.jit(
+            jax.grad(lambda *a: jnp.sum(parallel(*a)[0] * cotangent), argnums=(0, 1, 2, 3))
+        )(x, weights, w_in, w_out)
+    assert float(dropped) == 0.0
+    np.testing.assert_allclose(y, single, rtol=1e-5, atol=1e-5)
+    single_grads = jax.grad(
+        lambda *a: jnp.sum(dropless_moe(a[0], ids, a[1], a[2], a[3], SITU) * cotangent),
+        argnums=(0, 1, 2, 3),
+    )(x, weights, w_in, w_out)
+    for ours, ref in zip(grads, single_grads):
+        np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_expert_parallel_drops_late_choices_first_and_counts_them():
+    """All tokens pick expert 0 first: with a small buffer the overflow is dropped and counted,
+    and what is kept equals the dropless result with the dropped copies' weights set to 0."""
+    mesh = jax.make_mesh((4,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
+    tokens, k, experts = 32, 2, 8
+    x, _, weights, w_in, w_out = make_problem(2, tokens, 8, experts, 8, k)
+    ids = jnp.stack([jnp.zeros(tokens, jnp.int32), jnp.arange(tokens) % (experts - 1) + 1], 1)
+    with jax.set_mesh(mesh):
+        y, dropped = jax.jit(
+            lambda x: expert_parallel_moe(
+                x, ids, weights, w_in, w_out, SITU, capacity_factor=1.0, backend="xla", mesh=mesh
+            )
+        )(x)
+    # 8 local tokens -> 16 copies per shard, capacity 16 / 4 = 4 per destination. Shard 0 holds
+    # experts 0-1: each source shard sends it its 8 first choices plus 1 second choice (expert 1),
+    # keeps 4 first choices and drops 4 first choices and that second choice.
+    local_tokens = tokens // 4
+    kept = np.zeros((tokens, k), bool)
+    for shard in range(4):
+        rows = np.arange(shard * local_tokens, (shard + 1) * local_tokens)
+        kept[rows[:4], 0] = True
+        second = np.asarray(ids[rows, 1])
+        for destination in range(4):
+            bound = rows[second // 2 == destination]
+            room = 4 - (4 if destination == 0 else 0)
+            kept[bound[:room], 1] = True
+    assert float(dropped) == float((~kept).sum())
+    expected = dropless_moe(x, ids, jnp.where(kept, weights, 0.0), w_in, w_out, SITU)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_parallel_skips_masked_copies():
+    mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    x, ids, weights, w_in, w_out = make_problem(4, 32, 8, 8, 8, 2)
+    mask = jax.random.bernoulli(jax.random.key(5), 0.7, ids.shape)
+    with jax.set_mesh(mesh):
+        y, dropped = jax.jit(
+            lambda x: expert_parallel_moe(
+                x, ids, weights, w_in, w_out, SITU, copy_mask=mask, backend="xla", mesh=mesh
+            )
+        )(x)
+    expected = dropless_moe(x, ids, jnp.where(mask, weights, 0.0), w_in, w_out, SITU)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+    assert float(dropped) == 0.0
+
+
+def test_dispatch_rejects_bad_shapes():
+    x, ids, weights, w_in, w_out = make_problem(0, 8, 4, 4, 4, 2)
+    with pytest.raises(ValueError, match="x must be"):
+        dropless_moe(x[None], ids, weights, w_in, w_out, SITU)
+    with pytest.raises(ValueError, match="weights must match"):
+        dropless_moe(x, ids, weights[:, :1], w_in, w_out, SITU)
+    with pytest.raises(ValueError, match="w_in must be"):
+        dropless_moe(x, ids, weights, w_in[:, :2], w_out, SITU)
+    with pytest.raises(ValueError, match="w_out must be"):
+        dropless_moe(x, ids, weights, w_in, w_out[:, :2], SITU)
+    with pytest.raises(ValueError, match="needs a mesh"):
+        expert_parallel_moe(x, ids, weights, w_in, w_out, SITU)
+    mesh = jax.make_mesh((8,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
+    with pytest.raises(ValueError, match="must divide by the 'expert' axis"):
+        expert_parallel_moe(x, ids, weights, w_in, w_out, SITU, mesh=mesh)
+
+
+def test_grouped_matmul_xla_and_errors():
+    lhs = jax.random.normal(jax.random.key(0), (10, 4))
+    rhs = jax.random.normal(jax.random.key(1), (3, 4, 5))
+    sizes = jnp.array([3, 0, 7])
+    out = grouped_matmul(lhs, rhs, sizes, backend="xla")
+    expected = jnp.concatenate([lhs[:3] @ rhs[0], lhs[3:] @ rhs[2]])
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    assert not mosaic_gpu_supports(lhs, rhs) or jax.default_backend() == "gpu"
+    with pytest.raises(ValueError, match="grouped_matmul needs"):
+        grouped_matmul(lhs, rhs[:, :3], sizes)
+    with pytest.raises(ValueError, match="group_sizes must be"):
+        grouped_matmul(lhs, rhs, sizes[:2])
+    with pytest.raises(ValueError, match="backend must be"):
+        grouped_matmul(lhs, rhs, sizes, backend="cuda")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="needs a Hopper GPU"):
+            grouped_matmul(lhs, rhs, sizes, backend="mosaic_gpu")
+
+
+@pytest.mark.gpu
+def test_mosaic_grouped_matmul_matches_xla_with_gradients():
+    keys = jax.random.split(jax.random.key(0), 4)
+    lhs = jax.random.normal(keys[0], (1024, 256), jnp.bfloat16)
+    rhs = jax.random.normal(keys[1], (8, 256, 384), jnp.bfloat16)
+    sizes = jnp.array([0, 300, 100, 124, 0, 200, 200, 100], jnp.int32)
+    cotangent = jax.random.normal(keys[2], (1024, 384), jnp.bfloat16)
+    assert mosaic_gpu_supports(lhs, rhs)
+
+    def value_and_grads(backend):
+        out, pullback = jax.vjp(lambda a, b: grouped_matmul(a, b, sizes, backend=backend), lhs, rhs)
+        return (out, *pullback(cotangent))
+
+    for ours, ref in zip(value_and_grads("mosaic_gpu"), value_and_grads("xla")):
+        np.testing.assert_allclose(
+            np.asarray(ours, np.float32), np.asarray(ref, np.float32), rtol=2e-2, atol=2e-1
+        )
