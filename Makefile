@@ -1,11 +1,14 @@
 # Two entry points, each creating the environment first:
 #   make run    set up, then run the main job on its embedded default data
 #   make test   set up, then run the CPU test suite (what CI runs)
-PYTHON ?= $(shell command -v python3.12 2>/dev/null || echo env PYENV_VERSION=3.12.1 python3)
+# The first interpreter that runs and is Python >= 3.12 (jax 0.11 needs it); override with PYTHON=...
+PYTHON ?= $(shell for c in python3.12 "env PYENV_VERSION=3.12.1 python3" python3; do \
+	$$c -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && { echo $$c; break; }; done)
 VENV := .venv
 STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
+	@test -n "$(PYTHON)" || { echo "No Python >= 3.12 found; run make PYTHON=/path/to/python3.12"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
