@@ -1,0 +1,171 @@
+"""Staged context extension: train at growing sequence lengths with constant tokens per step, the
+data mix shifting toward long documents and long-range recall, and measure needle-in-a-haystack
+and MQAR accuracy at every stage boundary.
+
+    python -m experiments.context_extension                    # CPU: 256 -> 1K -> 4K bytes
+    python -m experiments.context_extension --set lengths=8192,65536,262144,1048576 \\
+        --set tokens_per_step=8388608 --set stage_steps=4000,1000,300,100 --set train.model=...
+
+K3 extends 8K -> 64K -> 256K -> 1M (moe_arch.md §7); the CPU default is that recipe scaled down.
+Each stage keeps batch_size x seq_len = tokens_per_step, raises the share of corpus chunks drawn
+from documents longer than the row (`long_document_bias`) and of synthetic MQAR and needle rows.
+The learning-rate schedule runs once over all stages. At the end of every stage the model is
+evaluated at every length of the curriculum (held-out task examples; needles at fixed depths), so
+the table shows both what the stage taught and how far beyond its length it reaches. The table
+goes to context_extension.md (and summary.json) in the run folder.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+
+from models.config import preset
+from train.cli import config_dict, make_parser, resolve_config
+from train.data import DataConfig
+from train.loop import Stage, TrainConfig, Trainer, train
+from train.optim import OptimConfig
+from train.synthetic import MQAR, NeedleInHaystack
+
+DEFAULT_OUT = "runs/context_extension"
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextExtensionConfig:
+    """The curriculum: one entry per stage in each per-stage tuple.
+
+    train: model, optimizer and loop settings (its data settings are the first stage's base;
+        steps is derived from stage_steps).
+    lengths: sequence length of each stage.
+    tokens_per_step: batch_size x seq_len of every stage (a multiple of each length).
+    stage_steps: optimizer steps of each stage.
+    long_document_bias, mqar_weight, needle_weight: each stage's data mix (see DataConfig).
+    mqar: the MQAR task trained on and evaluated.
+    needle_depths: needle positions evaluated (fractions of the haystack before the needle).
+    eval_examples: held-out examples per task, length and depth.
+    """
+
+    train: TrainConfig = dataclasses.field(default_factory=lambda: TrainConfig(
+        model=preset("tiny"),
+        optim=OptimConfig(learning_rate=4e-3, warmup_steps=20, decay_fraction=0.3),
+        log_every=5, eval_batches=4,
+    ))
+    lengths: tuple[int, ...] = (256, 1024, 4096)
+    tokens_per_step: int = 4096
+    stage_steps: tuple[int, ...] = (150, 50, 30)
+    long_document_bias: tuple[float, ...] = (0.0, 0.5, 0.7)
+    mqar_weight: tuple[float, ...] = (0.05, 0.15, 0.25)
+    needle_weight: tuple[float, ...] = (0.05, 0.15, 0.25)
+    mqar: MQAR = dataclasses.field(default_factory=lambda: MQAR(num_kv_pairs=8))
+    needle_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
+    eval_examples: int = 16
+
+    def __post_init__(self):
+        per_stage = ("stage_steps", "long_document_bias", "mqar_weight", "needle_weight")
+        for name in per_stage:
+            if len(getattr(self, name)) != len(self.lengths):
+                raise ValueError(
+                    f"ContextExtensionConfig.{name} has {len(getattr(self, name))} entries for "
+                    f"{len(self.lengths)} stages (lengths={self.lengths}); give one per stage"
+                )
+        if not self.lengths or list(self.lengths) != sorted(set(self.lengths)):
+            raise ValueError(f"lengths must be increasing, got {self.lengths}")
+        for length in self.lengths:
+            if self.tokens_per_step % length:
+                raise ValueError(
+                    f"tokens_per_step={self.tokens_per_step} is not a multiple of the stage "
+                    f"length {length}; every stage keeps batch_size x seq_len = tokens_per_step"
+                )
+        if self.eval_examples < 1:
+            raise ValueError(f"eval_examples must be at least 1, got {self.eval_examples}")
+
+    def stages(self) -> tuple[Stage, ...]:
+        base = self.train.data
+        return tuple(
+            Stage(
+                dataclasses.replace(
+                    base, seq_len=length, batch_size=self.tokens_per_step // length,
+                    long_document_bias=bias, mqar_weight=mqar, needle_weight=needle,
+                    mqar=self.mqar,
+                ),
+                steps,
+            )
+            for length, steps, bias, mqar, needle in zip(
+                self.lengths, self.stage_steps, self.long_document_bias, self.mqar_weight,
+                self.needle_weight,
+            )
+        )
+
+    def train_config(self) -> TrainConfig:
+        return dataclasses.replace(
+            self.train, steps=sum(self.stage_steps), data=self.stages()[0].data
+        )
+
+
+def recall_accuracy(config: ContextExtensionConfig, trainer: Trainer) -> dict:
+    """Needle (per depth) and MQAR exact-match and token accuracy at every curriculum length."""
+    by_length = {}
+    for length in config.lengths:
+        rows = max(config.tokens_per_step // length, 1)
+        batches = max(config.eval_examples // rows, 1)
+        options = dict(seq_len=length, batch_size=min(rows, config.eval_examples),
+                       num_batches=batches)
+        results = {"mqar": trainer.task_accuracy(config.mqar, **options)}
+        for depth in config.needle_depths:
+            results[f"needle@{depth:g}"] = trainer.task_accuracy(
+                NeedleInHaystack(depth=depth), **options
+            )
+        by_length[str(length)] = results
+    return {"recall": by_length}
+
+
+def table(config: ContextExtensionConfig, stage_results: list[dict]) -> str:
+    """The markdown table: one row per (stage, evaluated length)."""
+    depths = [f"needle@{depth:g}" for depth in config.needle_depths]
+    header = ["stage", "trained to", "eval length", "MQAR exact", "MQAR token"] + [
+        f"{name} exact" for name in depths
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for result in stage_results:
+        for length, tasks in result["recall"].items():
+            cells = [str(result["stage"] + 1), str(config.lengths[result["stage"]]), length,
+                     f"{tasks['mqar']['exact_match']:.2f}",
+                     f"{tasks['mqar']['token_accuracy']:.2f}"]
+            cells += [f"{tasks[name]['exact_match']:.2f}" for name in depths]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = make_parser("python -m experiments.context_extension", __doc__.split("\n\n")[0])
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    config = resolve_config(parser, args, ContextExtensionConfig())
+    if args.print_config:
+        print(json.dumps(config_dict(config), indent=2))
+        return {}
+    out = args.out or DEFAULT_OUT
+    stages = config.stages()
+    for index, stage in enumerate(stages):
+        print(f"stage {index + 1}: {stage.steps} steps of {stage.data.batch_size} x "
+              f"{stage.data.seq_len}; long documents {stage.data.long_document_bias:.0%}, "
+              f"MQAR {stage.data.mqar_weight:g}, needle {stage.data.needle_weight:g}")
+    try:
+        result = train(
+            config.train_config(), out, resume=args.resume, stages=stages,
+            after_stage=lambda index, stage, trainer: recall_accuracy(config, trainer),
+        )
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    stage_results = result.summary.get("stages", [])
+    markdown = table(config, stage_results)
+    with open(os.path.join(out, "context_extension.md"), "w") as f:
+        f.write(markdown + "\n")
+    print(f"\nrecall at every stage boundary (exact match over {config.eval_examples} held-out "
+          f"examples):\n{markdown}\n\nvalidation bits per byte at the last length: "
+          f"{result.summary['val_bits_per_byte']:.3f}; run folder: {out}/")
+    return result.summary
+
+
+if __name__ == "__main__":
+    main()

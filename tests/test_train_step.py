@@ -1,0 +1,140 @@
+"""train.step on a small model: the update, the QB router-bias update, skipping of non-finite
+steps, evaluation, Muon, and QK-Clip."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moe.routing import updated_bias
+from tests.train_toy_model import BATCH, LENGTH, make_batch, split_state
+from train import qk_clip
+from train.optim import OptimConfig
+from train.step import FAST_COMPILE_OPTIONS, make_eval_step, make_train_step
+
+@pytest.fixture(scope="module")
+def adamw():
+    graphdef, state = split_state()
+    return graphdef, state, make_train_step(graphdef, compiler_options=FAST_COMPILE_OPTIONS)
+
+
+def fresh(state):
+    """A copy of `state` (the step donates its input)."""
+    return jax.tree.map(jnp.copy, state)
+
+
+def params_of(graphdef, state):
+    return nnx.state(nnx.merge(graphdef, state).model, nnx.Param)
+
+
+def test_step_updates_parameters_and_balances_the_router(adamw):
+    graphdef, initial, step = adamw
+    batch = make_batch()
+
+    @jax.jit
+    def balanced_bias(state):
+        model = nnx.merge(graphdef, state).model
+        _, (stats,) = model.forward(batch["tokens"], batch["segment_ids"])
+        return updated_bias(model.moe.cfg, model.moe.router_bias[...], stats)
+
+    expected_bias = balanced_bias(initial)
+
+    state, metrics = step(fresh(initial), batch)
+    after = nnx.merge(graphdef, state)
+    assert float(metrics["skipped"]) == 0.0 and int(metrics["skipped_steps"]) == 0
+    assert float(metrics["targets"]) == float(batch["loss_mask"].sum())
+    assert metrics["max_vio"].shape == (1,)
+    np.testing.assert_allclose(after.model.moe.router_bias[...], expected_bias, atol=1e-6)
+    assert np.abs(expected_bias).max() > 0  # QB moved the bias
+    changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)),
+                           params_of(graphdef, initial), nnx.state(after.model, nnx.Param))
+    assert all(jax.tree.leaves(changed))
+    assert int(after.optimizer.step[...]) == 1
+
+
+def test_non_finite_step_is_skipped_and_counted(adamw):
+    graphdef, initial, step = adamw
+    poisoned = dict(make_batch(), loss_mask=make_batch()["loss_mask"].at[0, 3].set(jnp.nan))
+    before = fresh(initial)
+    state, metrics = step(fresh(initial), poisoned)
+    assert float(metrics["skipped"]) == 1.0 and int(metrics["skipped_steps"]) == 1
+    assert not np.isfinite(float(metrics["loss"]))
+    kept = nnx.merge(graphdef, state)
+    # Nothing moved: parameters, router biases, optimizer moments and step.
+    for (path, old), (_, new) in zip(nnx.to_flat_state(before), nnx.to_flat_state(state)):
+        if path[-1] != "skipped_steps":
+            np.testing.assert_array_equal(np.asarray(old[...]), np.asarray(new[...]),
+                                          err_msg=str(path))
+    assert int(kept.optimizer.step[...]) == 0
+    # The next finite step trains normally and the count stays.
+    state, metrics = step(state, make_batch())
+    assert float(metrics["skipped"]) == 0.0 and int(metrics["skipped_steps"]) == 1
+    assert int(nnx.merge(graphdef, state).optimizer.step[...]) == 1
+
+
+def test_loss_falls_on_a_repeated_batch_and_eval_agrees(adamw):
+    graphdef, initial, step = adamw
+    batch = make_batch(1)
+    evaluate = make_eval_step(graphdef, compiler_options=FAST_COMPILE_OPTIONS)
+    state = fresh(initial)
+    first = evaluate(state, batch)
+    losses = []
+    for _ in range(15):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    # The train step's loss is that of the state it started from.
+    assert losses[0] == pytest.approx(float(first["nll"] / first["targets"]), rel=1e-5)
+    assert losses[-1] < losses[0] - 1.0
+    last = evaluate(state, batch)
+    assert last["predictions"].shape == (BATCH, LENGTH)
+    assert float(last["nll"] / last["targets"]) < losses[-1]
+
+
+def test_muon_step_is_finite_and_moves_the_matrices():
+    graphdef, initial = split_state(OptimConfig(optimizer="muon", warmup_steps=0))
+    step = make_train_step(graphdef, compiler_options=FAST_COMPILE_OPTIONS)
+    state, metrics = step(fresh(initial), make_batch())
+    assert np.isfinite(float(metrics["loss"])) and float(metrics["skipped"]) == 0.0
+    before = nnx.merge(graphdef, initial).model.attention.q_up.kernel[...]
+    after = nnx.merge(graphdef, state).model.attention.q_up.kernel[...]
+    assert float(jnp.abs(after - before).max()) > 0
+
+
+def _head_max_logits(graphdef, state, batch):
+    model = nnx.merge(graphdef, state).model
+    _, captured = qk_clip.capture_forward(model, batch["tokens"], batch["segment_ids"])
+    [(path, layer)] = qk_clip.mla_layers(model)
+    return np.asarray(qk_clip.max_logits(layer.cfg, *captured[path], batch["segment_ids"]))
+
+
+def test_qk_clip_caps_the_heads_above_tau():
+    # A learning rate of ~0 isolates the clip: only heads over tau change.
+    graphdef, initial = split_state(OptimConfig(learning_rate=1e-12, warmup_steps=0))
+    batch = make_batch(2)
+    before = _head_max_logits(graphdef, initial, batch)
+    assert abs(before[0] - before[1]) > 1e-3
+    tau = float(before.mean())  # one head above, one below
+    step = make_train_step(graphdef, qk_clip_tau=tau, compiler_options=FAST_COMPILE_OPTIONS)
+    state, metrics = step(fresh(initial), batch)
+    np.testing.assert_allclose(metrics["qk_max_logit"][0], before, rtol=1e-5)
+    after = _head_max_logits(graphdef, state, batch)
+    np.testing.assert_allclose(after, np.minimum(before, tau), rtol=1e-4)
+
+
+def test_max_logits_ignore_other_documents_and_padding():
+    cfg = qk_clip.MLAConfig(num_heads=1, q_lora_rank=None, kv_lora_rank=2, qk_nope_head_dim=1,
+                            qk_rope_head_dim=1, v_head_dim=1)
+    q = jnp.ones((1, 3, 1, 2))
+    keys_nope = jnp.array([1.0, 5.0, 2.0])[None, :, None, None]  # [1, 3, 1, 1]
+    kv_up_out = jnp.concatenate([keys_nope, jnp.zeros((1, 3, 1, 1))], axis=-1)
+    kv_down_out = jnp.zeros((1, 3, 3))  # rope keys 0
+    scale = cfg.softmax_scale
+    same_doc = qk_clip.max_logits(cfg, q, kv_up_out, kv_down_out, jnp.array([[1, 1, 1]]))
+    assert float(same_doc[0]) == pytest.approx(5.0 * scale)
+    # Token 1 in another document: it is only visible to itself, which still counts.
+    split = qk_clip.max_logits(cfg, q, kv_up_out, kv_down_out, jnp.array([[1, 2, 1]]))
+    assert float(split[0]) == pytest.approx(5.0 * scale)
+    # As padding it is not a real token: the largest visible logit is then 2.
+    padded = qk_clip.max_logits(cfg, q, kv_up_out, kv_down_out, jnp.array([[1, 0, 1]]))
+    assert float(padded[0]) == pytest.approx(2.0 * scale)

@@ -1,0 +1,182 @@
+"""Command lines of the experiments: `--set key=value` overrides of any (nested) config field,
+checked against the field's type, and a parser that refuses unknown or invalid options.
+
+    config = apply_overrides(config, ["optim.learning_rate=1e-3", "model.moe.top_k=4",
+                                      "data.paths=a.txt,b.jsonl", "optim.clip_norm=none"])
+
+Values are read by the field's annotation: int, float, bool (true/false/1/0/yes/no), str, a
+Literal's choices, `X | None` ("none"), `tuple[X, ...]` (comma-separated, "" for empty). The config
+classes' own checks (`__post_init__`) then validate the result.
+"""
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any, Literal
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+_NONE = ("none", "null")
+
+
+def _parse_scalar(text: str, kind: type) -> Any:
+    if kind is bool:
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ValueError(f"expected a boolean (true or false), got {text!r}")
+    if kind is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {text!r}") from None
+    if kind is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"expected a number, got {text!r}") from None
+    if kind is str:
+        return text
+    raise ValueError(f"fields of type {kind} cannot be set from the command line")
+
+
+def parse_value(text: str, annotation: Any) -> Any:
+    """`text` read as a value of type `annotation` (see the module docstring).
+
+    Raises ValueError saying what was expected.
+    """
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Literal:
+        for choice in args:
+            try:
+                value = _parse_scalar(text, type(choice))
+            except ValueError:
+                continue
+            if value == choice:
+                return choice
+        raise ValueError(f"expected one of {list(args)}, got {text!r}")
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and text.lower() in _NONE:
+            return None
+        options = [a for a in args if a is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return parse_value(text, option)
+            except ValueError as error:
+                errors.append(str(error))
+        raise ValueError(" or ".join(errors) + (" or none" if type(None) in args else ""))
+    if origin is tuple:
+        if len(args) != 2 or args[1] is not Ellipsis:
+            raise ValueError(f"fields of type {annotation} cannot be set from the command line")
+        items = [item.strip() for item in text.split(",")] if text.strip() else []
+        return tuple(parse_value(item, args[0]) for item in items)
+    if dataclasses.is_dataclass(annotation):
+        raise ValueError(
+            f"this is a group of settings ({annotation.__name__}); set one of its fields: "
+            f"{', '.join(f.name for f in dataclasses.fields(annotation))}"
+        )
+    return _parse_scalar(text, annotation)
+
+
+def _split_assignment(assignment: str) -> tuple[list[str], str]:
+    key, sep, text = assignment.partition("=")
+    names = key.strip().split(".")
+    if not sep or not all(names):
+        raise ValueError(
+            f"{assignment!r} is not of the form key=value (e.g. optim.learning_rate=1e-3)"
+        )
+    return names, text
+
+
+def apply_overrides(config, assignments: Sequence[str]):
+    """A copy of the (frozen, nested) dataclass `config` with `dotted.key=value` assignments.
+
+    All assignments to one config object are applied together (so that fields which must agree,
+    like model.num_layers and model.kda_layers, can change at once); a later assignment of the
+    same key wins. Raises ValueError naming the key, for a missing '=', an unknown key, a value
+    of the wrong type, or values the config class rejects.
+    """
+    tree: dict = {}
+    for assignment in assignments:
+        names, text = _split_assignment(assignment)
+        node = tree
+        for depth, name in enumerate(names[:-1]):
+            node = node.setdefault(name, {})
+            if not isinstance(node, dict):
+                raise ValueError(
+                    f"{'.'.join(names[: depth + 1])} is set as a value and also has fields set"
+                )
+        if isinstance(node.get(names[-1]), dict):
+            raise ValueError(f"{'.'.join(names)} is a group of settings; set one of its fields")
+        node[names[-1]] = (text, ".".join(names))
+    return _apply(config, tree, "")
+
+
+def _apply(config, tree: dict, prefix: str):
+    if not dataclasses.is_dataclass(config):
+        raise ValueError(f"unknown setting {prefix[:-1]!r}.*: it has no fields to set")
+    names = [f.name for f in dataclasses.fields(config)]
+    types_ = typing.get_type_hints(type(config))
+    changes = {}
+    for name, node in tree.items():
+        if name not in names:
+            raise ValueError(
+                f"unknown setting {prefix + name!r}: {type(config).__name__} has no field "
+                f"{name!r}; its fields are {', '.join(names)}"
+            )
+        if isinstance(node, dict):
+            changes[name] = _apply(getattr(config, name), node, f"{prefix}{name}.")
+            continue
+        text, key = node
+        try:
+            changes[name] = parse_value(text, types_[name])
+        except ValueError as error:
+            raise ValueError(f"{key}={text!r}: {error}") from None
+    try:
+        return dataclasses.replace(config, **changes)
+    except (ValueError, TypeError) as error:
+        keys = ", ".join(f"{prefix}{name}" for name in changes)
+        raise ValueError(f"{keys}: {error}") from None
+
+
+def config_dict(config) -> dict:
+    """The nested dataclass `config` as plain JSON-able data (tuples become lists)."""
+    return dataclasses.asdict(config)
+
+
+def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The shared options: --set (repeatable), --out, --resume. Unknown options are refused."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="override a config field, e.g. --set optim.learning_rate=1e-3 --set "
+        "model.moe.top_k=4 --set data.seq_len=512 (repeatable; --print-config lists the fields)",
+    )
+    parser.add_argument("--out", metavar="DIR", help="run folder (metrics, checkpoints, plots)")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue the run in --out from its last checkpoint"
+    )
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config and exit"
+    )
+    return parser
+
+
+def resolve_config(parser: argparse.ArgumentParser, args: argparse.Namespace, config):
+    """`config` with the parsed --set overrides; a bad override exits through `parser.error`."""
+    try:
+        return apply_overrides(config, args.set)
+    except ValueError as error:
+        parser.error(f"--set {error}")

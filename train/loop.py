@@ -1,0 +1,477 @@
+"""The training loop: build, (resume,) train with a progress bar, evaluate, checkpoint, plot.
+
+    result = train(TrainConfig(model=preset("tiny"), steps=300), "runs/quickstart")
+    result.summary["val_bits_per_byte"], result.model
+
+A run folder holds config.json, data_manifest.json, metrics.jsonl (`train.metrics`),
+checkpoints/ (`train.checkpoint`), loss.png / max_vio.png / grad_norm.png and summary.json.
+`train(..., resume=True)` continues from the newest checkpoint: parameters, optimizer, router
+biases, counters and the data iterator come back exactly, so on one CPU device the resumed run
+computes the same losses as an uninterrupted one.
+"""
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+import tqdm
+from flax import nnx
+
+from models.config import ModelConfig, preset
+from models.lm import HybridLM
+from models.sharding import batch_sharding, make_mesh, state_shardings
+from train.checkpoint import Checkpointer, abstract_like
+from train.cli import config_dict
+from train.data import (
+    DataConfig,
+    bits_per_byte,
+    data_manifest,
+    make_eval_iterator,
+    make_task_batches,
+    make_train_iterator,
+)
+from train.metrics import (
+    MetricsWriter,
+    peak_flops_per_device,
+    plot_metrics,
+    read_metrics,
+    train_flops_per_token,
+)
+from train.optim import OptimConfig, learning_rate_schedule, make_optimizer
+from train.step import (
+    FAST_COMPILE_OPTIONS,
+    TrainState,
+    make_eval_step,
+    make_train_step,
+    stacked_axes,
+)
+from train.synthetic import Task, answer_accuracy
+
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINT_DIR = "checkpoints"
+# Fields that may differ between a run and its resumption (they do not change what is computed).
+RUNTIME_FIELDS = ("progress", "fast_compile")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh axis sizes (`models.sharding.make_mesh`); -1 takes the remaining devices."""
+
+    data: int = -1
+    fsdp: int = 1
+    expert: int = 1
+    tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A training run.
+
+    model, data, optim, mesh: the parts' configs.
+    steps: optimizer steps of the whole run (the learning-rate schedule spans them).
+    seed: parameter initialisation (the data order has its own, data.seed).
+    log_every: progress-bar refresh and metrics flush period, in steps (every step gets a row).
+    eval_every: validation period in steps (0: only at the end); eval_batches per evaluation.
+    checkpoint_every: checkpoint period in steps (0: only at the end); keep_checkpoints newest
+        are kept.
+    fast_compile: compile the steps with XLA's cheapest optimisation (about half the compile
+        time, about twice the step time on CPU): for smoke runs and tests.
+    progress: show the progress bar.
+    """
+
+    model: ModelConfig = dataclasses.field(default_factory=lambda: preset("tiny"))
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    steps: int = 300
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 0
+    eval_batches: int = 8
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    fast_compile: bool = False
+    progress: bool = True
+
+    def __post_init__(self):
+        for name, low in (("steps", 1), ("seed", 0), ("log_every", 1), ("eval_every", 0),
+                          ("eval_batches", 1), ("checkpoint_every", 0),
+                          ("keep_checkpoints", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"TrainConfig.{name} must be at least {low}, got "
+                                 f"{getattr(self, name)}")
+        if self.model.vocab_size < 264:
+            raise ValueError(
+                f"TrainConfig.model.vocab_size={self.model.vocab_size} cannot hold the byte "
+                "vocabulary (train.tokenizer.VOCAB_SIZE = 264); use at least 264"
+            )
+
+
+@dataclasses.dataclass
+class Trainer:
+    """A built run: the split train state on a mesh and its jitted steps.
+
+    graphdef, state: the split `TrainState` (state is replaced by each step).
+    """
+
+    config: TrainConfig
+    mesh: jax.sharding.Mesh
+    graphdef: nnx.GraphDef
+    state: nnx.State
+    shardings: nnx.State
+
+    @classmethod
+    def create(cls, config: TrainConfig) -> "Trainer":
+        """Initialises the model and optimizer directly in their shards on the mesh."""
+        mesh = make_mesh(**dataclasses.asdict(config.mesh))
+
+        def build() -> TrainState:
+            model = HybridLM(config.model, rngs=nnx.Rngs(config.seed))
+            params = nnx.state(model, nnx.Param)
+            tx = make_optimizer(config.optim, params, config.steps, stacked_axes(model))
+            return TrainState(model, tx)
+
+        graphdef, abstract = nnx.split(nnx.eval_shape(build))
+        shardings = state_shardings(abstract, mesh)
+        with jax.set_mesh(mesh):
+            # Initialisation runs once: optimising its program would cost more than it saves.
+            state = jax.jit(lambda: nnx.state(build()), out_shardings=shardings,
+                            compiler_options=FAST_COMPILE_OPTIONS)()
+        return cls(config, mesh, graphdef, state, shardings)
+
+    @property
+    def model(self) -> HybridLM:
+        """The model of the current state (shares its arrays)."""
+        return nnx.merge(self.graphdef, self.state).model
+
+    def place(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """A host batch [B, T] on the mesh, split over the batch axes."""
+        sharding = batch_sharding(self.mesh, batch["tokens"].shape)
+        return {key: jax.device_put(value, sharding) for key, value in batch.items()}
+
+    @property
+    def compiler_options(self) -> dict | None:
+        return FAST_COMPILE_OPTIONS if self.config.fast_compile else None
+
+    @functools.cached_property
+    def train_step(self):
+        tau = self.config.optim.qk_clip_tau if self.config.optim.qk_clip else None
+        return make_train_step(self.graphdef, qk_clip_tau=tau, state_shardings=self.shardings,
+                               compiler_options=self.compiler_options)
+
+    @functools.cached_property
+    def eval_step(self):
+        return make_eval_step(self.graphdef, compiler_options=self.compiler_options)
+
+    def step(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """One training step on a host batch; returns its metrics (device arrays)."""
+        with jax.set_mesh(self.mesh):
+            self.state, metrics = self.train_step(self.state, self.place(batch))
+        return metrics
+
+    def evaluate(self, data: DataConfig, max_batches: int) -> dict[str, float]:
+        """Validation loss (nats per byte) and bits per byte over the first `max_batches`
+        validation batches of `data`'s shape."""
+        nll = targets = 0.0
+        with jax.set_mesh(self.mesh):
+            for batch in make_eval_iterator(data, max_batches=max_batches):
+                out = self.eval_step(self.state, self.place(batch))
+                nll += float(out["nll"])
+                targets += float(out["targets"])
+        return {"val_loss": nll / targets, "val_bits_per_byte": bits_per_byte(nll, targets)}
+
+    def task_accuracy(
+        self, task: Task, *, seq_len: int, batch_size: int, num_batches: int
+    ) -> dict[str, float]:
+        """Answer accuracy (token and exact match) on held-out examples of a synthetic task."""
+        batches = make_task_batches(
+            task, seq_len=seq_len, batch_size=batch_size, num_batches=num_batches
+        )
+        correct = answers = matched = rows = 0.0
+        with jax.set_mesh(self.mesh):
+            for index in range(len(batches)):
+                batch = batches[index]
+                predictions = self.eval_step(self.state, self.place(batch))["predictions"]
+                accuracy = answer_accuracy(predictions, batch["targets"], batch["loss_mask"])
+                num_answers = float(batch["loss_mask"].sum())
+                num_rows = float((batch["loss_mask"].sum(axis=1) > 0).sum())
+                correct += accuracy["token_accuracy"] * num_answers
+                answers += num_answers
+                matched += accuracy["exact_match"] * num_rows
+                rows += num_rows
+        return {"token_accuracy": correct / answers, "exact_match": matched / rows}
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What `train` returns: the trainer (model and state), the summary, the run folder."""
+
+    trainer: Trainer
+    summary: dict
+    run_dir: str
+
+    @property
+    def model(self) -> HybridLM:
+        return self.trainer.model
+
+
+def _differences(saved, current, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two JSON configs."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        return [
+            difference
+            for key in sorted(set(saved) | set(current))
+            for difference in _differences(saved.get(key), current.get(key), f"{prefix}{key}.")
+        ]
+    return [] if saved == current else [prefix[:-1]]
+
+
+def _prepare_run_dir(config: TrainConfig, run_dir: str, resume: bool) -> dict:
+    """Creates or checks the run folder; returns the config as JSON."""
+    config_json = json.loads(json.dumps(config_dict(config)))  # tuples become lists
+    config_path = os.path.join(run_dir, "config.json")
+    checkpoints = os.path.join(run_dir, CHECKPOINT_DIR)
+    has_checkpoints = os.path.isdir(checkpoints) and any(
+        name.isdigit() for name in os.listdir(checkpoints)
+    )
+    if resume:
+        if not has_checkpoints:
+            raise ValueError(
+                f"--resume: {run_dir!r} holds no complete checkpoint to continue from; run "
+                "without --resume to start it"
+            )
+        with open(config_path) as f:
+            saved = json.load(f)
+        changed = [key for key in _differences(saved, config_json) if key not in RUNTIME_FIELDS]
+        if changed:
+            raise ValueError(
+                f"--resume: the config differs from the one {run_dir!r} was started with (in "
+                f"{changed}); resume with the same settings, or start a new run with another --out"
+            )
+        return config_json
+    if has_checkpoints:
+        raise ValueError(
+            f"{run_dir!r} already holds checkpoints of a run; pass --resume to continue it or "
+            "choose another --out"
+        )
+    os.makedirs(run_dir, exist_ok=True)
+    with open(config_path, "w") as f:
+        json.dump(config_json, f, indent=2)
+    for stale in (METRICS_FILE, "summary.json"):
+        if os.path.exists(os.path.join(run_dir, stale)):
+            os.remove(os.path.join(run_dir, stale))
+    return config_json
+
+
+def _truncate_metrics(path: str, last_step: int) -> None:
+    """Drops rows logged after `last_step` (a run killed after its last checkpoint)."""
+    if not os.path.exists(path):
+        return
+    rows = [row for row in read_metrics(path) if row["step"] <= last_step]
+    os.remove(path)
+    MetricsWriter(path).write(rows)
+
+
+class Stopwatch:
+    """Wall time since the last restart, and the step it was restarted at."""
+
+    def __init__(self):
+        self.restart(0)
+
+    def restart(self, step: int) -> float:
+        """Restarts at `step`; returns the seconds since the previous restart."""
+        now = time.perf_counter()
+        elapsed = now - getattr(self, "_since", now)
+        self._step, self._since = step, now
+        return elapsed
+
+    def steps_per_second(self, step: int) -> float:
+        return (step - self._step) / max(time.perf_counter() - self._since, 1e-9)
+
+
+def _format_rate(tokens_per_second: float, flops_per_token: float, peak: float | None) -> dict:
+    model_flops = tokens_per_second * flops_per_token
+    rates = {"tok/s": f"{tokens_per_second:,.0f}"}
+    if peak is None:
+        rates["TFLOP/s"] = f"{model_flops / 1e12:.3g}"
+    else:
+        rates["MFU"] = f"{100 * model_flops / peak:.1f}%"
+    return rates
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """A stretch of training on one data config; staged context extension changes the sequence
+    length and mix between stages. steps: optimizer steps of this stage."""
+
+    data: DataConfig
+    steps: int
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ValueError(f"Stage.steps must be at least 1, got {self.steps}")
+
+
+StageHook = Callable[[int, Stage, Trainer], dict]
+
+
+def train(
+    config: TrainConfig,
+    run_dir: str,
+    *,
+    resume: bool = False,
+    until_step: int | None = None,
+    stages: Sequence[Stage] | None = None,
+    after_stage: StageHook | None = None,
+) -> RunResult:
+    """Runs (or continues) training to `config.steps`, or only to `until_step` (a checkpoint is
+    saved there, as a session boundary; the schedule still spans config.steps).
+
+    stages: consecutive stages whose steps add up to config.steps (default: one stage on
+        config.data). Each stage ends with an evaluation on its own data and a checkpoint.
+    after_stage: called as after_stage(index, stage, trainer) when a stage ends; the dict it
+        returns is logged as a metrics row (with `step` and `stage`) and kept in the summary.
+
+    Raises ValueError for stages that do not add up, or a run folder that does not fit (see
+    `_prepare_run_dir`).
+    """
+    stages = tuple(stages or (Stage(config.data, config.steps),))
+    ends = np.cumsum([stage.steps for stage in stages])
+    if ends[-1] != config.steps:
+        raise ValueError(
+            f"the stages' steps add up to {ends[-1]}, but config.steps={config.steps}; make them "
+            "agree"
+        )
+    if until_step is not None and not 1 <= until_step <= config.steps:
+        raise ValueError(f"until_step must lie in [1, steps={config.steps}], got {until_step}")
+    stop = config.steps if until_step is None else until_step
+    manifests = [data_manifest(stage.data) for stage in stages]  # missing files fail here
+    config_json = _prepare_run_dir(config, run_dir, resume)
+    with open(os.path.join(run_dir, "data_manifest.json"), "w") as f:
+        json.dump(manifests[0], f, indent=2)
+
+    trainer = Trainer.create(config)
+    checkpointer = Checkpointer(
+        os.path.join(run_dir, CHECKPOINT_DIR), max_to_keep=config.keep_checkpoints
+    )
+    metrics_path = os.path.join(run_dir, METRICS_FILE)
+
+    def stage_of(step: int) -> int:
+        """Index of the stage that runs `step` (1-based)."""
+        return int(np.searchsorted(ends, step))
+
+    start = checkpointer.latest_step() if resume else 0
+    # The iterator of the stage that was running; a checkpoint that ends a stage is followed by
+    # a fresh iterator of the next stage (in the loop below).
+    stage_index = stage_of(max(start, 1))
+    data_iterator = make_train_iterator(stages[stage_index].data)
+    if resume:
+        target = abstract_like(trainer.state, trainer.shardings)
+        trainer.state, _ = checkpointer.restore(target, data_iterator, step=start)
+        _truncate_metrics(metrics_path, start)
+    writer = MetricsWriter(metrics_path)
+
+    schedule = learning_rate_schedule(config.optim, config.steps)
+    peak = peak_flops_per_device()
+    peak = None if peak is None else peak * trainer.mesh.size
+    bar = tqdm.tqdm(total=config.steps, initial=start, disable=not config.progress,
+                    unit="step", dynamic_ncols=True)
+    pending: list[tuple[int, dict]] = []  # metrics of steps not yet written (device arrays)
+    clock = Stopwatch()
+    first_step_seconds = None
+
+    def write_pending(**extra) -> dict:
+        """Fetches and writes the pending steps' rows (`extra` goes into the last one)."""
+        rows = [
+            {"step": step, "learning_rate": float(schedule(step - 1)),
+             **{k: np.asarray(v).tolist() for k, v in metrics.items()}}
+            for step, metrics in jax.device_get(pending)
+        ]
+        pending.clear()
+        if rows:
+            rows[-1].update(extra)
+            writer.write(rows)
+        return rows[-1] if rows else {}
+
+    for step in range(start + 1, stop + 1):
+        if stage_of(step) != stage_index:
+            stage_index = stage_of(step)
+            data_iterator = make_train_iterator(stages[stage_index].data)
+        stage = stages[stage_index]
+        tokens_per_step = stage.data.batch_size * stage.data.seq_len
+        pending.append((step, trainer.step(next(data_iterator))))
+        if len(pending) > 1:
+            # One step in flight at a time: the device stays busy and the bar stays truthful.
+            jax.block_until_ready(pending[-2][1])
+        if step == start + 1:  # the first step compiles; time it apart
+            write_pending()
+            first_step_seconds = clock.restart(step)
+        elif step % config.log_every == 0 or step == stop:
+            jax.block_until_ready(pending[-1][1])
+            rates = {"tokens_per_second": clock.steps_per_second(step) * tokens_per_step}
+            last = write_pending(**rates)
+            flops = train_flops_per_token(config.model, stage.data.seq_len)["total"]
+            bar.set_postfix({"loss": f"{last['loss']:.3f}",
+                             **_format_rate(rates["tokens_per_second"], flops, peak)})
+            clock.restart(step)
+        bar.update(1)
+        stage_ends = step == ends[stage_index]
+        evaluated = step == stop or stage_ends or (
+            config.eval_every and step % config.eval_every == 0)
+        if evaluated:
+            write_pending()
+            result = trainer.evaluate(stage.data, config.eval_batches)
+            writer.write([{"step": step, "seq_len": stage.data.seq_len, **result}])
+            bar.write(f"step {step}: validation {result['val_bits_per_byte']:.3f} bits/byte "
+                      f"at length {stage.data.seq_len}")
+        if stage_ends and after_stage is not None:
+            result = after_stage(stage_index, stage, trainer)
+            writer.write([{"step": step, "stage": stage_index, **result}])
+        saved = step == stop or stage_ends or (
+            config.checkpoint_every and step % config.checkpoint_every == 0)
+        if saved:
+            write_pending()
+            checkpointer.save(step, trainer.state, data_iterator,
+                              metadata={"config": config_json})
+        if evaluated or saved:
+            clock.restart(step)  # keep evaluation and checkpointing out of tokens/s
+    bar.close()
+    checkpointer.wait()
+    checkpointer.close()
+
+    rows = read_metrics(metrics_path)
+    evaluations = [row for row in rows if "val_bits_per_byte" in row]
+    train_rows = [row for row in rows if "loss" in row]
+    last_stage = stages[stage_of(stop)].data
+    summary = {
+        "steps": stop,
+        "tokens_seen": int(sum(
+            min(stage.steps, max(stop - (end - stage.steps), 0))
+            * stage.data.batch_size * stage.data.seq_len
+            for stage, end in zip(stages, ends)
+        )),
+        "final_train_loss": train_rows[-1]["loss"] if train_rows else math.nan,
+        "val_bits_per_byte": evaluations[-1]["val_bits_per_byte"] if evaluations else math.nan,
+        "val_unigram_bits_per_byte": manifests[0]["validation_unigram_bits_per_byte"],
+        "skipped_steps": int(train_rows[-1]["skipped_steps"]) if train_rows else 0,
+        "first_step_seconds": first_step_seconds,
+        "tokens_per_second": next(
+            (row["tokens_per_second"] for row in reversed(train_rows)
+             if "tokens_per_second" in row), None),
+        "train_flops_per_token": train_flops_per_token(config.model, last_stage.seq_len)["total"],
+        "corpus": manifests[0]["corpus"],
+        "corpus_sha256": manifests[0]["corpus_sha256"],
+    }
+    stage_rows = [row for row in rows if "stage" in row]
+    if stage_rows:
+        summary["stages"] = stage_rows
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    plot_metrics(metrics_path, run_dir)
+    return RunResult(trainer, summary, run_dir)

@@ -1,0 +1,185 @@
+"""The jitted training and evaluation steps, in the functional style.
+
+    train_state = TrainState(model, make_optimizer(...))
+    graphdef, state = nnx.split(train_state)          # once
+    train_step = make_train_step(graphdef)
+    state, metrics = train_step(state, batch)          # state is donated: use the returned one
+
+`train_step` merges the state inside `jax.jit`, so Python module bookkeeping costs nothing per
+step, and returns the new state (a plain `jax.jit` over modules would drop the optimizer's
+in-place updates). One step:
+
+1. forward and backward in the model's compute dtype against float32 master weights; loss =
+   mean next-byte cross-entropy over `loss_mask` plus the MoE auxiliary loss (zero under QB);
+2. the optimizer update (clipping inside the optax chain);
+3. the MoE router-bias update (Quantile Balancing) from the step's router statistics, outside the
+   gradient; every replica computes the same bias from the same globally reduced statistics;
+4. QK-Clip of the MLA heads when enabled (`train.qk_clip`);
+5. if the loss or the gradient norm is not finite, all of the above is discarded with
+   `jnp.where` and `skipped_steps` grows by one: a bad batch never touches the weights.
+
+The model is any `nnx.Module` with `forward(tokens, segment_ids) -> (logits, router_stats)` and
+`moe_sites()` (as `models.lm.HybridLM`).
+"""
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from models.lm import aux_loss, update_router_biases
+from moe.routing import max_violation
+from train import qk_clip
+
+Batch = dict[str, jax.Array]
+# XLA:CPU options that cut compile time about in half (and slow the compiled step about 2x):
+# for programs that run once or a few times (initialisation, tests, smoke runs).
+FAST_COMPILE_OPTIONS = {
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+}
+
+
+class StepCount(nnx.Variable):
+    """A training counter (not a parameter, not optimizer state)."""
+
+
+class TrainState(nnx.Module):
+    """What the training step updates: the model (parameters and router biases), the optimizer
+    state, and the number of steps skipped for a non-finite loss or gradient."""
+
+    def __init__(self, model: nnx.Module, tx: optax.GradientTransformation):
+        self.model = model
+        self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        self.skipped_steps = StepCount(jnp.zeros((), jnp.int32))
+
+
+def stacked_axes(model: nnx.Module) -> Callable[[tuple[str, ...]], int]:
+    """For `train.optim`: the number of scan-stacked leading axes of the parameter at a path.
+
+    HybridLM stacks the layers of a repeated group (`model.plan`, `models.lm.layer_plan`) on one
+    leading axis; parameters of other models have none.
+    """
+    stacked_groups = {
+        str(index) for index, plan in enumerate(getattr(model, "plan", ())) if plan.repeats > 1
+    }
+    return lambda path: int(len(path) > 1 and path[0] == "groups" and path[1] in stacked_groups)
+
+
+def next_token_nll(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array):
+    """Summed next-token negative log-likelihood (nats) over the mask, and the mask's sum.
+
+    logits: [B, T, V] float32; targets: [B, T] int; loss_mask: [B, T] float. Returns two float32
+    scalars.
+    """
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    return jnp.sum(nll * loss_mask), jnp.sum(loss_mask)
+
+
+def moe_max_violation(model: nnx.Module, router_stats) -> jax.Array:
+    """MaxVio of every MoE layer of one step, float32 [num MoE layers] (scanned ones unrolled)."""
+    per_site = []
+    for (moe, stacked), stats in zip(model.moe_sites(), router_stats):
+        def one_layer(expert_ids, copy_mask, num_experts=moe.cfg.num_experts):
+            return max_violation(expert_ids, num_experts, copy_mask)
+
+        if stacked:
+            per_site.append(jax.vmap(one_layer)(stats.expert_ids, stats.copy_mask))
+        else:
+            per_site.append(one_layer(stats.expert_ids, stats.copy_mask)[None])
+    return jnp.concatenate(per_site) if per_site else jnp.zeros((0,), jnp.float32)
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    *,
+    qk_clip_tau: float | None = None,
+    state_shardings=None,
+    compiler_options: dict | None = None,
+) -> Callable[[nnx.State, Batch], tuple[nnx.State, dict[str, jax.Array]]]:
+    """The jitted step `(state, batch) -> (new state, metrics)` of a split `TrainState`.
+
+    qk_clip_tau: apply QK-Clip at this logit threshold (None: off).
+    state_shardings: shardings of the state on a mesh (`models.sharding.state_shardings`), kept
+        for the returned state; None leaves placement to the compiler.
+    compiler_options: XLA options for the compile (e.g. FAST_COMPILE_OPTIONS).
+    The input state is donated. Metrics (float32 unless noted): loss (cross-entropy, nats per
+    target), aux_loss, grad_norm (before clipping), targets (number of target tokens), skipped
+    (1.0 when this step was discarded), skipped_steps (int32, total), max_vio [MoE layers], and
+    with QK-Clip qk_max_logit [MLA layers, heads].
+    """
+
+    def step(state: nnx.State, batch: Batch):
+        # merge shares the Variables of `state`; keep the incoming arrays for a skipped step.
+        previous = jax.tree.map(lambda x: x, state)
+        train_state = nnx.merge(graphdef, state)
+        graph, params, rest = nnx.split(train_state.model, nnx.Param, ...)
+
+        def loss_fn(params):
+            model = nnx.merge(graph, params, rest)
+            if qk_clip_tau is None:
+                (logits, router_stats), captured = model.forward(
+                    batch["tokens"], batch["segment_ids"]
+                ), {}
+            else:
+                (logits, router_stats), captured = qk_clip.capture_forward(
+                    model, batch["tokens"], batch["segment_ids"]
+                )
+            nll, count = next_token_nll(logits, batch["targets"], batch["loss_mask"])
+            loss = nll / jnp.maximum(count, 1.0)
+            auxiliary = aux_loss(router_stats)
+            aux = (loss, auxiliary, count, jax.lax.stop_gradient((router_stats, captured)))
+            return loss + auxiliary, aux
+
+        (_, (loss, auxiliary, count, (router_stats, captured))), grads = jax.value_and_grad(
+            loss_fn, has_aux=True
+        )(params)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+        model = train_state.model
+        train_state.optimizer.update(model, grads)
+        update_router_biases(model, router_stats)
+        metrics = dict(
+            loss=loss,
+            aux_loss=auxiliary,
+            grad_norm=grad_norm,
+            targets=count,
+            skipped=1.0 - finite.astype(jnp.float32),
+            max_vio=moe_max_violation(model, router_stats),
+        )
+        if qk_clip_tau is not None:
+            head_max = []
+            for path, layer in qk_clip.mla_layers(model):
+                logits_h = qk_clip.max_logits(layer.cfg, *captured[path], batch["segment_ids"])
+                qk_clip.clip_query_key(layer, logits_h, qk_clip_tau)
+                head_max.append(logits_h)
+            metrics["qk_max_logit"] = jnp.stack(head_max)
+
+        updated = nnx.state(train_state)
+        new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, previous)
+        kept = nnx.merge(graphdef, new_state)
+        kept.skipped_steps[...] += (~finite).astype(jnp.int32)
+        metrics["skipped_steps"] = kept.skipped_steps[...]
+        return nnx.state(kept), metrics
+
+    placement = {} if state_shardings is None else {"out_shardings": (state_shardings, None)}
+    return jax.jit(step, donate_argnums=0, compiler_options=compiler_options, **placement)
+
+
+def make_eval_step(
+    graphdef: nnx.GraphDef, *, compiler_options: dict | None = None
+) -> Callable[[nnx.State, Batch], dict[str, jax.Array]]:
+    """Jitted `(state, batch) -> {nll, targets, predictions}` of a split `TrainState`, without
+    updating anything: summed next-token NLL (nats), the number of targets, and the argmax
+    next-token predictions [B, T] int32 (for task accuracy)."""
+
+    def evaluate(state: nnx.State, batch: Batch):
+        model = nnx.merge(graphdef, state).model
+        logits, _ = model.forward(batch["tokens"], batch["segment_ids"])
+        nll, count = next_token_nll(logits, batch["targets"], batch["loss_mask"])
+        return dict(nll=nll, targets=count, predictions=jnp.argmax(logits, -1).astype(jnp.int32))
+
+    return jax.jit(evaluate, compiler_options=compiler_options)
