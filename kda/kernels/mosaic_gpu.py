@@ -1,8 +1,13 @@
-"""A Pallas Mosaic GPU kernel (Hopper) for KDA's recurrence over chunks, and its kernel path.
+"""Pallas Mosaic GPU kernels (Hopper) for KDA's chunked forward, and their kernel path.
 
-The chunk-parallel preparation (scores, document masks, the UT solve) stays in plain JAX
-(`kda.chunked.prepare_chunks`); the kernel replaces `kda.chunked.chunk_recurrence`, the sequential
-part and the latency bottleneck. One program per (batch row, value head, 64-column V tile) keeps
+Two kernels, each replacing one half of the chunked op (`kda.chunked`):
+
+* the recurrence over chunks (this module), which replaces `kda.chunked.chunk_recurrence`;
+* the chunk preparation with bounded gates (`kda.kernels.mosaic_gpu_prepare`), which replaces
+  `kda.chunked.prepare_chunks` when `gate_lower_bound` is set and writes the recurrence kernel's
+  operands directly. With unbounded gates the preparation stays in plain JAX.
+
+The recurrence kernel runs one program per (batch row, value head, 64-column V tile); it keeps
 its float32 state tile `S [K, 64]` in registers across all chunks and, per chunk of C = 64 tokens,
 computes with wgmma (M = 64 = C, or K for the state update):
 
@@ -16,15 +21,17 @@ the next wgmma), accumulation and the carried state are float32, U and chunk_dec
 float32. Inputs of the next chunk stream in by TMA while the current chunk computes
 (`plgpu.emit_pipeline`, two stages); outputs leave through a double buffer in shared memory.
 
-Backward: a `jax.custom_vjp` whose backward is the VJP of the plain-JAX `chunk_recurrence`,
-recomputed from the float32 chunk inputs (the preparation is differentiated by JAX as in
-`chunk_kda`), so gradients equal the chunked op's. That backward is exact but it is **not a kernel
-yet**: training runs the forward recurrence here and the backward at plain-JAX speed.
+Backward: `jax.custom_vjp`s whose backward is plain JAX, recomputed from the inputs, so gradients
+equal the chunked op's. With unbounded gates it is the VJP of `chunk_recurrence` (JAX
+differentiates the plain-JAX preparation); with bounded gates, where the preparation is a kernel
+too, it is the VJP of the whole chunked op. These backwards are exact but **not kernels yet**:
+training runs the forward here and the backward at plain-JAX speed.
 
 Importing this module registers `impl="mosaic_gpu"` with `kda.api`; it imports on any backend.
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,31 +40,24 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.api import KDACall, register_kernel
-from kda.chunked import CHUNK_SIZE, ChunkedInputs, chunk_kda_with_recurrence, chunk_recurrence
+from kda.chunked import (CHUNK_SIZE, ChunkedInputs, chunk_kda, chunk_kda_with_recurrence,
+                         chunk_recurrence)
+from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands, swizzled,
+                                           swizzled_smem)
+from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
 
 NAME = "mosaic_gpu"
 # State columns per program: S [K, 64] float32 is 64 registers a thread at K = 128. 32 would halve
 # that, but the 64-byte swizzle of a [K, 32] bf16 operand cannot pair with W's 128-byte one.
 BLOCK_V = 64
 SUPPORTED_DIMS = (64, 128)  # K and V; K = 256 would not fit two pipeline stages in shared memory
-OPERAND_DTYPE = jnp.bfloat16
 PIPELINE_STAGES = 2
 
-
-def _swizzled(shape, dtype):
-    """The (tiling, swizzle) transforms wgmma and TMA want for a [rows, cols] SMEM tile."""
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = plgpu.find_swizzle(shape[-1] * itemsize * 8)
-    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
-
-
-def _smem(shape, dtype):
-    return plgpu.SMEM(shape, dtype, transforms=_swizzled(shape[-2:], dtype))
 
 
 def _chunk_block(shape, dtype):
     """One chunk's tile of a [N, *shape] array, fetched into swizzled SMEM at pipeline step n."""
-    transforms = _swizzled(shape, dtype) if len(shape) == 2 else ()
+    transforms = swizzled(shape, dtype) if len(shape) == 2 else ()
     return plgpu.BlockSpec((None, *shape), lambda n: (n,) + (0,) * len(shape),
                            transforms=transforms)
 
@@ -82,7 +82,7 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, s0_g
         plgpu.commit_smem()  # the load is done before TMA reuses this memory for the pipeline
         return state
 
-    initial_state = pl.run_scoped(load_initial_state, _smem(state_shape, jnp.float32),
+    initial_state = pl.run_scoped(load_initial_state, swizzled_smem(state_shape, jnp.float32),
                                   plgpu.Barrier())
 
     def recur(state_smem, v_new_smem, o_smem):
@@ -133,8 +133,9 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, s0_g
                         decay_gmem.at[batch, head])
 
     final_state = pl.run_scoped(
-        recur, _smem(state_shape, OPERAND_DTYPE), _smem((chunk, BLOCK_V), OPERAND_DTYPE),
-        _smem((2, chunk, BLOCK_V), o_gmem.dtype))
+        recur, swizzled_smem(state_shape, OPERAND_DTYPE),
+        swizzled_smem((chunk, BLOCK_V), OPERAND_DTYPE),
+        swizzled_smem((2, chunk, BLOCK_V), o_gmem.dtype))
 
     def store_final_state(state_smem):
         plgpu.wait_smem_to_gmem(0)  # the last outputs are out
@@ -143,14 +144,23 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, s0_g
         plgpu.copy_smem_to_gmem(state_smem, s_final_gmem.at[batch, head, :, columns])
         plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(store_final_state, _smem(state_shape, jnp.float32))
+    pl.run_scoped(store_final_state, swizzled_smem(state_shape, jnp.float32))
 
 
-def _kernel_forward(chunks: ChunkedInputs, initial_state, out_dtype):
-    """Runs the kernel: (o [B, HV, N, C, V] in out_dtype, final_state float32 [B, HV, K, V])."""
-    batch, heads, num_chunks, chunk, key_dim = chunks.W.shape
-    value_dim = chunks.U.shape[-1]
+def recurrence_operands(chunks: ChunkedInputs) -> RecurrenceOperands:
+    """The kernel's operands from the plain-JAX preparation: bf16 matmul operands, k transposed."""
     as_operand = lambda x: x.astype(OPERAND_DTYPE)  # noqa: E731
+    return RecurrenceOperands(
+        W=as_operand(chunks.W), U=chunks.U.astype(jnp.float32),
+        q_from_state=as_operand(chunks.q_from_state),
+        k_to_state_t=as_operand(jnp.swapaxes(chunks.k_to_state, -1, -2)),
+        Aqk=as_operand(chunks.Aqk), chunk_decay=chunks.chunk_decay.astype(jnp.float32))
+
+
+def run_recurrence(operands: RecurrenceOperands, initial_state, out_dtype):
+    """Runs the kernel: (o [B, HV, N, C, V] in out_dtype, final_state float32 [B, HV, K, V])."""
+    batch, heads, num_chunks, chunk, key_dim = operands.W.shape
+    value_dim = operands.U.shape[-1]
     run = plgpu.kernel(
         _recurrence_kernel,
         out_type=(jax.ShapeDtypeStruct((batch, heads, num_chunks, chunk, value_dim), out_dtype),
@@ -160,10 +170,7 @@ def _kernel_forward(chunks: ChunkedInputs, initial_state, out_dtype):
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    return run(as_operand(chunks.W), chunks.U.astype(jnp.float32),
-               as_operand(chunks.q_from_state), as_operand(jnp.swapaxes(chunks.k_to_state, -1, -2)),
-               as_operand(chunks.Aqk), chunks.chunk_decay.astype(jnp.float32),
-               initial_state.astype(jnp.float32))
+    return run(*operands, initial_state.astype(jnp.float32))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -177,11 +184,12 @@ def kernel_recurrence(chunks: ChunkedInputs, initial_state, out_dtype):
     Returns:
       (o [B, HV, N, 64, V] in out_dtype, final_state float32 [B, HV, K, V]).
     """
-    return _kernel_forward(chunks, initial_state, out_dtype)
+    return run_recurrence(recurrence_operands(chunks), initial_state, out_dtype)
 
 
 def _kernel_recurrence_fwd(chunks, initial_state, out_dtype):
-    return _kernel_forward(chunks, initial_state, out_dtype), (chunks, initial_state)
+    return (run_recurrence(recurrence_operands(chunks), initial_state, out_dtype),
+            (chunks, initial_state))
 
 
 def _kernel_recurrence_bwd(out_dtype, residuals, cotangents):
@@ -192,6 +200,45 @@ def _kernel_recurrence_bwd(out_dtype, residuals, cotangents):
 
 
 kernel_recurrence.defvjp(_kernel_recurrence_fwd, _kernel_recurrence_bwd)
+
+
+class _BoundedOptions(NamedTuple):
+    """The static arguments of `_bounded_kda` (hashable, for `nondiff_argnums`)."""
+
+    scale: float
+    use_qk_l2norm: bool
+    gate_lower_bound: float
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _bounded_kda(q, k, v, g, beta, initial_state, segment_ids, options: _BoundedOptions):
+    """Both kernels, preparation then recurrence: (o [B, T, HV, V], final_state [B, HV, K, V])."""
+    batch, length, num_value_heads, value_dim = v.shape
+    operands = prepare_chunks_kernel(q, k, v, g, beta, segment_ids=segment_ids,
+                                     **options._asdict())
+    o, final_state = run_recurrence(operands, initial_state, v.dtype)
+    o = jnp.moveaxis(o, 1, 3).reshape(batch, -1, num_value_heads, value_dim)
+    return o[:, :length], final_state
+
+
+def _bounded_kda_fwd(q, k, v, g, beta, initial_state, segment_ids, options):
+    outputs = _bounded_kda(q, k, v, g, beta, initial_state, segment_ids, options)
+    return outputs, (q, k, v, g, beta, initial_state, segment_ids)
+
+
+def _bounded_kda_bwd(options, residuals, cotangents):
+    """The VJP of the plain-JAX chunked op, recomputed from the inputs (exact, not a kernel)."""
+    *differentiable, segment_ids = residuals
+
+    def chunked(q, k, v, g, beta, initial_state):
+        return chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                         segment_ids=segment_ids, **options._asdict())
+
+    _, vjp = jax.vjp(chunked, *differentiable)
+    return (*vjp(cotangents), None)
+
+
+_bounded_kda.defvjp(_bounded_kda_fwd, _bounded_kda_bwd)
 
 
 def mosaic_gpu_kda(
@@ -208,18 +255,28 @@ def mosaic_gpu_kda(
     use_qk_l2norm=False,
     gate_lower_bound=None,
 ):
-    """KDA with the recurrence over chunks in the Mosaic GPU kernel; arguments and results as
-    `kda.reference.kda_reference`, with K = V in {64, 128}. Differentiable (see the module
-    docstring: the backward is plain JAX)."""
+    """KDA by the Mosaic GPU kernels; arguments and results as `kda.reference.kda_reference`, with
+    K and V in {64, 128}. With `gate_lower_bound` set and K = V the chunk preparation is a kernel
+    too; otherwise it is plain JAX. Differentiable (see the module docstring: the backward is
+    plain JAX)."""
     key_dim, value_dim = q.shape[-1], v.shape[-1]
     if key_dim not in SUPPORTED_DIMS or value_dim not in SUPPORTED_DIMS:
         raise ValueError(
             f"the Mosaic GPU kernel needs K and V in {SUPPORTED_DIMS}, got K={key_dim}, "
             f"V={value_dim}; use impl='chunked' for other head sizes")
-    return chunk_kda_with_recurrence(
-        kernel_recurrence, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, segment_ids=segment_ids,
-        use_qk_l2norm=use_qk_l2norm, gate_lower_bound=gate_lower_bound, chunk_size=CHUNK_SIZE)
+    if gate_lower_bound is None or key_dim != value_dim:
+        return chunk_kda_with_recurrence(
+            kernel_recurrence, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, segment_ids=segment_ids,
+            use_qk_l2norm=use_qk_l2norm, gate_lower_bound=gate_lower_bound,
+            chunk_size=CHUNK_SIZE)
+    batch, _, num_value_heads, _ = v.shape
+    if initial_state is None:
+        initial_state = jnp.zeros((batch, num_value_heads, key_dim, value_dim), jnp.float32)
+    o, final_state = _bounded_kda(
+        q, k, v, g, beta, initial_state.astype(jnp.float32), segment_ids,
+        _BoundedOptions(float(scale), bool(use_qk_l2norm), float(gate_lower_bound)))
+    return o, (final_state if output_final_state else None)
 
 
 def _on_hopper() -> bool:
@@ -234,8 +291,8 @@ def _on_hopper() -> bool:
 def supports(call: KDACall) -> bool:
     """The calls `tests/test_kda_kernels.py` covers: bfloat16 on a Hopper GPU, K = V in {64, 128}.
 
-    Any gate (bounded or not), grouped value heads, initial and final states, L2-normalised q/k,
-    packed documents and any T are handled by the shared preparation and covered by the tests.
+    Any gate (bounded: both kernels; unbounded: plain-JAX preparation), grouped value heads,
+    initial and final states, L2-normalised q/k, packed documents and any T are covered.
     """
     return (call.backend == "gpu"
             and call.dtype == jnp.bfloat16

@@ -1,0 +1,36 @@
+"""What the Mosaic GPU KDA kernels share: operand dtype, SMEM tile layouts, and the recurrence
+kernel's operands (the contract between the chunk preparation and the recurrence over chunks)."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+OPERAND_DTYPE = jnp.bfloat16  # every wgmma operand; accumulators are float32
+
+
+def swizzled(shape, dtype):
+    """The (tiling, swizzle) transforms wgmma and TMA want for a [rows, cols] SMEM tile."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(shape[-1] * itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def swizzled_smem(shape, dtype):
+    return plgpu.SMEM(shape, dtype, transforms=swizzled(shape[-2:], dtype))
+
+
+class RecurrenceOperands(NamedTuple):
+    """`kda.chunked.ChunkedInputs` as the recurrence kernel reads them (bf16 matmul operands).
+
+    Produced from `ChunkedInputs` by `kda.kernels.mosaic_gpu.recurrence_operands`, or directly by
+    the preparation kernel (`kda.kernels.mosaic_gpu_prepare`).
+    """
+
+    W: jax.Array  # bf16 [B, HV, N, C, K]
+    U: jax.Array  # float32 [B, HV, N, C, V]
+    q_from_state: jax.Array  # bf16 [B, HV, N, C, K]
+    k_to_state_t: jax.Array  # bf16 [B, HV, N, K, C]   k_to_state transposed: the wgmma lhs
+    Aqk: jax.Array  # bf16 [B, HV, N, C, C]
+    chunk_decay: jax.Array  # float32 [B, HV, N, K]
