@@ -1,4 +1,4 @@
-"""Model configuration: one frozen dataclass, presets from `tiny` to `k3`, analytic parameter counts.
+"""Model configuration: a frozen dataclass, presets from `tiny` to `k3`, analytic parameter counts.
 
     cfg = preset("k3")                 # the released 2.8T-total / 104B-active configuration
     count_params(cfg)                  # {"total": ..., "active": ..., "embedding": ..., parts}

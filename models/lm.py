@@ -29,10 +29,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kda.layer import KDA, KDACache
+from kda.layer import KDA
 from models.attention import GatedMLA
-from models.attn_res import AttnResRead, ResidualStream, attn_res_read, num_seal_slots
-from models.attn_res import sublayer_input
+from models.attn_res import (
+    AttnResRead,
+    ResidualStream,
+    num_seal_slots,
+    sublayer_input,
+)
 from models.config import ModelConfig
 from models.norms import RMSNorm
 from models.paged_cache import PagedLatentCache, init_pages
@@ -89,21 +93,27 @@ def layer_plan(cfg: ModelConfig) -> tuple[GroupPlan, ...]:
     return tuple(plan)
 
 
+def _attn_res_read(cfg: ModelConfig) -> AttnResRead | None:
+    """The parameters of one AttnRes read; none for plain residuals."""
+    if cfg.residual == "plain":
+        return None
+    return AttnResRead(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.parameter_dtype)
+
+
 class DecoderLayer(nnx.Module):
     """One layer: AttnRes read, RMSNorm, token mixer; AttnRes read, RMSNorm, FFN."""
 
     def __init__(self, cfg: ModelConfig, mixer: str, ffn: str, *, rngs: nnx.Rngs):
         d, eps = cfg.d_model, cfg.norm_eps
         dtypes = dict(dtype=cfg.compute_dtype, param_dtype=cfg.parameter_dtype)
-        reads = cfg.residual != "plain"
         self.mixer_kind, self.ffn_kind = mixer, ffn
-        self.mixer_read = AttnResRead(d, eps=eps, param_dtype=cfg.parameter_dtype) if reads else None
+        self.mixer_read = _attn_res_read(cfg)
         self.mixer_norm = RMSNorm(d, eps=eps, axis_name="embed", **dtypes)
         if mixer == "kda":
             self.mixer = KDA(d, cfg.kda, rngs=rngs, **dtypes)
         else:
             self.mixer = GatedMLA(d, cfg.mla, rngs=rngs, **dtypes)
-        self.ffn_read = AttnResRead(d, eps=eps, param_dtype=cfg.parameter_dtype) if reads else None
+        self.ffn_read = _attn_res_read(cfg)
         self.ffn_norm = RMSNorm(d, eps=eps, axis_name="embed", **dtypes)
         if ffn == "dense":
             moe = cfg.moe
@@ -225,10 +235,7 @@ class HybridLM(nnx.Module):
                     for p in self.plan
                 ]
             )
-            reads = cfg.residual != "plain"
-            self.final_read = (
-                AttnResRead(d, eps=cfg.norm_eps, param_dtype=cfg.parameter_dtype) if reads else None
-            )
+            self.final_read = _attn_res_read(cfg)
             self.final_norm = RMSNorm(d, eps=cfg.norm_eps, axis_name="embed", **dtypes)
             self.lm_head = nnx.Linear(
                 d, cfg.vocab_size, use_bias=False,
@@ -262,7 +269,9 @@ class HybridLM(nnx.Module):
         """Empty caches for `batch_size` sequences; MLA latents in a pool of `num_pages` pages."""
         caches = []
         for plan, group in zip(self.plan, self.groups):
-            one = tuple(layer.init_cache(batch_size, num_pages, page_size) for layer in group.layers)
+            one = tuple(
+                layer.init_cache(batch_size, num_pages, page_size) for layer in group.layers
+            )
             if plan.repeats > 1:  # a scanned group's caches stack like its parameters
                 one = jax.tree.map(lambda c: jnp.stack([c] * plan.repeats), one)
             caches.append(one)

@@ -66,7 +66,8 @@ class MemoryPlan:
             f"  optimizer    {self.optimizer / GIB:10.2f} GiB",
             f"  activations  {self.activations / GIB:10.2f} GiB  (estimate)",
             f"  total        {self.total / GIB:10.2f} GiB of {device_bytes / GIB:.1f} GiB "
-            f"({100 * self.total / device_bytes:.0f}%){'' if self.total <= device_bytes else '  DOES NOT FIT'}",
+            f"({100 * self.total / device_bytes:.0f}%)"
+            + ("" if self.total <= device_bytes else "  DOES NOT FIT"),
             f"all {devices} devices: {devices * self.total / 2**40:.1f} TiB",
             "largest parameter shards per device:",
         ]

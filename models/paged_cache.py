@@ -46,7 +46,7 @@ class PagedLatentCache:
 
     def append(self, latents: jax.Array) -> "PagedLatentCache":
         """Writes latents [B, T, latent_dim] at positions lengths .. lengths + T - 1."""
-        batch, num_new, _ = latents.shape
+        num_new = latents.shape[1]
         positions = self.lengths[:, None] + jnp.arange(num_new, dtype=jnp.int32)  # [B, T]
         # Positions past the table's end (only rows of finished sequences get there) go to the
         # null page instead of wrapping around onto a live page.
@@ -130,7 +130,7 @@ class PageAllocator:
             owned.append(page)
 
     def release(self, row: int) -> None:
-        """Ends sequence `row`: its pages go back to the free list, its table row to the null page."""
+        """Ends sequence `row`: its pages go back to the free list, its row to the null page."""
         self._free.extend(self._pages_of[row])
         self._pages_of[row] = []
         self.block_tables[row] = NULL_PAGE

@@ -172,7 +172,8 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 
 def batch_sharding(mesh: AnyMesh, shape: Sequence[int]) -> NamedSharding:
     """Sharding of an input batch [B, ...] (tokens, segment ids): B over the batch axes."""
-    return NamedSharding(mesh, logical_to_mesh(("batch",) + (None,) * (len(shape) - 1), shape, mesh))
+    names = ("batch",) + (None,) * (len(shape) - 1)
+    return NamedSharding(mesh, logical_to_mesh(names, shape, mesh))
 
 
 def describe_mesh(mesh: AnyMesh | Mapping[str, int]) -> str:

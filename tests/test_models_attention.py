@@ -1,6 +1,7 @@
 """Gated MLA: formula, causality, packed documents, decode == prefill through the paged cache."""
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +12,6 @@ from hypothesis import strategies as st
 
 from models.attention import GatedMLA, MLAConfig, count_mla_params
 from models.paged_cache import NULL_PAGE, PageAllocator, PagedLatentCache, init_pages
-
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -127,7 +127,8 @@ def test_packed_documents_equal_separate_runs():
     segment_ids = jnp.array([[1, 1, 1, 1, 2, 2, 2, 3, 3, 3]])
     packed = forward(layer, x, segment_ids)
     for start, stop in [(0, 4), (4, 7), (7, 10)]:
-        np.testing.assert_allclose(packed[:, start:stop], forward(layer, x[:, start:stop]), atol=1e-5)
+        alone = forward(layer, x[:, start:stop])
+        np.testing.assert_allclose(packed[:, start:stop], alone, atol=1e-5)
 
 
 def decode_in_chunks(layer, x, chunks, page_size, interleave=True):
@@ -191,7 +192,8 @@ def test_finished_sequence_writes_only_the_null_page():
     allocator.release(1)  # sequence 1 ends; its page returns to the free list
     allocator.reserve(0, 6)  # sequence 0 grows into pages, possibly the one just freed
     cache = PagedLatentCache(cache.pages, jnp.asarray(allocator.block_tables), cache.lengths)
-    y, cache = cached_forward(layer, x[:, 2:6], cache)  # row 1 still computes, writing to the null page
+    # Row 1 still computes, writing only to the null page.
+    y, cache = cached_forward(layer, x[:, 2:6], cache)
     full = forward(layer, x[:1])
     np.testing.assert_allclose(y[0], full[0, 2:6], rtol=1e-5, atol=1e-5)
 

@@ -55,7 +55,8 @@ def test_read_matches_formula():
     probs = np.exp(scores - scores.max(0))
     probs /= probs.sum(0)
     expected = (probs[..., None] * candidates).sum(0)
-    np.testing.assert_allclose(attn_res_read(stream, gain, query, EPS), expected, rtol=1e-5, atol=1e-6)
+    got = attn_res_read(stream, gain, query, EPS)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_read_is_float32_inside_and_returns_stream_dtype():

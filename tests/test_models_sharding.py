@@ -1,6 +1,5 @@
 """Sharding: the rules table, meshes, annotations, sharded == unsharded, the memory planner."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +17,7 @@ from models.sharding import (
     LOGICAL_AXIS_RULES,
     abstract_mesh,
     batch_sharding,
+    init_sharded,
     logical_to_mesh,
     make_mesh,
     shard_module,
@@ -131,7 +131,13 @@ def unsharded():
 def test_sharded_equals_unsharded(unsharded, mesh_name):
     model, tokens, segment_ids, want_logits, want_grads = unsharded
     mesh = make_mesh(**MESHES[mesh_name])
-    sharded = shard_module(nnx.clone(model), mesh)
+    if mesh_name == "mixed":  # built in place, each shard on its device
+        sharded = init_sharded(lambda: HybridLM(SHARD_CFG, rngs=nnx.Rngs(0)), mesh)
+        for got, want in zip(jax.tree.leaves(nnx.state(sharded, nnx.Param)),
+                             jax.tree.leaves(nnx.state(model, nnx.Param))):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    else:  # an existing model moved onto the mesh
+        sharded = shard_module(nnx.clone(model), mesh)
     specs = [v.sharding.spec for v in jax.tree.leaves(nnx.state(sharded, nnx.Param))]
     assert any(any(entry is not None for entry in spec) for spec in specs) or mesh_name == "data"
     batch = batch_sharding(mesh, tokens.shape)
