@@ -236,3 +236,35 @@ def test_segment_ids_with_cache_are_rejected():
     )
     with pytest.raises(ValueError, match="segment_ids"):
         layer(x, segment_ids=jnp.ones((1, 2), jnp.int32), cache=cache)
+
+
+def relative_l2(got, want) -> float:
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True])
+def test_cudnn_training_path_matches_xla_in_bfloat16(packed):
+    # K3's head shapes: query/key heads of 192 (padded v), value heads of 128.
+    cfg = MLAConfig(16, 512, 512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    layers = {
+        impl: GatedMLA(1024, dataclasses.replace(cfg, implementation=impl), dtype=jnp.bfloat16,
+                       rngs=nnx.Rngs(0))
+        for impl in ("cudnn", "xla")
+    }
+    assert GatedMLA(1024, cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))._implementation() == "cudnn"
+    x = jax.random.normal(jax.random.key(1), (2, 256, 1024), jnp.bfloat16)
+    segment_ids = None
+    if packed:
+        segment_ids = jnp.concatenate([jnp.ones((2, 100), jnp.int32),
+                                       2 * jnp.ones((2, 156), jnp.int32)], axis=1)
+
+    def loss(layer):
+        return jnp.mean(jnp.square(layer(x, segment_ids=segment_ids).astype(jnp.float32)))
+
+    outputs = {impl: forward(layer, x, segment_ids) for impl, layer in layers.items()}
+    grads = {impl: jax.jit(nnx.grad(loss))(layer) for impl, layer in layers.items()}
+    assert relative_l2(outputs["cudnn"], outputs["xla"]) < 1e-2
+    for got, want in zip(jax.tree.leaves(grads["cudnn"]), jax.tree.leaves(grads["xla"])):
+        assert relative_l2(got, want) < 2e-2
