@@ -1,8 +1,9 @@
-"""The Mosaic GPU kernel path against the token-by-token oracle.
+"""The Mosaic GPU kernel path (recurrence kernel; preparation kernel for bounded gates) against
+the token-by-token oracle, and the preparation kernel against the plain-JAX preparation.
 
-On CPU the kernel runs in Mosaic GPU interpret mode (simulated Hopper: TMA, barriers, wgmma, with
-race detection) at small shapes, and is lowered for Hopper to check layouts and shapes at K = 128.
-On a Hopper GPU (`gpu` marker) it runs for real at the shapes the dispatcher hands it.
+On CPU the kernels run in Mosaic GPU interpret mode (simulated Hopper: TMA, barriers, wgmma, with
+race detection) at small shapes, and are lowered for Hopper to check layouts and shapes at K = 128.
+On a Hopper GPU (`gpu` marker) they run for real at the shapes the dispatcher hands them.
 """
 
 import contextlib
@@ -19,7 +20,10 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_in
 
 import kda
 import kda.api
+from kda.chunked import prepare_chunks
+from kda.common import l2_normalize
 from kda.kernels import mosaic_gpu
+from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
 from kda_inputs import make_inputs, relative_error
 from test_kda_ops import BF16_TOLERANCE, _loss_and_grads, run
 
@@ -56,6 +60,8 @@ def bf16_inputs(seed, batch, length, heads, value_heads, dim, **options):
     # Four chunks: the pipeline refills its buffers (races there show only from the third chunk);
     # a padded tail; grouped value heads.
     ("softplus", None, 200, (1, 2), False, True),
+    # Both kernels with documents, a padded tail and grouped value heads.
+    ("lower_bound", -5.0, 150, (1, 2), True, True),
 ])
 def test_interpreted_kernel_matches_reference(kernel_on_any_backend, gate, lower_bound, length,
                                               heads, initial_state, segments):
@@ -79,16 +85,54 @@ def test_interpreted_kernel_gradients_match_reference(kernel_on_any_backend):
         assert relative_error(actual[name], expected[name]) <= tolerance, name
 
 
+def preparation_options(inputs, dim, lower_bound=-5.0):
+    return dict(scale=dim**-0.5, segment_ids=inputs.get("segment_ids"),
+                use_qk_l2norm=inputs["use_qk_l2norm"], gate_lower_bound=lower_bound)
+
+
+def assert_preparation_matches_plain_jax(inputs, dim):
+    """Every operand the recurrence kernel reads, from the kernel and from `prepare_chunks`."""
+    args = [inputs[name] for name in ("q", "k", "v", "g", "beta")]
+    options = preparation_options(inputs, dim)
+    expected = mosaic_gpu.recurrence_operands(prepare_chunks(*args, chunk_size=64, **options))
+    actual = jax.jit(lambda *xs: prepare_chunks_kernel(*xs, **options))(*args)
+    for name, got, want in zip(expected._fields, actual, expected):
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        if not jnp.any(want):  # chunk_decay when every chunk starts a document
+            np.testing.assert_array_equal(got, want, err_msg=name)
+            continue
+        # bf16 wgmma operands: the scores, W and U carry bf16 rounding (about 2e-3).
+        assert relative_error(got, want) <= BF16_TOLERANCE["o"], name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dim,length,heads,use_qk_l2norm", [
+    (64, 200, (1, 2), True),  # four chunks, a padded tail, grouped value heads
+    (128, 64, (1, 1), False),
+])
+def test_interpreted_preparation_matches_plain_jax(dim, length, heads, use_qk_l2norm):
+    inputs = bf16_inputs(9, 1, length, *heads, dim, segments=True)
+    if not use_qk_l2norm:  # unit keys as the caller's own norm makes them (else beta |k|^2 >> 2)
+        for name in ("q", "k"):
+            inputs[name] = l2_normalize(inputs[name].astype(jnp.float32)).astype(jnp.bfloat16)
+        inputs["use_qk_l2norm"] = False
+    with interpreted_on_simulated_hopper():
+        assert_preparation_matches_plain_jax(inputs, dim)
+
+
 @pytest.mark.parametrize("dim", [64, 128])
-def test_kernel_lowers_for_hopper(dim):
+@pytest.mark.parametrize("gate_lower_bound", [None, -5.0])
+def test_kernel_lowers_for_hopper(dim, gate_lower_bound):
     """Mosaic GPU's layout inference, wgmma and TMA checks run at lowering, with no GPU."""
     inputs = bf16_inputs(2, 2, 200, 2, 4, dim, initial_state=True, segments=True)
     use_qk_l2norm = inputs.pop("use_qk_l2norm")
     kernel_path = jax.jit(lambda x: mosaic_gpu.mosaic_gpu_kda(
-        **x, scale=dim**-0.5, output_final_state=True, use_qk_l2norm=use_qk_l2norm))
+        **x, scale=dim**-0.5, output_final_state=True, use_qk_l2norm=use_qk_l2norm,
+        gate_lower_bound=gate_lower_bound))
     with jax.sharding.use_abstract_mesh(HOPPER):
         lowered = kernel_path.trace(inputs).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
+    # Bounded gates: the preparation kernel and the recurrence kernel.
+    assert lowered.as_text().count("mosaic_gpu") >= (1 if gate_lower_bound is None else 2)
 
 
 def test_unsupported_head_sizes_are_refused():
@@ -137,13 +181,20 @@ def test_gpu_kernel_matches_reference(gate, lower_bound):
 
 
 @pytest.mark.gpu
-def test_gpu_kernel_packed_documents_and_grouped_heads():
-    inputs = bf16_inputs(6, 2, 8192, 8, 16, 128, gate="softplus", initial_state=True,
-                         segments=True)
+@pytest.mark.parametrize("gate,lower_bound", [("lower_bound", -5.0), ("softplus", None)])
+def test_gpu_kernel_packed_documents_and_grouped_heads(gate, lower_bound):
+    inputs = bf16_inputs(6, 2, 8192, 8, 16, 128, gate=gate, initial_state=True, segments=True)
     expected = _loss_and_grads("reference", inputs, None)
-    actual = _loss_and_grads(mosaic_gpu.NAME, inputs, None)
+    actual = _loss_and_grads(mosaic_gpu.NAME, inputs, lower_bound)
     for name, tolerance in BF16_TOLERANCE.items():
         assert relative_error(actual[name], expected[name]) <= tolerance, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [64, 128])
+def test_gpu_preparation_matches_plain_jax(dim):
+    inputs = bf16_inputs(10, 2, 4100, 4, 16, dim, segments=True)
+    assert_preparation_matches_plain_jax(inputs, dim)
 
 
 @pytest.mark.gpu

@@ -75,12 +75,25 @@ def _matmul(a_smem, b_smem, shape):
     return pl.run_scoped(product, plgpu.ACC(shape))
 
 
-def _split_in_three(x):
-    """float32 x -> bf16 (hi, mid, lo) with hi + mid + lo = x to float32 precision."""
-    hi = x.astype(OPERAND_DTYPE)
-    rest = x - hi.astype(jnp.float32)
-    mid = rest.astype(OPERAND_DTYPE)
-    return hi, mid, (rest - mid.astype(jnp.float32)).astype(OPERAND_DTYPE)
+def _matmul_of_splits(a_parts, b_parts, shape):
+    """`(a_hi + a_lo) @ (b_hi + b_lo)` without the negligible `a_lo @ b_lo`: float32 [shape]."""
+    (a_hi, a_lo), (b_hi, b_lo) = a_parts, b_parts
+
+    def product(acc):
+        for a, b in ((a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi)):
+            plgpu.wgmma(acc, a, b)
+        return acc[...]
+
+    return pl.run_scoped(product, plgpu.ACC(shape))
+
+
+def _split(x, parts):
+    """float32 x -> `parts` bf16 arrays that sum to x (to float32 precision for three)."""
+    pieces = []
+    for _ in range(parts - 1):
+        pieces.append(x.astype(OPERAND_DTYPE))
+        x = x - pieces[-1].astype(jnp.float32)
+    return (*pieces, x.astype(OPERAND_DTYPE))
 
 
 def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
@@ -136,7 +149,7 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
 
         # 1-2. G = tril(1) @ (hi + mid + lo), then stored over g for row reads.
         cumulative_sum, g_parts = matrices.at[0], (tiles.at[0], tiles.at[1], tiles.at[2])
-        for part, value in zip(g_parts, _split_in_three(load_rows(g_smem))):
+        for part, value in zip(g_parts, _split(load_rows(g_smem), 3)):
             part[...] = value
         cumulative_sum[...] = jnp.where(columns <= rows, 1.0, 0.0).astype(OPERAND_DTYPE)
         plgpu.commit_smem()
@@ -218,18 +231,24 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
             product[...] = _matmul(inverse_smem, link, scores_shape).astype(OPERAND_DTYPE)
             plgpu.commit_smem()
             inverse = inverse - _matmul(product, inverse_smem, scores_shape)
-        inverse_smem[...] = inverse.astype(OPERAND_DTYPE)
 
-        # 5. W = (I + N)^-1 (beta k exp(G) reads), U = (I + N)^-1 (beta v).
+        # 5. W = (I + N)^-1 (beta k exp(G) reads), U = (I + N)^-1 (beta v), each from the bf16
+        # hi and lo parts of both factors: U is read in float32, and W is rounded only once.
+        inverse_parts = (inverse_smem, link)
+        for part, value in zip(inverse_parts, _split(inverse, 2)):
+            part[...] = value
         beta = _rows(plgpu.load(beta_smem, layout=ROW_VECTOR), keys_shape)
-        k_rhs = column_buffers[0]
-        k_rhs[...] = (k * jnp.exp(G) * beta * reads_state).astype(OPERAND_DTYPE)
-        v_smem[...] = (plgpu.load(v_smem, layout=WGMMA).astype(jnp.float32) * beta).astype(
-            OPERAND_DTYPE)
+        k_rhs_parts, v_rhs_parts = column_buffers, (v_smem, k_rows)
+        k_rhs = k * jnp.exp(G) * beta * reads_state
+        v_rhs = plgpu.load(v_smem, layout=WGMMA).astype(jnp.float32) * beta
+        for parts, value in ((k_rhs_parts, k_rhs), (v_rhs_parts, v_rhs)):
+            for part, piece in zip(parts, _split(value, 2)):
+                part[...] = piece
         plgpu.commit_smem()
-        w_smem = tiles.at[0]
-        w_smem[...] = _matmul(inverse_smem, k_rhs, keys_shape).astype(OPERAND_DTYPE)
-        g_smem[...] = _matmul(inverse_smem, v_smem, (CHUNK, value_dim))  # U, over G
+        w_smem = q_rows
+        w_smem[...] = _matmul_of_splits(inverse_parts, k_rhs_parts, keys_shape).astype(
+            OPERAND_DTYPE)
+        g_smem[...] = _matmul_of_splits(inverse_parts, v_rhs_parts, (CHUNK, value_dim))  # U
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(w_smem, w_gmem.at[out])
         plgpu.copy_smem_to_gmem(g_smem, u_gmem.at[out])
@@ -239,7 +258,7 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
         body,
         swizzled_smem(keys_shape, OPERAND_DTYPE),  # q, then q_from_state
         swizzled_smem(keys_shape, OPERAND_DTYPE),  # k
-        swizzled_smem((CHUNK, value_dim), OPERAND_DTYPE),  # v, then beta v
+        swizzled_smem((CHUNK, value_dim), OPERAND_DTYPE),  # v, then (beta v)_hi
         plgpu.SMEM(keys_shape, jnp.float32),  # g, then G, then U (plain rows: read one by one)
         plgpu.SMEM((CHUNK,), jnp.float32),  # beta
         plgpu.SMEM((CHUNK,), jnp.float32),  # document
