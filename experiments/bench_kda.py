@@ -26,7 +26,8 @@ import numpy as np
 
 import kda
 from kda.chunked import CHUNK_SIZE, chunk_recurrence, prepare_chunks
-from kda.kernels.mosaic_gpu import kernel_recurrence
+from kda.kernels.mosaic_gpu import kernel_recurrence, recurrence_operands
+from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
 
 CPU_SHAPES = ["1x1024x4x64", "1x4096x4x64", "1x16384x4x64"]
 GPU_SHAPES = ["8x2048x16x128", "2x8192x16x128", "1x32768x16x128", "1x65536x32x128",
@@ -121,6 +122,34 @@ def ours(impl: str) -> Callable:
     return attention
 
 
+# The options of every timed call: no documents, L2-normalised q and k, bounded gates.
+PREPARATION_OPTIONS = dict(segment_ids=None, use_qk_l2norm=True, gate_lower_bound=-5.0)
+
+
+def plain_preparation(q, k, v, g, beta):
+    """`prepare_chunks` in plain JAX, cast to what the recurrence kernel reads."""
+    return recurrence_operands(prepare_chunks(q, k, v, g, beta, scale=q.shape[-1] ** -0.5,
+                                              chunk_size=CHUNK_SIZE, **PREPARATION_OPTIONS))
+
+
+def kernel_preparation(q, k, v, g, beta):
+    return prepare_chunks_kernel(q, k, v, g, beta, scale=q.shape[-1] ** -0.5,
+                                 **PREPARATION_OPTIONS)
+
+
+def bench_preparation(prepare: Callable, inputs, repeats: int):
+    """Times only the chunk preparation, forward (the kernel has no backward of its own).
+
+    `prepare(q, k, v, g, beta)` returns the recurrence kernel's operands.
+    """
+    args = [jnp.asarray(inputs[name]) for name in ("q", "k", "v", "g", "beta")]
+    forward = jax.jit(prepare)
+    timing = Timing(forward_ms=_time(lambda: forward(*args), jax.block_until_ready, repeats),
+                    peak_mib=_jax_peak_mib(forward, *args),
+                    note="chunk preparation alone (forward); memory of the forward")
+    return None, timing
+
+
 def bench_recurrence(recurrence: Callable, inputs, repeats: int):
     """Times only the recurrence over chunks, on inputs prepared once: a kernel's own share.
 
@@ -129,8 +158,8 @@ def bench_recurrence(recurrence: Callable, inputs, repeats: int):
     """
     args = [jnp.asarray(inputs[name]) for name in ("q", "k", "v", "g", "beta")]
     chunks = jax.jit(lambda q, k, v, g, beta: prepare_chunks(
-        q, k, v, g, beta, scale=q.shape[-1] ** -0.5, segment_ids=None, use_qk_l2norm=True,
-        gate_lower_bound=-5.0, chunk_size=CHUNK_SIZE))(*args)
+        q, k, v, g, beta, scale=q.shape[-1] ** -0.5, chunk_size=CHUNK_SIZE,
+        **PREPARATION_OPTIONS))(*args)
     batch, heads, _, _, key_dim = chunks.W.shape
     state = jnp.zeros((batch, heads, key_dim, chunks.U.shape[-1]), jnp.float32)
     out_dtype = args[2].dtype
@@ -220,6 +249,12 @@ def contenders(gpu: bool, impls: list[str], peers=PEERS) -> dict[str, Callable]:
         if "mosaic_gpu" in impls:
             table["recurrence: mosaic_gpu"] = lambda inputs, repeats: bench_recurrence(
                 kernel_recurrence, inputs, repeats)
+        # The parallel part alone, plain JAX against our kernel (bounded gates).
+        table["preparation: plain JAX"] = lambda inputs, repeats: bench_preparation(
+            plain_preparation, inputs, repeats)
+        if "mosaic_gpu" in impls:
+            table["preparation: mosaic_gpu"] = lambda inputs, repeats: bench_preparation(
+                kernel_preparation, inputs, repeats)
         if "jla" in peers:
             table["jla mosaic_gpu"] = lambda inputs, repeats: bench_jax(jla_attention(), inputs,
                                                                         repeats)
@@ -250,11 +285,11 @@ def run(shapes: list[Shape], table: dict[str, Callable], dtype, repeats: int,
                                                           f"{str(error).splitlines()[0][:100]}")
                 print(f"{shape} {name}: {results[(str(shape), name)].note}", file=sys.stderr)
                 continue
-            if output is not None:  # recurrence-only rows have no attention output
+            if output is not None:  # recurrence- and preparation-only rows have no output
                 outputs[name] = output
             results[(str(shape), name)] = timing
-            print(f"{shape} {name}: fwd {timing.forward_ms:.2f} ms, fwd+bwd "
-                  f"{timing.forward_backward_ms:.2f} ms", flush=True)
+            print(f"{shape} {name}: fwd {_cell(timing.forward_ms, '.2f')} ms, fwd+bwd "
+                  f"{_cell(timing.forward_backward_ms, '.2f')} ms", flush=True)
             on_progress(results)  # the table so far survives a run cut short
         anchor = outputs.get("chunked")
         for name, output in outputs.items():
