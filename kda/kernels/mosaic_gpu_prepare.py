@@ -159,20 +159,23 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
                 plgpu.wgmma(acc, cumulative_sum, part)
             return acc[...]
 
-        g_smem[...] = pl.run_scoped(chunk_cumsum, plgpu.ACC(keys_shape))
+        G = pl.run_scoped(chunk_cumsum, plgpu.ACC(keys_shape))
+        g_smem[...] = G
         plgpu.commit_smem()
-        G = load_rows(g_smem)
-        anchors = [plgpu.load(g_smem.at[TILE_SIZE * i], layout=COLUMN_VECTOR) + anchor_shift
-                   for i in range(NUM_TILES)]
+
+        def anchor(tile):
+            """b_tile [K] (a COLUMN_VECTOR), read when needed: each one costs K / 4 registers."""
+            return plgpu.load(g_smem.at[TILE_SIZE * tile], layout=COLUMN_VECTOR) + anchor_shift
+
         last_G = plgpu.load(g_smem.at[CHUNK - 1], layout=COLUMN_VECTOR)
         keeps_state = jnp.where(last_document == 0.0, 1.0, 0.0)
         decay_smem[...] = jnp.exp(last_G) * keeps_state
 
         # 3a. Row factors exp(G_r - b_tile(r)), and the outputs that need q and k once.
-        row_anchor = _columns(anchors[-1], keys_shape)
+        row_anchor = _columns(anchor(NUM_TILES - 1), keys_shape)
         for i in reversed(range(NUM_TILES - 1)):
             row_anchor = jnp.where(key_rows < TILE_SIZE * (i + 1),
-                                   _columns(anchors[i], keys_shape), row_anchor)
+                                   _columns(anchor(i), keys_shape), row_anchor)
         row_factor = jnp.exp(G - row_anchor)
         q_rows, k_rows = tiles.at[0], tiles.at[1]  # the g parts are no longer read
         q = normalized(q_smem) * scale
@@ -196,13 +199,14 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
                 if i >= 2:  # the two products of tile i - 2 read this buffer: let them finish
                     plgpu.wgmma_wait(2)
                 exponent = jnp.where(key_rows < TILE_SIZE * (i + 1),
-                                     _columns(anchors[i], keys_shape) - G, -jnp.inf)
+                                     _columns(anchor(i), keys_shape) - G, -jnp.inf)
                 column_factor = column_buffers[i % 2]
                 column_factor[...] = (k * jnp.exp(exponent)).astype(OPERAND_DTYPE)
                 plgpu.commit_smem()
                 tile_rows = slice(TILE_SIZE * i, TILE_SIZE * (i + 1))
-                plgpu.wgmma(qk_acc.at[:, tile_rows], column_factor, q_rows.at[tile_rows].transpose((1, 0)))
-                plgpu.wgmma(kk_acc.at[:, tile_rows], column_factor, k_rows.at[tile_rows].transpose((1, 0)))
+                for acc, scaled_rows in ((qk_acc, q_rows), (kk_acc, k_rows)):
+                    plgpu.wgmma(acc.at[:, tile_rows], column_factor,
+                                scaled_rows.at[tile_rows].transpose((1, 0)))
             return qk_acc[...], kk_acc[...]
 
         qk_t, kk_t = pl.run_scoped(scores, plgpu.ACC(scores_shape), plgpu.ACC(scores_shape))
@@ -210,11 +214,12 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
         same_document = (_rows(document_of_row, scores_shape)
                          == _columns(document_of_column, scores_shape))
         aqk, unit_lower = matrices.at[1], matrices.at[0]
-        aqk.transpose((1, 0))[...] = jnp.where((columns >= rows) & same_document, qk_t, 0.0).astype(OPERAND_DTYPE)
+        aqk.transpose((1, 0))[...] = jnp.where((columns >= rows) & same_document, qk_t,
+                                               0.0).astype(OPERAND_DTYPE)
         beta_of_column = plgpu.load(beta_smem, layout=COLUMN_VECTOR)
         n_t = jnp.where((columns > rows) & same_document,
                         kk_t * _columns(beta_of_column, scores_shape), 0.0)
-        unit_lower.transpose((1, 0))[...] = n_t.astype(OPERAND_DTYPE)  # N = beta Akk, strictly lower
+        unit_lower.transpose((1, 0))[...] = n_t.astype(OPERAND_DTYPE)  # N: strictly lower
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(aqk, aqk_gmem.at[out])
 
@@ -239,7 +244,8 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
             part[...] = value
         beta = _rows(plgpu.load(beta_smem, layout=ROW_VECTOR), keys_shape)
         k_rhs_parts, v_rhs_parts = column_buffers, (v_smem, k_rows)
-        k_rhs = k * jnp.exp(G) * beta * reads_state
+        # k and G are read again rather than kept in registers through the solve.
+        k_rhs = normalized(k_smem) * jnp.exp(load_rows(g_smem)) * beta * reads_state
         v_rhs = plgpu.load(v_smem, layout=WGMMA).astype(jnp.float32) * beta
         for parts, value in ((k_rhs_parts, k_rhs), (v_rhs_parts, v_rhs)):
             for part, piece in zip(parts, _split(value, 2)):
