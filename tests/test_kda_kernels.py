@@ -106,12 +106,16 @@ def assert_preparation_matches_plain_jax(inputs, dim):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dim,length,heads,use_qk_l2norm", [
-    (64, 200, (1, 2), True),  # four chunks, a padded tail, grouped value heads
-    (128, 64, (1, 1), False),
+@pytest.mark.parametrize("dim,batch,length,heads,use_qk_l2norm,saturated", [
+    (64, 2, 200, (1, 2), True, False),  # four chunks, a padded tail, grouped value heads
+    (128, 1, 64, (1, 1), False, False),
+    (64, 1, 128, (1, 1), True, True),  # g = L everywhere: the tile factors reach e^37.5
 ])
-def test_interpreted_preparation_matches_plain_jax(dim, length, heads, use_qk_l2norm):
-    inputs = bf16_inputs(9, 1, length, *heads, dim, segments=True)
+def test_interpreted_preparation_matches_plain_jax(dim, batch, length, heads, use_qk_l2norm,
+                                                   saturated):
+    inputs = bf16_inputs(9, batch, length, *heads, dim, segments=True)
+    if saturated:
+        inputs["g"] = jnp.full_like(inputs["g"], -5.0)
     if not use_qk_l2norm:  # unit keys as the caller's own norm makes them (else beta |k|^2 >> 2)
         for name in ("q", "k"):
             inputs[name] = l2_normalize(inputs[name].astype(jnp.float32)).astype(jnp.bfloat16)

@@ -1,6 +1,11 @@
 """GPU kernels for KDA. Importing a kernel module registers it with `kda.api` for `impl="auto"`.
 
-* `kda.kernels.mosaic_gpu`: Pallas Mosaic GPU (Hopper) forward of the recurrence over chunks.
+* `kda.kernels.mosaic_gpu`: Pallas Mosaic GPU (Hopper) forward of the recurrence over chunks, and
+  the `impl="mosaic_gpu"` path (registered) that runs it, after the preparation kernel when the
+  gates are bounded.
+* `kda.kernels.mosaic_gpu_prepare`: Pallas Mosaic GPU (Hopper) forward of the chunk preparation
+  with bounded gates (scores, masks, UT transform), writing the recurrence kernel's operands.
+* `kda.kernels.mosaic_gpu_common`: what the two share (SMEM layouts, `RecurrenceOperands`).
 """
 
 from kda.kernels import mosaic_gpu
