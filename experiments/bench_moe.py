@@ -147,7 +147,7 @@ def run(shape: BenchShape, iters: int, check_backend: bool) -> dict:
         dense_hidden=hidden,
         backend=resolve_backend(cfg.gmm_backend, expert_rows, moe_layer.expert_w_out),
     )
-    _, stats = jax.jit(lambda m, x: m(x))(moe_layer, x)
+    _, stats = nnx.jit(lambda m, x: m(x))(moe_layer, x)
     results["max_vio"] = float(max_violation(stats.expert_ids, cfg.num_experts))
     for name, module, flops_per_token in (
         ("moe", moe_layer, active_matmul_flops(shape.d_model, cfg)),
@@ -170,7 +170,6 @@ def run(shape: BenchShape, iters: int, check_backend: bool) -> dict:
 
 def compare_with_xla_backend(moe_layer, cfg, shape, x, cotangent) -> float:
     """Largest relative difference of output and gradients: chosen backend vs XLA ragged_dot."""
-    graphdef, state = nnx.split(moe_layer)
     with nnx.use_eager_sharding(False):
         reference = StableLatentMoE(
             shape.d_model,
@@ -179,12 +178,11 @@ def compare_with_xla_backend(moe_layer, cfg, shape, x, cotangent) -> float:
             param_dtype=jnp.bfloat16,
             rngs=nnx.Rngs(1),
         )
-    nnx.update(reference, state)
+    nnx.update(reference, nnx.state(moe_layer))
     outputs = []
     for module in (moe_layer, reference):
         step, params = gradient_step(module)
         outputs.append(step(params, x, cotangent))
-    del graphdef
     return relative_error(outputs[0], outputs[1])
 
 

@@ -13,6 +13,12 @@ gradient (identical on every replica):
 
 The router bias is a `RouterBias` variable, not an `nnx.Param`: optimizers built with
 `wrt=nnx.Param` and `nnx.grad` never touch it. Metrics: `moe.routing.balance_metrics`.
+
+Dispatch: dropless (sort by expert, two grouped matmuls, un-sort) on each device; under a mesh with
+an `expert` axis (`jax.set_mesh`) the layer runs expert parallel with fixed-capacity all-to-all
+(`MoEConfig.capacity_factor`, None = never drop; dropped copies are counted in `stats.dropped`).
+Grouped matmuls use JAX's Mosaic GPU kernels on Hopper and `jax.lax.ragged_dot` elsewhere
+(`MoEConfig.gmm_backend`).
 """
 
 from moe.activations import GLUActivation, clamped_swiglu, situ_glu, swiglu

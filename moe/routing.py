@@ -55,24 +55,41 @@ class RouterStats(NamedTuple):
 def router_scores(x: jax.Array, router_weight: jax.Array) -> jax.Array:
     """Sigmoid router scores in float32. x: [..., D], router_weight: [D, E] -> [..., E].
 
-    The logits are float32-accurate (about 2^-16 relative) but use bf16 tensor-core passes, not a
-    float32 GEMM (which costs more than the rest of a 64-expert layer's routing on an H200): each
-    float32 operand is split into a bf16 head and a bf16 remainder, and head·head + head·rem +
-    rem·head is accumulated in float32. A bf16 input has no remainder, so that costs two passes.
+    The logits are float32-accurate everywhere. On GPU they come from bf16 tensor-core passes
+    (`split_bf16_matmul`), because a float32 GEMM there costs more than the rest of a 64-expert
+    layer's routing (0.6 ms of 8.3 ms per forward+backward on an H200); elsewhere from one
+    float32 matmul at full precision.
     """
-    x_parts = _bf16_parts(x)
-    w_parts = _bf16_parts(router_weight)
-    logits = sum(
+    if jax.default_backend() == "gpu":
+        logits = split_bf16_matmul(x, router_weight)
+    else:
+        logits = jnp.einsum(
+            "...d,de->...e",
+            x.astype(jnp.float32),
+            router_weight.astype(jnp.float32),
+            precision=jax.lax.Precision.HIGHEST,
+        )
+    return jax.nn.sigmoid(logits)
+
+
+def split_bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`x @ w` to about 2^-16 relative precision, in float32, from bf16 passes.
+
+    Each float32 operand is split into a bf16 head and a bf16 remainder, and head·head +
+    head·rem + rem·head is accumulated in float32 (rem·rem is below float32 rounding of the sum).
+    A bf16 operand has no remainder, so a bf16 x costs two passes. x: [..., D], w: [D, E].
+    """
+    x_parts, w_parts = _bf16_parts(x), _bf16_parts(w)
+    return sum(
         jnp.einsum("...d,de->...e", x_part, w_part, preferred_element_type=jnp.float32)
         for i, x_part in enumerate(x_parts)
         for j, w_part in enumerate(w_parts)
         if i + j < 2
     )
-    return jax.nn.sigmoid(logits)
 
 
 def _bf16_parts(a: jax.Array) -> tuple[jax.Array, ...]:
-    """(head,) for bf16 input, else (head, remainder), bf16 parts summing to a within 2^-16."""
+    """(a,) for bf16 input, else (head, remainder): bf16 parts summing to a within 2^-16."""
     if a.dtype == jnp.bfloat16:
         return (a,)
     head = a.astype(jnp.bfloat16)

@@ -37,6 +37,7 @@ def make_problem(seed, tokens, width, experts, hidden, k):
     return x, expert_ids, weights, w_in, w_out
 
 
+@pytest.mark.slow
 @settings(deadline=None, max_examples=4)
 @given(
     shape=st.sampled_from([(16, 8, 4, 6, 2), (33, 16, 8, 8, 3)]),
