@@ -29,6 +29,11 @@ GATES = ("lower_bound", "softplus")
 _logical = functools.partial(nnx.with_partitioning, eager_sharding=False)
 
 
+def _replicated(value):
+    """A small parameter with no shardable axis (logical names all None)."""
+    return nnx.Param(value, out_sharding=(None,) * value.ndim, eager_sharding=False)
+
+
 @dataclasses.dataclass(frozen=True)
 class KDAConfig:
     """Shape and options of one KDA layer.
@@ -177,12 +182,13 @@ class KDA(nnx.Module):
             A_log = jnp.zeros((value_heads,), param_dtype)
         else:
             A_log = jnp.log(jax.random.uniform(rngs.params(), (value_heads,), param_dtype, 1, 16))
-        self.A_log = nnx.Param(A_log)
-        self.dt_bias = nnx.Param(_dt_bias_init(rngs.params(), (value_heads, head_dim), param_dtype))
+        self.A_log = _replicated(A_log)
+        self.dt_bias = _replicated(_dt_bias_init(rngs.params(), (value_heads, head_dim),
+                                                 param_dtype))
         self.beta_proj = linear(d_model, value_heads, ("embed", None))
         self.out_gate = nnx.Sequential(linear(d_model, head_dim, ("embed", None)),
                                        linear(head_dim, key_width, (None, "heads"), True))
-        self.out_norm_weight = nnx.Param(jnp.ones((head_dim,), param_dtype))
+        self.out_norm_weight = _replicated(jnp.ones((head_dim,), param_dtype))
         self.o_proj = linear(key_width, d_model, ("heads", "embed"))
 
     def init_cache(self, batch_size: int) -> KDACache:

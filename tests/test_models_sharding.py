@@ -61,11 +61,6 @@ def test_make_mesh():
         make_mesh(data=-1, fsdp=-1)
 
 
-# kda.layer creates these three small per-head vectors without logical names (so they are
-# replicated, which is what names of None would give too); the KDA owner has been told.
-UNANNOTATED_IN_KDA = ("['A_log']", "['dt_bias']", "['out_norm_weight']")
-
-
 def test_every_k3_parameter_is_annotated():
     abstract = nnx.eval_shape(lambda: HybridLM(preset("k3", scan_layers=True),
                                                rngs=nnx.Rngs(0)))
@@ -76,8 +71,7 @@ def test_every_k3_parameter_is_annotated():
         name = jax.tree_util.keystr(path)
         names = variable.get_metadata().get("out_sharding")
         if names is None or len(names) != len(variable.shape):
-            if not name.endswith(UNANNOTATED_IN_KDA):
-                missing.append(name)
+            missing.append(name)
         else:
             assert set(names) - {None} <= VOCABULARY, name
     assert not missing, f"parameters without logical axis names: {missing}"
