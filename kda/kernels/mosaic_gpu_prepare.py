@@ -24,8 +24,15 @@ and, in one warpgroup, computes with wgmma (bf16 operands, float32 accumulators)
    so nothing grows the way powers of N would (a Neumann-series product is not stable here).
 5. `W = (I + N)^-1 (beta k exp(G))` and `U = (I + N)^-1 (beta v)`, and the state factors.
 
-Numerics: matmul operands are bfloat16, accumulators and everything elementwise float32; U and
-chunk_decay are written in float32, the other outputs in bf16 (what the recurrence kernel reads).
+Numerics: matmul operands are bfloat16, accumulators and everything elementwise float32 (exp and
+rsqrt approximate, to a few float32 ulp); U and chunk_decay are written in float32, the other
+outputs in bf16 (what the recurrence kernel reads). W and U come from hi/lo bf16 splits of both
+factors; the scores and the inverse use plain bf16 operands. Against the oracle, both kernels
+give o within 3.2e-3 and the final state within 2.1e-3 relative error (interpret mode, K = 64
+and 128), against fla's bars of 5e-3.
+
+Shared memory: 201 KiB a program at K = V = 128 and 121 KiB at 64, so one program per SM; its
+TMA loads and stores do not overlap another program's math (a persistent, pipelined grid would).
 
 Only the forward is a kernel: `kda.kernels.mosaic_gpu` wraps it in a `jax.custom_vjp` whose
 backward is the VJP of the plain-JAX chunked op.
@@ -322,7 +329,9 @@ def prepare_chunks_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm
             chunk_decay=jax.ShapeDtypeStruct(chunked(key_dim), jnp.float32)),
         grid=(batch, num_value_heads, num_chunks),
         grid_names=("batch", "heads", "chunks"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        # approx_math: exp and rsqrt on the MUFU unit (a few float32 ulp), fine ahead of bf16.
+        compiler_params=plgpu.CompilerParams(approx_math=True,
+                                             lowering_semantics=plgpu.LoweringSemantics.Lane),
     )
     outputs = run(padded(q, OPERAND_DTYPE), padded(k, OPERAND_DTYPE), padded(v, OPERAND_DTYPE),
                   padded(g, jnp.float32), jnp.moveaxis(padded(beta, jnp.float32), 1, 2),
