@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from moe.grouped_matmul import grouped_matmul
+from moe.grouped_matmul import ROW_MULTIPLE, grouped_matmul
 from moe.routing import load_counts
 
 EXPERT_AXIS = "expert"
@@ -158,7 +158,8 @@ def expert_parallel_moe(
         copy_mask: [T, k] bool, copies to send (None = all); the others contribute nothing and
             take no buffer room.
         capacity_factor: buffer rows per destination shard = ceil(capacity_factor · n·k / P) for
-            n local tokens and P expert shards; None = n·k, which never drops.
+            n local tokens and P expert shards, rounded up to a multiple of 8; None = n·k, which
+            never drops.
         mesh: the mesh (None = the one set by `jax.set_mesh`).
 
     Returns:
@@ -185,11 +186,13 @@ def expert_parallel_moe(
             f"(tokens are split over all mesh axes {mesh.axis_names})."
         )
     local_copies = x.shape[0] // mesh.size * expert_ids.shape[1]
-    capacity = (
+    wanted = (
         local_copies
         if capacity_factor is None
         else min(local_copies, math.ceil(capacity_factor * local_copies / shards))
     )
+    # Whole row tiles, so that the received buffer suits the GPU grouped-matmul kernels.
+    capacity = -(-wanted // ROW_MULTIPLE) * ROW_MULTIPLE
     if copy_mask is None:
         copy_mask = jnp.ones(expert_ids.shape, bool)
     tokens = P(mesh.axis_names)

@@ -1,11 +1,11 @@
 """Grouped matmul `out[rows of group g] = lhs[rows of group g] @ rhs[g]`, with gradients.
 
 Two backends:
-- "xla": `jax.lax.ragged_dot`. Correct everywhere; fast on CPU/TPU, but on an H200 XLA runs it at
+- "xla": `jax.lax.ragged_dot`. Correct everywhere and fine on CPU, but on an H200 XLA runs it at
   about 12 TFLOP/s (measured at 131072 x 1024 x 2048, 64 groups), so it is not used on Hopper.
 - "mosaic_gpu": JAX's Hopper grouped-GEMM Pallas kernels (`ragged_dot_mgpu` for the forward and
   the input gradient, `transposed_ragged_dot_mgpu` for the weight gradient) under a custom VJP.
-  About 400-520 TFLOP/s at the same shape.
+  372-498 TFLOP/s measured at the benchmark's shapes (dense bf16 GEMMs there: about 630).
 
 "auto" takes "mosaic_gpu" when the call is on a Hopper GPU with bf16/f16 operands whose widths
 fit the kernels' tiles, and "xla" otherwise, so it is never wrong, only slower.
@@ -20,6 +20,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
 # Tile settings of the Mosaic GPU kernels, from a sweep on an H200 at the benchmark shapes (131072
 # rows, 64 groups; contraction and output widths 1024 and 2048): 372-446 TFLOP/s for the
@@ -34,7 +35,7 @@ _WEIGHT_GRAD_TILES = dict(
     block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1
 )
 _MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
-_ROW_TILE = 8  # the kernels' bulk copies need the row count to be a multiple of 8
+ROW_MULTIPLE = 8  # the kernels' bulk copies need the row count to be a multiple of 8
 
 
 def grouped_matmul(
@@ -88,7 +89,7 @@ def mosaic_gpu_supports(lhs, rhs) -> bool:
     _, k, n = rhs.shape
     return (
         _on_hopper()
-        and m % _ROW_TILE == 0
+        and m % ROW_MULTIPLE == 0
         and lhs.dtype in _MOSAIC_DTYPES
         and rhs.dtype == lhs.dtype
         and k % _WEIGHT_GRAD_TILES["block_m"] == 0
@@ -111,8 +112,6 @@ def _row_ragged_tiles(contraction: int, output: int) -> dict:
 
 @jax.custom_vjp
 def _mosaic_grouped_matmul(lhs, rhs, group_sizes):
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-
     return ragged_dot_mgpu.ragged_dot(
         lhs, rhs, group_sizes=group_sizes, **_row_ragged_tiles(lhs.shape[1], rhs.shape[2])
     )
@@ -123,8 +122,6 @@ def _mosaic_forward(lhs, rhs, group_sizes):
 
 
 def _mosaic_backward(residuals, out_grad):
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
-
     lhs, rhs, group_sizes = residuals
     out_grad = out_grad.astype(lhs.dtype)
     lhs_grad = ragged_dot_mgpu.ragged_dot(

@@ -120,32 +120,34 @@ def test_expert_parallel_equals_single_device(mesh_shape, axis_names):
 
 
 def test_expert_parallel_drops_late_choices_first_and_counts_them():
-    """All tokens pick expert 0 first: with a small buffer the overflow is dropped and counted,
-    and what is kept equals the dropless result with the dropped copies' weights set to 0."""
-    mesh = jax.make_mesh((4,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
-    tokens, k, experts = 32, 2, 8
+    """All tokens pick expert 0 first: with buffers of 16 rows the overflow is dropped (second
+    choices before first choices) and counted, and what is kept equals the dropless result with
+    the dropped copies' weights set to 0."""
+    shards, tokens, k, experts = 4, 128, 2, 8
+    mesh = jax.make_mesh((shards,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
     x, _, weights, w_in, w_out = make_problem(2, tokens, 8, experts, 8, k)
-    ids = jnp.stack([jnp.zeros(tokens, jnp.int32), jnp.arange(tokens) % (experts - 1) + 1], 1)
+    second = jax.random.randint(jax.random.key(9), (tokens,), 1, experts)
+    ids = jnp.stack([jnp.zeros(tokens, jnp.int32), second], 1)
     with jax.set_mesh(mesh):
         y, dropped = jax.jit(
             lambda x: expert_parallel_moe(
                 x, ids, weights, w_in, w_out, SITU, capacity_factor=1.0, backend="xla", mesh=mesh
             )
         )(x)
-    # 8 local tokens -> 16 copies per shard, capacity 16 / 4 = 4 per destination. Shard 0 holds
-    # experts 0-1: each source shard sends it its 8 first choices plus 1 second choice (expert 1),
-    # keeps 4 first choices and drops 4 first choices and that second choice.
-    local_tokens = tokens // 4
+    # Reference policy: each source shard fills each destination's buffer (capacity =
+    # 32 local tokens * 2 / 4 shards = 16 rows) with its copies in slot-major order.
+    local_tokens, capacity = tokens // shards, 16
     kept = np.zeros((tokens, k), bool)
-    for shard in range(4):
-        rows = np.arange(shard * local_tokens, (shard + 1) * local_tokens)
-        kept[rows[:4], 0] = True
-        second = np.asarray(ids[rows, 1])
-        for destination in range(4):
-            bound = rows[second // 2 == destination]
-            room = 4 - (4 if destination == 0 else 0)
-            kept[bound[:room], 1] = True
-    assert float(dropped) == float((~kept).sum())
+    for shard in range(shards):
+        used = np.zeros(shards, int)
+        for slot in range(k):
+            for token in range(shard * local_tokens, (shard + 1) * local_tokens):
+                destination = int(ids[token, slot]) // (experts // shards)
+                if used[destination] < capacity:
+                    kept[token, slot] = True
+                    used[destination] += 1
+    assert 0 < float(dropped) == float((~kept).sum())
+    assert kept[:, 0].sum() == shards * capacity  # first choices fill shard 0's buffers
     expected = dropless_moe(x, ids, jnp.where(kept, weights, 0.0), w_in, w_out, SITU)
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
 
