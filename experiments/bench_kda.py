@@ -288,16 +288,23 @@ def run(shapes: list[Shape], table: dict[str, Callable], dtype, repeats: int,
             if output is not None:  # recurrence- and preparation-only rows have no output
                 outputs[name] = output
             results[(str(shape), name)] = timing
+            _fill_errors(results, shape, outputs)
             print(f"{shape} {name}: fwd {_cell(timing.forward_ms, '.2f')} ms, fwd+bwd "
                   f"{_cell(timing.forward_backward_ms, '.2f')} ms", flush=True)
             on_progress(results)  # the table so far survives a run cut short
-        anchor = outputs.get("chunked")
-        for name, output in outputs.items():
-            if anchor is not None and name != "cuDNN attention":  # softmax attention: no match
-                error = np.linalg.norm(output - anchor) / np.linalg.norm(anchor)
-                results[(str(shape), name)].error = float(error)
         on_progress(results)
     return results
+
+
+def _fill_errors(results, shape, outputs):
+    """Relative error of every KDA output against our chunked op, once that has run."""
+    anchor = outputs.get("chunked")
+    if anchor is None:
+        return
+    for name, output in outputs.items():
+        if name != "cuDNN attention":  # softmax attention computes something else
+            error = np.linalg.norm(output - anchor) / np.linalg.norm(anchor)
+            results[(str(shape), name)].error = float(error)
 
 
 def _cell(value, fmt):
