@@ -74,6 +74,13 @@ def sample(model, prompt: str, num_bytes: int, seed: int = 0) -> str:
     return decode(result.tokens[0, : result.lengths[0]])
 
 
+def _rate(summary: dict) -> str:
+    if summary["tokens_per_second"] is None:  # nothing trained in this session
+        return "n/a"
+    return (f"{summary['tokens_per_second']:,.0f} bytes/s (first step, with compilation: "
+            f"{summary['first_step_seconds']:.0f} s)")
+
+
 def main(argv=None) -> dict:
     args, config = parse_args(sys.argv[1:] if argv is None else argv)
     if args.print_config:
@@ -103,8 +110,7 @@ def main(argv=None) -> dict:
         f"  validation bits per byte:      {summary['val_bits_per_byte']:.3f}\n"
         f"  order-0 entropy of validation: {summary['val_unigram_bits_per_byte']:.3f} bits per "
         f"byte (the model is at {100 * ratio:.0f}% of it)\n"
-        f"  training throughput:           {summary['tokens_per_second'] or float('nan'):,.0f} "
-        f"bytes/s (first step with compilation: {summary['first_step_seconds']:.0f} s)\n"
+        f"  training throughput:           {_rate(summary)}\n"
         f"  skipped non-finite steps:      {summary['skipped_steps']}\n"
         f"  metrics, plots, checkpoint:    {out}/"
     )

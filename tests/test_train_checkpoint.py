@@ -1,6 +1,7 @@
 """Checkpoints: round trip of state and data iterator, an interrupted save, run-folder guards,
 and (slow) a process killed during a save, resumed to the uninterrupted run's exact losses."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ from tests.train_toy_model import make_batch, split_state
 from train.checkpoint import Checkpointer, abstract_like
 from train.cli import apply_overrides
 from train.data import DataConfig, make_train_iterator
-from train.loop import TrainConfig, _prepare_run_dir, train
+from train.loop import Stage, TrainConfig, _prepare_run_dir, train
 from train.metrics import read_metrics
 from train.step import FAST_COMPILE_OPTIONS, make_train_step
 
@@ -120,10 +121,21 @@ def test_run_folder_guards(tmp_path):
 # Two layers (KDA with a dense FFN, Gated MLA with MoE): every kind of state, quick to compile.
 SMALL_RUN = [
     "model.num_layers=2", "model.kda_layers=1", "model.full_attn_layers=2",
-    "data.seq_len=32", "data.batch_size=2", "data.packing_bins=4",
-    "steps=3", "log_every=1", "checkpoint_every=1", "eval_batches=1", "fast_compile=true",
-    "progress=false",
+    "data.packing_bins=4", "steps=3", "log_every=1", "checkpoint_every=1", "eval_batches=1",
+    "fast_compile=true", "progress=false", "mesh.data=1",
 ]
+# Two stages of 64 tokens per step (as in context extension): checkpoint 1 closes the first, so
+# resuming from it starts the second stage's data.
+STAGES = [(32, 2, 1), (64, 1, 2)]  # (seq_len, batch_size, steps)
+
+
+def small_run(overrides, stages):
+    config = apply_overrides(TrainConfig(), overrides)
+    return config, [
+        Stage(dataclasses.replace(config.data, seq_len=length, batch_size=rows), steps)
+        for length, rows, steps in stages
+    ]
+
 
 # Run in a child process: training that blocks forever while committing checkpoint 2 (its files
 # are written, the folder not yet renamed), after telling the parent through a marker file.
@@ -132,7 +144,6 @@ KILLED_RUN = textwrap.dedent("""
     from orbax.checkpoint._src.path import atomicity
 
     faulthandler.dump_traceback_later(540, exit=True)  # a hang shows where, in stderr
-
     commit = atomicity.AtomicRenameTemporaryPath.finalize
 
     async def finalize(self):
@@ -142,20 +153,22 @@ KILLED_RUN = textwrap.dedent("""
         return await commit(self)
 
     atomicity.AtomicRenameTemporaryPath.finalize = finalize
-    from train.cli import apply_overrides
-    from train.loop import TrainConfig, train
-    train(apply_overrides(TrainConfig(), json.loads(sys.argv[3])), sys.argv[1])
+    from tests.test_train_checkpoint import small_run
+    from train.loop import train
+    config, stages = small_run(json.loads(sys.argv[3]), json.loads(sys.argv[4]))
+    train(config, sys.argv[1], stages=stages)
 """)
 
 
 @pytest.mark.slow
 def test_killed_during_save_then_resumed_matches_the_uninterrupted_run(tmp_path):
-    config = apply_overrides(TrainConfig(), SMALL_RUN)
-    uninterrupted = train(config, str(tmp_path / "a"))
+    config, stages = small_run(SMALL_RUN, STAGES)
+    uninterrupted = train(config, str(tmp_path / "a"), stages=stages)
 
     run_dir, marker = tmp_path / "b", tmp_path / "saving"
     child = subprocess.Popen(
-        [sys.executable, "-c", KILLED_RUN, str(run_dir), str(marker), json.dumps(SMALL_RUN)],
+        [sys.executable, "-c", KILLED_RUN, str(run_dir), str(marker), json.dumps(SMALL_RUN),
+         json.dumps(STAGES)],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     try:
@@ -172,7 +185,7 @@ def test_killed_during_save_then_resumed_matches_the_uninterrupted_run(tmp_path)
     left = sorted(os.listdir(run_dir / "checkpoints"))
     assert "1" in left and "2" not in left, left  # step 2 was not committed
 
-    resumed = train(config, str(run_dir), resume=True)
+    resumed = train(config, str(run_dir), resume=True, stages=stages)
     losses = {}
     for name, result in (("a", uninterrupted), ("b", resumed)):
         rows = read_metrics(os.path.join(result.run_dir, "metrics.jsonl"))

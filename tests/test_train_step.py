@@ -138,3 +138,27 @@ def test_max_logits_ignore_other_documents_and_padding():
     # As padding it is not a real token: the largest visible logit is then 2.
     padded = qk_clip.max_logits(cfg, q, kv_up_out, kv_down_out, jnp.array([[1, 0, 1]]))
     assert float(padded[0]) == pytest.approx(2.0 * scale)
+
+
+def test_sharded_step_matches_one_device(adamw):
+    """Data and FSDP sharding over 4 of the 8 CPU devices compute the same step."""
+    from models.sharding import batch_sharding, make_mesh, state_shardings
+
+    graphdef, initial, step = adamw
+    batch = make_batch(3)
+    reference, expected = step(fresh(initial), batch)
+
+    mesh = make_mesh(data=2, fsdp=2, devices=jax.devices()[:4])
+    shardings = state_shardings(initial, mesh)
+    sharded_step = make_train_step(graphdef, state_shardings=shardings,
+                                   compiler_options=FAST_COMPILE_OPTIONS)
+    with jax.set_mesh(mesh):
+        state = jax.device_put(fresh(initial), shardings)
+        placed = jax.device_put(batch, batch_sharding(mesh, batch["tokens"].shape))
+        state, metrics = sharded_step(state, placed)
+    embedding = nnx.merge(graphdef, state).model.embed.embedding[...]
+    assert embedding.sharding.spec[1] == "fsdp"  # ("vocab", "embed") -> embed over fsdp
+    np.testing.assert_allclose(float(metrics["loss"]), float(expected["loss"]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params_of(graphdef, state)),
+                    jax.tree.leaves(params_of(graphdef, reference)), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)

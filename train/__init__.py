@@ -8,7 +8,21 @@
 - `train.packing`: packing into fixed-length rows with segment ids, and the batch format.
 - `train.data`: `DataConfig` and the grain pipelines (`make_train_iterator`,
   `make_eval_iterator`, `make_task_batches`).
+
+The training side (imported on first use, so the data modules stay light):
+
+- `train.optim`: `OptimConfig`, `make_optimizer` (AdamW, Muon with per-head orthogonalisation),
+  `learning_rate_schedule` (warmup-stable-decay, cosine).
+- `train.step`: `TrainState`, `make_train_step` / `make_eval_step` (the jitted functional steps:
+  QB router-bias update, non-finite steps skipped and counted, QK-Clip).
+- `train.checkpoint`: `Checkpointer` (orbax: state, data iterator, metadata; async, atomic).
+- `train.metrics`: JSONL rows, plots, `train_flops_per_token` for tokens/s and MFU.
+- `train.loop`: `TrainConfig`, `Trainer`, `Stage`, `train` (progress bar, evaluation,
+  checkpoints, exact resume).
+- `train.cli`: `apply_overrides` (typed `--set key=value`) and the shared experiment options.
 """
+
+import importlib
 
 from train.corpus import Corpus, load_corpus, load_text_files, split_corpus, stdlib_corpus
 from train.data import (
@@ -25,6 +39,30 @@ from train.data import (
 from train.packing import finalize_batch, pack_rows
 from train.synthetic import MQAR, MultiHop, NeedleInHaystack, answer_accuracy, task_dataset
 from train.tokenizer import BOS_ID, PAD_ID, SEP_ID, VOCAB_SIZE, decode, encode
+
+_TRAINING = {
+    "OptimConfig": "train.optim",
+    "make_optimizer": "train.optim",
+    "learning_rate_schedule": "train.optim",
+    "TrainState": "train.step",
+    "make_train_step": "train.step",
+    "make_eval_step": "train.step",
+    "Checkpointer": "train.checkpoint",
+    "train_flops_per_token": "train.metrics",
+    "TrainConfig": "train.loop",
+    "MeshConfig": "train.loop",
+    "Stage": "train.loop",
+    "Trainer": "train.loop",
+    "train": "train.loop",
+    "apply_overrides": "train.cli",
+}
+
+
+def __getattr__(name: str):
+    if name in _TRAINING:
+        return getattr(importlib.import_module(_TRAINING[name]), name)
+    raise AttributeError(f"module 'train' has no attribute {name!r}")
+
 
 __all__ = [
     "BOS_ID",
@@ -54,4 +92,5 @@ __all__ = [
     "split_corpus",
     "stdlib_corpus",
     "task_dataset",
+    *_TRAINING,
 ]

@@ -52,6 +52,7 @@ from train.step import (
     stacked_axes,
 )
 from train.synthetic import Task, answer_accuracy
+from train.tokenizer import VOCAB_SIZE
 
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = "checkpoints"
@@ -61,12 +62,26 @@ RUNTIME_FIELDS = ("progress", "fast_compile")
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh axis sizes (`models.sharding.make_mesh`); -1 takes the remaining devices."""
+    """Device mesh axis sizes (`models.sharding.make_mesh`). One axis may be -1: it takes all
+    the devices the others leave; without a -1 the mesh uses the first data*fsdp*expert*tensor
+    devices (mesh.data=1: a single device)."""
 
     data: int = -1
     fsdp: int = 1
     expert: int = 1
     tensor: int = 1
+
+    def devices(self) -> list[jax.Device]:
+        sizes = dataclasses.asdict(self)
+        if -1 in sizes.values():
+            return jax.devices()
+        wanted = math.prod(sizes.values())
+        if wanted > jax.device_count():
+            raise ValueError(
+                f"the mesh {sizes} needs {wanted} devices but {jax.device_count()} are present; "
+                "shrink an axis or set one to -1"
+            )
+        return jax.devices()[:wanted]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,10 +121,10 @@ class TrainConfig:
             if getattr(self, name) < low:
                 raise ValueError(f"TrainConfig.{name} must be at least {low}, got "
                                  f"{getattr(self, name)}")
-        if self.model.vocab_size < 264:
+        if self.model.vocab_size < VOCAB_SIZE:
             raise ValueError(
                 f"TrainConfig.model.vocab_size={self.model.vocab_size} cannot hold the byte "
-                "vocabulary (train.tokenizer.VOCAB_SIZE = 264); use at least 264"
+                f"vocabulary (train.tokenizer.VOCAB_SIZE = {VOCAB_SIZE}); use at least that"
             )
 
 
@@ -129,7 +144,7 @@ class Trainer:
     @classmethod
     def create(cls, config: TrainConfig) -> "Trainer":
         """Initialises the model and optimizer directly in their shards on the mesh."""
-        mesh = make_mesh(**dataclasses.asdict(config.mesh))
+        mesh = make_mesh(**dataclasses.asdict(config.mesh), devices=config.mesh.devices())
 
         def build() -> TrainState:
             model = HybridLM(config.model, rngs=nnx.Rngs(config.seed))
@@ -193,19 +208,14 @@ class Trainer:
         batches = make_task_batches(
             task, seq_len=seq_len, batch_size=batch_size, num_batches=num_batches
         )
-        correct = answers = matched = rows = 0.0
+        predictions, targets, masks = [], [], []
         with jax.set_mesh(self.mesh):
             for index in range(len(batches)):
                 batch = batches[index]
-                predictions = self.eval_step(self.state, self.place(batch))["predictions"]
-                accuracy = answer_accuracy(predictions, batch["targets"], batch["loss_mask"])
-                num_answers = float(batch["loss_mask"].sum())
-                num_rows = float((batch["loss_mask"].sum(axis=1) > 0).sum())
-                correct += accuracy["token_accuracy"] * num_answers
-                answers += num_answers
-                matched += accuracy["exact_match"] * num_rows
-                rows += num_rows
-        return {"token_accuracy": correct / answers, "exact_match": matched / rows}
+                predictions.append(self.eval_step(self.state, self.place(batch))["predictions"])
+                targets.append(batch["targets"])
+                masks.append(batch["loss_mask"])
+        return answer_accuracy(*(np.concatenate(parts) for parts in (predictions, targets, masks)))
 
 
 @dataclasses.dataclass
@@ -282,12 +292,12 @@ class Stopwatch:
     """Wall time since the last restart, and the step it was restarted at."""
 
     def __init__(self):
-        self.restart(0)
+        self._step, self._since = 0, time.perf_counter()
 
     def restart(self, step: int) -> float:
         """Restarts at `step`; returns the seconds since the previous restart."""
         now = time.perf_counter()
-        elapsed = now - getattr(self, "_since", now)
+        elapsed = now - self._since
         self._step, self._since = step, now
         return elapsed
 
@@ -461,9 +471,9 @@ def train(
         "val_unigram_bits_per_byte": manifests[0]["validation_unigram_bits_per_byte"],
         "skipped_steps": int(train_rows[-1]["skipped_steps"]) if train_rows else 0,
         "first_step_seconds": first_step_seconds,
-        "tokens_per_second": next(
+        "tokens_per_second": next(  # of this session (None if it trained no step)
             (row["tokens_per_second"] for row in reversed(train_rows)
-             if "tokens_per_second" in row), None),
+             if "tokens_per_second" in row and row["step"] > start), None),
         "train_flops_per_token": train_flops_per_token(config.model, last_stage.seq_len)["total"],
         "corpus": manifests[0]["corpus"],
         "corpus_sha256": manifests[0]["corpus_sha256"],

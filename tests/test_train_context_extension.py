@@ -1,0 +1,66 @@
+"""experiments.context_extension: the curriculum's stages, its checks, and a tiny end-to-end run."""
+
+import os
+
+import pytest
+
+from experiments.context_extension import ContextExtensionConfig, main, table
+
+
+def test_stages_keep_tokens_per_step_and_shift_the_mix():
+    config = ContextExtensionConfig()
+    stages = config.stages()
+    assert [stage.data.seq_len for stage in stages] == list(config.lengths)
+    assert {stage.data.seq_len * stage.data.batch_size for stage in stages} == {
+        config.tokens_per_step}
+    biases = [stage.data.long_document_bias for stage in stages]
+    assert biases == sorted(biases) and biases[-1] > biases[0]
+    assert config.train_config().steps == sum(config.stage_steps)
+    assert config.train_config().data == stages[0].data
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(stage_steps=(1, 2)), "stage_steps has 2 entries for 3 stages"),
+        (dict(lengths=(1024, 256, 4096)), "increasing"),
+        (dict(tokens_per_step=1000), "not a multiple"),
+        (dict(eval_examples=0), "eval_examples"),
+    ],
+)
+def test_inconsistent_curricula_are_refused(changes, message):
+    with pytest.raises(ValueError, match=message):
+        ContextExtensionConfig(**changes)
+
+
+def test_table_has_a_row_per_stage_and_length():
+    config = ContextExtensionConfig(lengths=(64, 128), tokens_per_step=128, stage_steps=(1, 1),
+                                    long_document_bias=(0, 0), mqar_weight=(0, 0),
+                                    needle_weight=(0, 0), needle_depths=(0.5,))
+    accuracy = {"exact_match": 0.25, "token_accuracy": 0.5}
+    recall = {length: {"mqar": accuracy, "needle@0.5": accuracy} for length in ("64", "128")}
+    text = table(config, [{"stage": 0, "recall": recall}, {"stage": 1, "recall": recall}])
+    lines = text.splitlines()
+    assert len(lines) == 2 + 4
+    assert lines[2] == "| 1 | 64 | 64 | 0.25 | 0.50 | 0.25 |"
+    assert lines[5] == "| 2 | 128 | 128 | 0.25 | 0.50 | 0.25 |"
+
+
+@pytest.mark.slow
+def test_a_tiny_curriculum_runs_end_to_end(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    settings = {
+        "lengths": "32,64", "tokens_per_step": "64", "stage_steps": "1,1",
+        "long_document_bias": "0,0.5", "mqar_weight": "0.2,0.2", "needle_weight": "0.2,0.2",
+        "mqar.num_kv_pairs": "2", "needle_depths": "0.5", "eval_examples": "1",
+        "train.model.num_layers": "2", "train.model.kda_layers": "1",
+        "train.model.full_attn_layers": "2", "train.eval_batches": "1",
+        "train.fast_compile": "true", "train.progress": "false", "train.mesh.data": "1",
+    }
+    summary = main(["--out", out, *[f"--set={key}={value}" for key, value in settings.items()]])
+    assert [row["stage"] for row in summary["stages"]] == [0, 1]
+    assert set(summary["stages"][1]["recall"]) == {"32", "64"}
+    with open(os.path.join(out, "context_extension.md")) as f:
+        assert len(f.read().splitlines()) == 2 + 2 * 2
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["1", "2"]
+    assert "recall at every stage boundary" in capsys.readouterr().out
