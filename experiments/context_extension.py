@@ -22,7 +22,6 @@ import sys
 
 from models.config import preset
 from train.cli import config_dict, make_parser, resolve_config
-from train.data import DataConfig
 from train.loop import Stage, TrainConfig, Trainer, train
 from train.optim import OptimConfig
 from train.synthetic import MQAR, NeedleInHaystack

@@ -1,6 +1,6 @@
 """The main job: train the tiny K3-style hybrid on the embedded corpus, then sample from it.
 
-    python -m experiments.quickstart                       # about ten minutes on a 2-core CPU
+    python -m experiments.quickstart                       # 3-4 minutes on an idle 2-core CPU
     python -m experiments.quickstart --out runs/qs --set steps=600 --set optim.optimizer=muon
     python -m experiments.quickstart --out runs/qs --resume
     python -m experiments.quickstart --data notes.txt more.jsonl   # your own text instead
@@ -30,11 +30,11 @@ CONFIG = TrainConfig(
     model=preset("tiny"),
     data=DataConfig(seq_len=256, batch_size=16),
     optim=OptimConfig(learning_rate=4e-3, warmup_steps=20, schedule="wsd", decay_fraction=0.3),
-    steps=250,
+    steps=300,
     log_every=5,
-    eval_every=50,
+    eval_every=100,
     eval_batches=16,
-    checkpoint_every=50,
+    checkpoint_every=100,
 )
 PROMPT = "def "
 

@@ -29,7 +29,8 @@ def test_notebook_executes(tmp_path, monkeypatch):
     spec = KernelSpecManager().get_kernel_spec("python3")
     assert os.path.realpath(spec.resource_dir).startswith(os.path.realpath(sys.prefix))
     notebook = nbformat.read(NOTEBOOK, as_version=4)
-    [parameters] = [cell for cell in notebook.cells if "parameters" in cell.metadata.get("tags", [])]
+    [parameters] = [cell for cell in notebook.cells
+                    if "parameters" in cell.metadata.get("tags", [])]
     parameters.source = SMALL
     repo = os.path.dirname(os.path.dirname(NOTEBOOK))
     client = nbclient.NotebookClient(

@@ -163,8 +163,10 @@ def test_per_head_muon_gives_each_head_its_own_scale(per_head):
 def test_adamw_updates_every_parameter_and_decays_only_matrices():
     class Small(nnx.Module):
         def __init__(self):
-            self.kernel = nnx.Param(jnp.ones((4, 4)), out_sharding=("embed", "mlp"), eager_sharding=False)
-            self.scale = nnx.Param(jnp.ones((4,)), out_sharding=("embed",), eager_sharding=False)
+            self.kernel = nnx.Param(jnp.ones((4, 4)), out_sharding=("embed", "mlp"),
+                                    eager_sharding=False)
+            self.scale = nnx.Param(jnp.ones((4,)), out_sharding=("embed",),
+                                   eager_sharding=False)
 
     params = nnx.as_pure(nnx.state(Small(), nnx.Param))
     tx = make_optimizer(OptimConfig(learning_rate=0.1, warmup_steps=0, weight_decay=0.5,

@@ -90,28 +90,23 @@ class OptimConfig:
             raise ValueError(f"OptimConfig.schedule must be one of {SCHEDULES}, got "
                              f"{self.schedule!r}")
         checks = {
-            "learning_rate": self.learning_rate > 0,
-            "warmup_steps": self.warmup_steps >= 0,
-            "decay_fraction": 0.0 <= self.decay_fraction <= 1.0,
-            "min_lr_ratio": 0.0 <= self.min_lr_ratio <= 1.0,
-            "weight_decay": self.weight_decay >= 0,
-            "b1": 0.0 <= self.b1 < 1.0,
-            "b2": 0.0 <= self.b2 < 1.0,
-            "eps": self.eps > 0,
-            "clip_norm": self.clip_norm is None or self.clip_norm > 0,
-            "muon_momentum": 0.0 <= self.muon_momentum < 1.0,
-            "qk_clip_tau": self.qk_clip_tau > 0,
+            "learning_rate": (self.learning_rate > 0, "> 0"),
+            "warmup_steps": (self.warmup_steps >= 0, ">= 0"),
+            "decay_fraction": (0.0 <= self.decay_fraction <= 1.0, "in [0, 1]"),
+            "min_lr_ratio": (0.0 <= self.min_lr_ratio <= 1.0, "in [0, 1]"),
+            "weight_decay": (self.weight_decay >= 0, ">= 0"),
+            "b1": (0.0 <= self.b1 < 1.0, "in [0, 1)"),
+            "b2": (0.0 <= self.b2 < 1.0, "in [0, 1)"),
+            "eps": (self.eps > 0, "> 0"),
+            "clip_norm": (self.clip_norm is None or self.clip_norm > 0, "> 0 or None"),
+            "muon_momentum": (0.0 <= self.muon_momentum < 1.0, "in [0, 1)"),
+            "qk_clip_tau": (self.qk_clip_tau > 0, "> 0"),
         }
-        expected = {
-            "learning_rate": "> 0", "warmup_steps": ">= 0", "decay_fraction": "in [0, 1]",
-            "min_lr_ratio": "in [0, 1]", "weight_decay": ">= 0", "b1": "in [0, 1)",
-            "b2": "in [0, 1)", "eps": "> 0", "clip_norm": "> 0 or None",
-            "muon_momentum": "in [0, 1)", "qk_clip_tau": "> 0",
-        }
-        for name, ok in checks.items():
+        for name, (ok, expected) in checks.items():
             if not ok:
-                raise ValueError(f"OptimConfig.{name} must be {expected[name]}, got "
-                                 f"{getattr(self, name)!r}")
+                raise ValueError(
+                    f"OptimConfig.{name} must be {expected}, got {getattr(self, name)!r}"
+                )
 
 
 def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
