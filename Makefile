@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/python -m experiments.kda_demo
+	$(VENV)/bin/python -m experiments.quickstart
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -n 2 -q --durations=15
