@@ -119,14 +119,12 @@ def make_train_step(
 
         def loss_fn(params):
             model = nnx.merge(graph, params, rest)
+            inputs = (batch["tokens"], batch["segment_ids"])
             if qk_clip_tau is None:
-                (logits, router_stats), captured = model.forward(
-                    batch["tokens"], batch["segment_ids"]
-                ), {}
+                output, captured = model.forward(*inputs), {}
             else:
-                (logits, router_stats), captured = qk_clip.capture_forward(
-                    model, batch["tokens"], batch["segment_ids"]
-                )
+                output, captured = qk_clip.capture_forward(model, *inputs)
+            logits, router_stats = output
             nll, count = next_token_nll(logits, batch["targets"], batch["loss_mask"])
             loss = nll / jnp.maximum(count, 1.0)
             auxiliary = aux_loss(router_stats)
@@ -156,7 +154,7 @@ def make_train_step(
                 logits_h = qk_clip.max_logits(layer.cfg, *captured[path], batch["segment_ids"])
                 qk_clip.clip_query_key(layer, logits_h, qk_clip_tau)
                 head_max.append(logits_h)
-            metrics["qk_max_logit"] = jnp.stack(head_max)
+            metrics["qk_max_logit"] = jnp.stack(head_max) if head_max else jnp.zeros((0, 0))
 
         updated = nnx.state(train_state)
         new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, previous)
