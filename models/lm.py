@@ -22,7 +22,6 @@ state)` for the prompt and for each new token (`models.generate` drives it).
 """
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -41,8 +40,8 @@ from models.config import ModelConfig
 from models.norms import RMSNorm
 from models.paged_cache import PagedLatentCache, init_pages
 from models.sharding import constrain
-from moe.experts import DenseFFN, StableLatentMoE
-from moe.routing import RouterStats, updated_bias
+from moe.experts import DenseFFN, StableLatentMoE, update_router_bias
+from moe.routing import RouterStats
 
 REMAT = {
     "none": None,
@@ -366,7 +365,4 @@ def update_router_biases(model: HybridLM, router_stats: Sequence[RouterStats]) -
             "model.forward returned"
         )
     for (moe, stacked), stats in zip(sites, router_stats):
-        update = functools.partial(updated_bias, moe.cfg)
-        if stacked:
-            update = jax.vmap(update)
-        moe.router_bias[...] = update(moe.router_bias[...], stats)
+        update_router_bias(moe, stats, stacked=stacked)

@@ -29,6 +29,7 @@ from moe.experts import (
     RouterBias,
     StableLatentMoE,
     moe_layers,
+    update_router_bias,
     update_router_biases,
 )
 from moe.routing import (
@@ -59,6 +60,7 @@ __all__ = [
     "route",
     "situ_glu",
     "swiglu",
+    "update_router_bias",
     "update_router_biases",
     "updated_bias",
 ]

@@ -12,6 +12,7 @@ With `latent_dim=None` it is a plain MoE (experts read x directly, no W_down / W
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -293,4 +294,18 @@ def update_router_biases(model: nnx.Module, stats: Sequence[RouterStats]) -> Non
             "moe_layers(model) order."
         )
     for layer, layer_stats in zip(layers, stats):
-        layer.router_bias[...] = updated_bias(layer.cfg, layer.router_bias[...], layer_stats)
+        update_router_bias(layer, layer_stats)
+
+
+def update_router_bias(
+    layer: StableLatentMoE, stats: RouterStats, *, stacked: bool = False
+) -> None:
+    """Apply the balancer to one MoE layer in place (after the optimizer step, no gradient).
+
+    `stacked`: the layer is a stack built by `nnx.vmap` over layers (bias [L, E], stats with a
+    leading L axis); each slice is updated on its own.
+    """
+    update = functools.partial(updated_bias, layer.cfg)
+    if stacked:
+        update = jax.vmap(update)
+    layer.router_bias[...] = update(layer.router_bias[...], stats)
