@@ -1,0 +1,196 @@
+"""The backward of the Mosaic GPU kernel path: the forward kernel's saved residuals, the reversed
+recurrence kernel and the recurrence's VJP against `jax.vjp` of the plain-JAX recurrence, and
+gradients through `kda_attention(impl="mosaic_gpu")` against the token-by-token oracle.
+
+On CPU the kernels run in Mosaic GPU interpret mode (simulated Hopper, race detection) at small
+shapes and are lowered for Hopper at K = V = 128; on a Hopper GPU (`gpu` marker) they run for
+real at the shapes training hands them.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kda.chunked import CHUNK_SIZE, ChunkedInputs, chunk_recurrence, prepare_chunks
+from kda.kernels import mosaic_gpu
+from kda.kernels.mosaic_gpu_backward import run_reversed_recurrence
+from kda_inputs import relative_error
+from test_kda_kernels import (  # noqa: F401 (kernel_on_any_backend: a fixture, used by name)
+    HOPPER, bf16_inputs, interpreted_on_simulated_hopper, kernel_on_any_backend)
+from test_kda_ops import BF16_TOLERANCE, _loss_and_grads
+
+# fla's bar for first-order gradients in bf16 (dq, dk, dv, dh0), for every recurrence cotangent.
+GRADIENT_TOLERANCE = BF16_TOLERANCE["q"]
+
+
+def prepared_chunks(seed, batch, length, heads, value_heads, dim, *, gate="lower_bound",
+                    segments=False):
+    """float32 `ChunkedInputs` from the plain-JAX preparation, an initial state, and random
+    cotangents (d_o in bf16, as the kernel path's outputs) of the recurrence's two results."""
+    inputs = bf16_inputs(seed, batch, length, heads, value_heads, dim, gate=gate,
+                         initial_state=True, segments=segments)
+    chunks = prepare_chunks(*(inputs[name] for name in ("q", "k", "v", "g", "beta")),
+                            scale=dim**-0.5, segment_ids=inputs.get("segment_ids"),
+                            use_qk_l2norm=True, gate_lower_bound=None, chunk_size=CHUNK_SIZE)
+    keys = jax.random.split(jax.random.PRNGKey(seed + 1000), 2)
+    d_o = jax.random.normal(keys[0], chunks.U.shape).astype(jnp.bfloat16)
+    d_final_state = jax.random.normal(keys[1], inputs["initial_state"].shape)
+    return chunks, inputs["initial_state"], (d_o, d_final_state)
+
+
+def plain_recurrence(chunks, initial_state):
+    return chunk_recurrence(chunks, initial_state, jnp.bfloat16)
+
+
+def chunk_slice(chunks: ChunkedInputs, start, stop) -> ChunkedInputs:
+    return ChunkedInputs(*(x[:, :, start:stop] for x in chunks))
+
+
+def plain_state_cotangents(chunks, initial_state, cotangents):
+    """dS_{n+1} for every chunk n [B, HV, N, K, V], each from `jax.vjp` of the plain-JAX
+    recurrence over the chunks after n, started from the state the chunks up to n leave."""
+    d_o, d_final_state = cotangents
+    num_chunks = chunks.W.shape[2]
+    d_states = []
+    for n in range(num_chunks - 1):
+        _, state = plain_recurrence(chunk_slice(chunks, 0, n + 1), initial_state)
+        _, vjp = jax.vjp(plain_recurrence, chunk_slice(chunks, n + 1, num_chunks), state)
+        d_states.append(vjp((d_o[:, :, n + 1:], d_final_state))[1])
+    return jnp.stack([*d_states, d_final_state], axis=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("length,value_heads,segments", [
+    (256, 2, True),  # four chunks: the pipeline refills its buffers; documents
+    (200, 1, False),  # a padded tail
+])
+def test_interpreted_forward_saves_what_it_used(length, value_heads, segments):
+    chunks, initial_state, _ = prepared_chunks(0, 1, length, 1, value_heads, 64,
+                                               segments=segments)
+    operands = mosaic_gpu.recurrence_operands(chunks)
+    with interpreted_on_simulated_hopper():
+        o, final_state = mosaic_gpu.run_recurrence(operands, initial_state, jnp.bfloat16)
+        o_saving, final_state_saving, (states, v_new) = mosaic_gpu.run_recurrence(
+            operands, initial_state, jnp.bfloat16, save_for_backward=True)
+    np.testing.assert_array_equal(o_saving, o)
+    np.testing.assert_array_equal(final_state_saving, final_state)
+    assert states.dtype == v_new.dtype == jnp.bfloat16
+
+    def entering_states_and_v_new(chunks):
+        num_chunks = chunks.W.shape[2]
+        entering = [initial_state] + [plain_recurrence(chunk_slice(chunks, 0, n), initial_state)[1]
+                                      for n in range(1, num_chunks)]
+        entering = jnp.stack(entering, axis=2)
+        return entering, chunks.U - jnp.einsum("bhnck,bhnkv->bhncv", chunks.W, entering)
+
+    expected_states, expected_v_new = entering_states_and_v_new(chunks)
+    assert relative_error(states, expected_states) <= BF16_TOLERANCE["state"]
+    assert relative_error(v_new, expected_v_new) <= BF16_TOLERANCE["o"]
+
+
+@pytest.mark.slow
+def test_interpreted_reversed_kernel_matches_plain_jax():
+    chunks, initial_state, cotangents = prepared_chunks(1, 1, 256, 1, 2, 64, segments=True)
+    _, vjp = jax.vjp(plain_recurrence, chunks, initial_state)
+    d_chunks, d_initial_state = vjp(cotangents)
+    with interpreted_on_simulated_hopper():
+        d_states, d_v_new, d_initial = run_reversed_recurrence(
+            mosaic_gpu.recurrence_operands(chunks)._replace(U=None), *cotangents)
+    assert d_states.dtype == jnp.bfloat16
+    assert d_v_new.dtype == d_initial.dtype == jnp.float32
+    expected_d_states = plain_state_cotangents(chunks, initial_state, cotangents)
+    assert relative_error(d_states, expected_d_states) <= GRADIENT_TOLERANCE
+    assert relative_error(d_v_new, d_chunks.U) <= GRADIENT_TOLERANCE  # dU = dV_new
+    assert relative_error(d_initial, d_initial_state) <= GRADIENT_TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("length,heads,gate,segments", [
+    (256, (1, 2), "lower_bound", True),  # four chunks, documents, grouped value heads
+    (150, (2, 2), "softplus", False),  # a padded tail
+])
+def test_interpreted_recurrence_vjp_matches_plain_jax(length, heads, gate, segments):
+    chunks, initial_state, cotangents = prepared_chunks(2, 1, length, *heads, 64, gate=gate,
+                                                        segments=segments)
+    _, vjp = jax.vjp(plain_recurrence, chunks, initial_state)
+    expected_chunks, expected_initial = vjp(cotangents)
+    with interpreted_on_simulated_hopper():
+        _, kernel_vjp = jax.vjp(lambda c, s: mosaic_gpu.kernel_recurrence(c, s, jnp.bfloat16),
+                                chunks, initial_state)
+        actual_chunks, actual_initial = kernel_vjp(cotangents)
+    for name, actual, expected in zip(ChunkedInputs._fields, actual_chunks, expected_chunks):
+        assert actual.shape == expected.shape and actual.dtype == jnp.float32, name
+        assert relative_error(actual, expected) <= GRADIENT_TOLERANCE, name
+    assert relative_error(actual_initial, expected_initial) <= GRADIENT_TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gate,lower_bound,length,heads,segments", [
+    # Both kernels forward; the recurrence kernels and the plain-JAX preparation VJP backward.
+    ("lower_bound", -5.0, 200, (1, 2), True),
+    # Plain-JAX preparation; the recurrence kernels forward and backward.
+    ("softplus", None, 256, (2, 2), True),
+])
+def test_interpreted_gradients_match_reference(kernel_on_any_backend, gate, lower_bound, length,
+                                               heads, segments):
+    inputs = bf16_inputs(3, 1, length, *heads, 64, gate=gate, initial_state=True,
+                         segments=segments)
+    expected = _loss_and_grads("reference", inputs, None)
+    with interpreted_on_simulated_hopper():
+        actual = _loss_and_grads(mosaic_gpu.NAME, inputs, lower_bound)
+    for name, tolerance in BF16_TOLERANCE.items():
+        assert relative_error(actual[name], expected[name]) <= tolerance, name
+
+
+@pytest.mark.parametrize("gate_lower_bound", [None, -5.0])
+def test_backward_lowers_for_hopper(gate_lower_bound):
+    """The gradient's kernels (forward saving residuals, reversed recurrence) at K = V = 128."""
+    dim = 128
+    inputs = bf16_inputs(4, 2, 200, 2, 4, dim, initial_state=True, segments=True)
+    use_qk_l2norm = inputs.pop("use_qk_l2norm")
+    differentiable = {name: inputs.pop(name) for name in ("q", "k", "v", "g", "beta",
+                                                          "initial_state")}
+
+    def loss(differentiable):
+        o, state = mosaic_gpu.mosaic_gpu_kda(
+            **differentiable, **inputs, scale=dim**-0.5, output_final_state=True,
+            use_qk_l2norm=use_qk_l2norm, gate_lower_bound=gate_lower_bound)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(state)
+
+    with jax.sharding.use_abstract_mesh(HOPPER):
+        lowered = jax.jit(jax.grad(loss)).trace(differentiable).lower(
+            lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    # Bounded gates: preparation, recurrence and reversed recurrence; otherwise the last two.
+    assert text.count("_reversed_recurrence_kernel") >= 1
+    assert text.count("mosaic_gpu") >= (2 if gate_lower_bound is None else 3)
+
+
+# On the GPU: real shapes. The recurrence's VJP against the plain-JAX one, and gradients against
+# the oracle where `tests/test_kda_kernels.py` does not already check them (T = 65536).
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate,segments", [("lower_bound", False), ("softplus", True)])
+def test_gpu_recurrence_vjp_matches_plain_jax(gate, segments):
+    chunks, initial_state, cotangents = prepared_chunks(5, 2, 8192, 16, 16, 128, gate=gate,
+                                                        segments=segments)
+    _, vjp = jax.vjp(plain_recurrence, chunks, initial_state)
+    expected_chunks, expected_initial = jax.jit(vjp)(cotangents)
+    kernel = jax.jit(lambda c, s, ct: jax.vjp(
+        lambda c, s: mosaic_gpu.kernel_recurrence(c, s, jnp.bfloat16), c, s)[1](ct))
+    actual_chunks, actual_initial = kernel(chunks, initial_state, cotangents)
+    for name, actual, expected in zip(ChunkedInputs._fields, actual_chunks, expected_chunks):
+        assert relative_error(actual, expected) <= GRADIENT_TOLERANCE, name
+    assert relative_error(actual_initial, expected_initial) <= GRADIENT_TOLERANCE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [64, 128])
+def test_gpu_gradients_long_sequence(dim):
+    inputs = bf16_inputs(7, 1, 65536, 2, 2, dim, initial_state=True, segments=True)
+    expected = _loss_and_grads("reference", inputs, None)
+    actual = _loss_and_grads(mosaic_gpu.NAME, inputs, -5.0)
+    for name, tolerance in BF16_TOLERANCE.items():
+        assert relative_error(actual[name], expected[name]) <= tolerance, name
