@@ -1,0 +1,278 @@
+"""The Triton path for KDA (jax-triton): portable kernels for NVIDIA GPUs from Ampere on.
+
+Two Triton kernels (`kda.kernels.triton_kernels`), each replacing one half of the chunked op
+(`kda.chunked`) with the contracts of the Mosaic GPU kernels (`RecurrenceOperands`):
+
+* the chunk preparation with bounded gates (`gate_lower_bound` set), one program per (chunk of 64
+  tokens, batch row x value head): cumulative gates, the 16x16 score tiles as bf16 `tl.dot`s
+  around the causal anchor `G_first + 7.5 L`, document masks, `(I + beta Akk)^-1` by recursive
+  doubling, W and U from hi/lo bf16 splits, the state factors. With unbounded gates the
+  preparation stays in plain JAX.
+* the recurrence over chunks, one program per (64-column V tile, batch row x value head), its
+  float32 state tile `S [K, 64]` in registers, bf16 `tl.dot`s with float32 accumulation.
+
+Numerics follow the Mosaic GPU kernels (`kda.kernels.mosaic_gpu_prepare` describes them). Only the
+forward is a kernel: `jax.custom_vjp`s whose backward is plain JAX, recomputed from the inputs, so
+gradients equal the chunked op's: the VJP of `chunk_recurrence` with unbounded gates (JAX
+differentiates the plain-JAX preparation), of the whole chunked op with bounded gates.
+`jax_triton` and `triton` are imported only when a kernel launches, so `import kda` works without
+them. Importing this module registers `impl="triton"` with `kda.api`, behind `impl="mosaic_gpu"`
+(Hopper keeps Mosaic).
+"""
+
+import functools
+import importlib
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kda.api import KDACall, register_kernel
+from kda.chunked import (CHUNK_SIZE, TILE_SIZE, ChunkedInputs, chunk_kda,
+                         chunk_kda_with_recurrence, chunk_recurrence)
+from kda.kernels import mosaic_gpu
+from kda.kernels.mosaic_gpu import recurrence_operands
+from kda.kernels.mosaic_gpu_common import OPERAND_DTYPE, RecurrenceOperands
+
+NAME = "triton"
+SUPPORTED_DIMS = (64, 128)  # K and V: powers of two (tl.arange), multiples of BLOCK_V
+BLOCK_V = 64  # state columns per recurrence program: S [K, 64] float32 in registers
+# Warps per program: the preparation holds several [64, K] float32 tiles at once.
+PREPARE_WARPS = 8
+RECURRENCE_WARPS = 4
+PIPELINE_STAGES = 2  # the recurrence's loads of chunk n + 1 overlap the math of chunk n
+
+
+class KernelLaunch(NamedTuple):
+    """One Triton kernel call: what `jax_triton.triton_call` (or an interpreter) needs."""
+
+    kernel: str  # name of a `@triton.jit` function in `kda.kernels.triton_kernels`
+    inputs: tuple  # arrays, in the kernel's parameter order; the outputs' pointers follow
+    out_shape: tuple  # jax.ShapeDtypeStruct per output
+    grid: tuple
+    num_warps: int
+    constants: dict  # the kernel's constexpr parameters
+
+
+def launch(call: KernelLaunch):
+    """Runs `call` on the GPU through jax-triton; returns its outputs."""
+    import jax_triton  # noqa: PLC0415 (optional: needs a CUDA jaxlib and triton)
+
+    from kda.kernels import triton_kernels  # noqa: PLC0415 (imports triton)
+
+    return jax_triton.triton_call(
+        *call.inputs, kernel=getattr(triton_kernels, call.kernel), out_shape=call.out_shape,
+        grid=call.grid, num_warps=call.num_warps, num_stages=PIPELINE_STAGES, **call.constants)
+
+
+def preparation_launch(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm,
+                       gate_lower_bound) -> KernelLaunch:
+    """The preparation kernel's call for `kda.chunked.prepare_chunks` (chunk 64, bounded gates).
+
+    Args:
+      q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K], every g >= gate_lower_bound;
+        beta: [B, T, HV]; K and V in {64, 128}.
+      scale, segment_ids, use_qk_l2norm: as in `kda.chunked.chunk_kda`.
+      gate_lower_bound: L in [-5, 0).
+    Returns:
+      A `KernelLaunch` whose outputs are the fields of `RecurrenceOperands` [B, HV, N, ...].
+    """
+    batch, length, num_value_heads, value_dim = v.shape
+    num_heads, key_dim = q.shape[2:]
+    num_chunks = -(-length // CHUNK_SIZE)
+    if segment_ids is None:  # one document: every token has the same id
+        segment_ids = jnp.zeros((batch, length), jnp.int32)
+    chunked = lambda *tail: (batch, num_value_heads, num_chunks, *tail)  # noqa: E731
+    return KernelLaunch(
+        kernel="prepare_kernel",
+        inputs=(q.astype(OPERAND_DTYPE), k.astype(OPERAND_DTYPE), v.astype(OPERAND_DTYPE),
+                g.astype(jnp.float32), beta.astype(jnp.float32), segment_ids.astype(jnp.int32)),
+        out_shape=RecurrenceOperands(
+            W=jax.ShapeDtypeStruct(chunked(CHUNK_SIZE, key_dim), OPERAND_DTYPE),
+            U=jax.ShapeDtypeStruct(chunked(CHUNK_SIZE, value_dim), jnp.float32),
+            q_from_state=jax.ShapeDtypeStruct(chunked(CHUNK_SIZE, key_dim), OPERAND_DTYPE),
+            k_to_state_t=jax.ShapeDtypeStruct(chunked(key_dim, CHUNK_SIZE), OPERAND_DTYPE),
+            Aqk=jax.ShapeDtypeStruct(chunked(CHUNK_SIZE, CHUNK_SIZE), OPERAND_DTYPE),
+            chunk_decay=jax.ShapeDtypeStruct(chunked(key_dim), jnp.float32)),
+        grid=(num_chunks, batch * num_value_heads),
+        num_warps=PREPARE_WARPS,
+        constants=dict(T=length, H=num_heads, HV=num_value_heads, K=key_dim, V=value_dim,
+                       NUM_CHUNKS=num_chunks, CHUNK=CHUNK_SIZE, TILE=TILE_SIZE,
+                       SCALE=float(scale), LOWER_BOUND=float(gate_lower_bound),
+                       USE_QK_L2NORM=bool(use_qk_l2norm)),
+    )
+
+
+def recurrence_launch(operands: RecurrenceOperands, initial_state, out_dtype) -> KernelLaunch:
+    """The recurrence kernel's call: outputs (o [B, HV, N, C, V] in out_dtype, final_state
+    float32 [B, HV, K, V]) from `RecurrenceOperands` [B, HV, N, ...] and initial_state."""
+    batch, heads, num_chunks, chunk, key_dim = operands.W.shape
+    value_dim = operands.U.shape[-1]
+    return KernelLaunch(
+        kernel="recurrence_kernel",
+        inputs=(*operands, initial_state.astype(jnp.float32)),
+        out_shape=(jax.ShapeDtypeStruct((batch, heads, num_chunks, chunk, value_dim), out_dtype),
+                   jax.ShapeDtypeStruct((batch, heads, key_dim, value_dim), jnp.float32)),
+        grid=(value_dim // BLOCK_V, batch * heads),
+        num_warps=RECURRENCE_WARPS,
+        constants=dict(NUM_CHUNKS=num_chunks, CHUNK=chunk, K=key_dim, V=value_dim,
+                       BLOCK_V=BLOCK_V),
+    )
+
+
+def prepare_chunks_kernel(q, k, v, g, beta, **options) -> RecurrenceOperands:
+    """`kda.chunked.prepare_chunks` by the Triton kernel; arguments as `preparation_launch`."""
+    return RecurrenceOperands(*launch(preparation_launch(q, k, v, g, beta, **options)))
+
+
+def run_recurrence(operands: RecurrenceOperands, initial_state, out_dtype):
+    """`kda.chunked.chunk_recurrence` by the Triton kernel, on the kernel's operands."""
+    return tuple(launch(recurrence_launch(operands, initial_state, out_dtype)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def kernel_recurrence(chunks: ChunkedInputs, initial_state, out_dtype):
+    """`kda.chunked.chunk_recurrence` by the Triton kernel (same contract; bf16 operands).
+
+    Args:
+      chunks: `ChunkedInputs` [B, HV, N, 64, ...] with K and V in {64, 128}.
+      initial_state: [B, HV, K, V].
+      out_dtype: dtype of the chunk outputs.
+    Returns:
+      (o [B, HV, N, 64, V] in out_dtype, final_state float32 [B, HV, K, V]).
+    """
+    return run_recurrence(recurrence_operands(chunks), initial_state, out_dtype)
+
+
+def _kernel_recurrence_fwd(chunks, initial_state, out_dtype):
+    return kernel_recurrence(chunks, initial_state, out_dtype), (chunks, initial_state)
+
+
+def _kernel_recurrence_bwd(out_dtype, residuals, cotangents):
+    """The VJP of the plain-JAX recurrence, recomputed (exact, not a kernel)."""
+    chunks, initial_state = residuals
+    _, vjp = jax.vjp(lambda c, s: chunk_recurrence(c, s, out_dtype), chunks, initial_state)
+    return vjp(cotangents)
+
+
+kernel_recurrence.defvjp(_kernel_recurrence_fwd, _kernel_recurrence_bwd)
+
+
+class _BoundedOptions(NamedTuple):
+    """The static arguments of `_bounded_kda` (hashable, for `nondiff_argnums`)."""
+
+    scale: float
+    use_qk_l2norm: bool
+    gate_lower_bound: float
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _bounded_kda(q, k, v, g, beta, initial_state, segment_ids, options: _BoundedOptions):
+    """Both kernels, preparation then recurrence: (o [B, T, HV, V], final_state [B, HV, K, V])."""
+    batch, length, num_value_heads, value_dim = v.shape
+    operands = prepare_chunks_kernel(q, k, v, g, beta, segment_ids=segment_ids,
+                                     **options._asdict())
+    o, final_state = run_recurrence(operands, initial_state, v.dtype)
+    o = jnp.moveaxis(o, 1, 3).reshape(batch, -1, num_value_heads, value_dim)
+    return o[:, :length], final_state
+
+
+def _bounded_kda_fwd(q, k, v, g, beta, initial_state, segment_ids, options):
+    outputs = _bounded_kda(q, k, v, g, beta, initial_state, segment_ids, options)
+    return outputs, (q, k, v, g, beta, initial_state, segment_ids)
+
+
+def _bounded_kda_bwd(options, residuals, cotangents):
+    """The VJP of the plain-JAX chunked op, recomputed from the inputs (exact, not a kernel)."""
+    *differentiable, segment_ids = residuals
+
+    def chunked(q, k, v, g, beta, initial_state):
+        return chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                         segment_ids=segment_ids, **options._asdict())
+
+    _, vjp = jax.vjp(chunked, *differentiable)
+    return (*vjp(cotangents), None)
+
+
+_bounded_kda.defvjp(_bounded_kda_fwd, _bounded_kda_bwd)
+
+
+def triton_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale,
+    initial_state=None,
+    output_final_state=False,
+    segment_ids=None,
+    use_qk_l2norm=False,
+    gate_lower_bound=None,
+):
+    """KDA by the Triton kernels; arguments and results as `kda.reference.kda_reference`, with
+    K and V in {64, 128}. With `gate_lower_bound` set the chunk preparation is a kernel too;
+    otherwise it is plain JAX. Differentiable (the backward is plain JAX: module docstring)."""
+    key_dim, value_dim = q.shape[-1], v.shape[-1]
+    if key_dim not in SUPPORTED_DIMS or value_dim not in SUPPORTED_DIMS:
+        raise ValueError(
+            f"the Triton kernels need K and V in {SUPPORTED_DIMS}, got K={key_dim}, "
+            f"V={value_dim}; use impl='chunked' for other head sizes")
+    if gate_lower_bound is None:
+        return chunk_kda_with_recurrence(
+            kernel_recurrence, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, segment_ids=segment_ids,
+            use_qk_l2norm=use_qk_l2norm, gate_lower_bound=None, chunk_size=CHUNK_SIZE)
+    batch, _, num_value_heads, _ = v.shape
+    if initial_state is None:
+        initial_state = jnp.zeros((batch, num_value_heads, key_dim, value_dim), jnp.float32)
+    o, final_state = _bounded_kda(
+        q, k, v, g, beta, initial_state.astype(jnp.float32), segment_ids,
+        _BoundedOptions(float(scale), bool(use_qk_l2norm), float(gate_lower_bound)))
+    return o, (final_state if output_final_state else None)
+
+
+MIN_COMPUTE_CAPABILITY = 8.0  # bf16 mma: Ampere and later
+
+
+def _on_ampere_or_later() -> bool:
+    """Whether the default GPU is an NVIDIA GPU of compute capability >= 8.0."""
+    try:
+        device = jax.devices("gpu")[0]
+    except RuntimeError:
+        return False
+    try:  # CUDA devices report e.g. "9.0"; other GPUs have no such attribute or another format
+        return float(getattr(device, "compute_capability", "")) >= MIN_COMPUTE_CAPABILITY
+    except ValueError:
+        return False
+
+
+@functools.cache
+def _jax_triton_importable() -> bool:
+    try:
+        importlib.import_module("jax_triton")
+    except ImportError:  # not installed, or installed with a jaxlib without CUDA
+        return False
+    return True
+
+
+def supports(call: KDACall) -> bool:
+    """The calls `tests/test_kda_triton.py` covers on the GPU: bfloat16, K = V in {64, 128}, on an
+    NVIDIA GPU of compute capability >= 8.0 with jax-triton installed (`pip install k3-jax[gpu]`).
+
+    Any gate (bounded: both kernels; unbounded: plain-JAX preparation), grouped value heads,
+    initial and final states, L2-normalised q/k, packed documents and any T.
+    """
+    return (call.backend == "gpu"
+            and call.dtype == jnp.bfloat16
+            and call.key_dim == call.value_dim
+            and call.key_dim in SUPPORTED_DIMS
+            and _on_ampere_or_later()
+            and _jax_triton_importable())
+
+
+register_kernel(NAME, triton_kda, supports)
+# `register_kernel` puts the newest kernel first, and `impl="auto"` takes the first that supports
+# the call: put the Mosaic GPU path back in front, so that Hopper keeps it.
+register_kernel(mosaic_gpu.NAME, mosaic_gpu.mosaic_gpu_kda, mosaic_gpu.supports)

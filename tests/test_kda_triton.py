@@ -1,0 +1,152 @@
+"""The Triton path (`impl="triton"`, jax-triton) against the token-by-token oracle on the GPU, and
+its dispatch and launch contracts on CPU.
+
+Triton kernels run only on a GPU here (jax-triton needs a CUDA jaxlib); on CPU these tests check
+that `import kda` needs neither triton nor jax-triton, that the path is refused with a clear error,
+and that the kernels' calls have the shapes of the plain-JAX operands they replace.
+"""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kda
+from kda.chunked import prepare_chunks
+from kda.kernels import triton as triton_path
+from kda.kernels.mosaic_gpu import recurrence_operands
+from kda_inputs import make_inputs, relative_error
+from test_kda_ops import BF16_TOLERANCE, _loss_and_grads, run
+
+SUPPORTED_CALL = kda.KDACall(
+    batch=2, seq_len=8192, num_heads=16, num_value_heads=16, key_dim=128, value_dim=128,
+    dtype=jnp.bfloat16, has_initial_state=True, output_final_state=True, has_segment_ids=True,
+    use_qk_l2norm=True, gate_lower_bound=-5.0, backend="gpu")
+
+
+def bf16_inputs(seed, batch, length, heads, value_heads, dim, **options):
+    return make_inputs(seed, batch, length, heads, value_heads, dim, dim, dtype=jnp.bfloat16,
+                       **options)
+
+
+def preparation_options(inputs, dim):
+    return dict(scale=dim**-0.5, segment_ids=inputs.get("segment_ids"),
+                use_qk_l2norm=inputs["use_qk_l2norm"], gate_lower_bound=-5.0)
+
+
+def test_import_kda_needs_neither_triton_nor_jax_triton():
+    assert triton_path.NAME in kda.available_implementations()
+    assert "triton" not in sys.modules and "jax_triton" not in sys.modules
+
+
+def test_auto_tries_mosaic_gpu_before_triton():
+    names = kda.available_implementations()
+    assert names.index("mosaic_gpu") < names.index(triton_path.NAME)
+
+
+def test_dispatcher_uses_triton_only_for_bf16_heads_of_64_or_128_on_ampere_or_later(monkeypatch):
+    monkeypatch.setattr(triton_path, "_on_ampere_or_later", lambda: True)
+    monkeypatch.setattr(triton_path, "_jax_triton_importable", lambda: True)
+    assert triton_path.supports(SUPPORTED_CALL)
+    with_dims = lambda d: SUPPORTED_CALL.__class__(  # noqa: E731
+        **{**vars(SUPPORTED_CALL), "key_dim": d, "value_dim": d})
+    assert triton_path.supports(with_dims(64))
+    for change in ({"backend": "cpu"}, {"dtype": jnp.float32}, {"key_dim": 64},
+                   {"key_dim": 32, "value_dim": 32}, {"key_dim": 256, "value_dim": 256}):
+        assert not triton_path.supports(SUPPORTED_CALL.__class__(**{**vars(SUPPORTED_CALL),
+                                                                    **change}))
+    monkeypatch.setattr(triton_path, "_jax_triton_importable", lambda: False)
+    assert not triton_path.supports(SUPPORTED_CALL)
+    monkeypatch.setattr(triton_path, "_jax_triton_importable", lambda: True)
+    monkeypatch.setattr(triton_path, "_on_ampere_or_later", lambda: False)
+    assert not triton_path.supports(SUPPORTED_CALL)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU refusal")
+def test_on_cpu_asking_for_triton_is_refused():
+    inputs = bf16_inputs(4, 1, 70, 2, 2, 64)
+    with pytest.raises(ValueError, match=r"impl='triton' does not support this call"):
+        run(triton_path.NAME, inputs)
+
+
+def test_unsupported_head_sizes_are_refused():
+    inputs = bf16_inputs(3, 1, 64, 1, 1, 32)
+    inputs.pop("use_qk_l2norm")
+    with pytest.raises(ValueError, match=r"K and V in \(64, 128\), got K=32, V=32"):
+        triton_path.triton_kda(**inputs, scale=0.2)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_kernel_launches_have_the_plain_jax_operands_shapes(dim):
+    """Outputs, grid and constants of both launches (no triton needed to build them)."""
+    inputs = bf16_inputs(2, 2, 200, 1, 2, dim, initial_state=True, segments=True)
+    args = [inputs[name] for name in ("q", "k", "v", "g", "beta")]
+    options = preparation_options(inputs, dim)
+    expected = jax.eval_shape(lambda *xs: recurrence_operands(
+        prepare_chunks(*xs, chunk_size=64, **options)), *args)
+    preparation = triton_path.preparation_launch(*args, **options)
+    assert preparation.kernel == "prepare_kernel" and preparation.grid == (4, 2 * 2)
+    for got, want in zip(preparation.out_shape, expected):
+        assert (got.shape, got.dtype) == (want.shape, want.dtype)
+    assert preparation.constants["T"] == 200 and preparation.constants["NUM_CHUNKS"] == 4
+    assert [x.dtype for x in preparation.inputs] == [jnp.bfloat16] * 3 + [jnp.float32] * 2 + [
+        jnp.int32]
+
+    recurrence = triton_path.recurrence_launch(expected, inputs["initial_state"], jnp.bfloat16)
+    assert recurrence.kernel == "recurrence_kernel"
+    assert recurrence.grid == (dim // triton_path.BLOCK_V, 2 * 2)
+    assert [(s.shape, s.dtype) for s in recurrence.out_shape] == [
+        ((2, 2, 4, 64, dim), jnp.bfloat16), ((2, 2, dim, dim), jnp.float32)]
+
+
+# On the GPU (any NVIDIA GPU from Ampere on, jax-triton installed): real shapes, against the
+# oracle. Gradients are the plain-JAX chunked op's; they are checked so that the custom VJP's
+# wiring is.
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate,lower_bound", [("lower_bound", -5.0), ("softplus", None)])
+def test_gpu_triton_matches_reference(gate, lower_bound):
+    inputs = bf16_inputs(5, 2, 8192, 16, 16, 128, gate=gate, initial_state=True)
+    expected = _loss_and_grads("reference", inputs, None)
+    actual = _loss_and_grads(triton_path.NAME, inputs, lower_bound)
+    for name, tolerance in BF16_TOLERANCE.items():
+        assert relative_error(actual[name], expected[name]) <= tolerance, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate,lower_bound", [("lower_bound", -5.0), ("softplus", None)])
+def test_gpu_triton_packed_documents_and_grouped_heads(gate, lower_bound):
+    inputs = bf16_inputs(6, 2, 8192, 8, 16, 128, gate=gate, initial_state=True, segments=True)
+    expected = _loss_and_grads("reference", inputs, None)
+    actual = _loss_and_grads(triton_path.NAME, inputs, lower_bound)
+    for name, tolerance in BF16_TOLERANCE.items():
+        assert relative_error(actual[name], expected[name]) <= tolerance, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [64, 128])
+def test_gpu_triton_preparation_matches_plain_jax(dim):
+    inputs = bf16_inputs(10, 2, 4100, 4, 16, dim, segments=True)
+    args = [inputs[name] for name in ("q", "k", "v", "g", "beta")]
+    options = preparation_options(inputs, dim)
+    expected = recurrence_operands(prepare_chunks(*args, chunk_size=64, **options))
+    actual = jax.jit(lambda *xs: triton_path.prepare_chunks_kernel(*xs, **options))(*args)
+    for name, got, want in zip(expected._fields, actual, expected):
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        if not jnp.any(want):  # chunk_decay when every chunk starts a document
+            np.testing.assert_array_equal(got, want, err_msg=name)
+            continue
+        assert relative_error(got, want) <= BF16_TOLERANCE["o"], name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [64, 128])
+def test_gpu_triton_long_sequence(dim):
+    inputs = bf16_inputs(7, 1, 65536, 2, 2, dim, initial_state=True)
+    o_ref, state_ref = run("reference", inputs)
+    o, state = run(triton_path.NAME, inputs, gate_lower_bound=-5.0)
+    assert relative_error(o, o_ref) <= BF16_TOLERANCE["o"]
+    assert relative_error(state, state_ref) <= BF16_TOLERANCE["state"]
