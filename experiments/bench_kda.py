@@ -26,6 +26,7 @@ import numpy as np
 
 import kda
 from kda.chunked import CHUNK_SIZE, chunk_recurrence, prepare_chunks
+from kda.kernels import triton as triton_path
 from kda.kernels.mosaic_gpu import kernel_recurrence, recurrence_operands
 from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
 
@@ -135,6 +136,11 @@ def plain_preparation(q, k, v, g, beta):
 def kernel_preparation(q, k, v, g, beta):
     return prepare_chunks_kernel(q, k, v, g, beta, scale=q.shape[-1] ** -0.5,
                                  **PREPARATION_OPTIONS)
+
+
+def triton_preparation(q, k, v, g, beta):
+    return triton_path.prepare_chunks_kernel(q, k, v, g, beta, scale=q.shape[-1] ** -0.5,
+                                             **PREPARATION_OPTIONS)
 
 
 def bench_preparation(prepare: Callable, inputs, repeats: int):
@@ -249,12 +255,18 @@ def contenders(gpu: bool, impls: list[str], peers=PEERS) -> dict[str, Callable]:
         if "mosaic_gpu" in impls:
             table["recurrence: mosaic_gpu"] = lambda inputs, repeats: bench_recurrence(
                 kernel_recurrence, inputs, repeats)
+        if triton_path.NAME in impls:
+            table["recurrence: triton"] = lambda inputs, repeats: bench_recurrence(
+                triton_path.kernel_recurrence, inputs, repeats)
         # The parallel part alone, plain JAX against our kernel (bounded gates).
         table["preparation: plain JAX"] = lambda inputs, repeats: bench_preparation(
             plain_preparation, inputs, repeats)
         if "mosaic_gpu" in impls:
             table["preparation: mosaic_gpu"] = lambda inputs, repeats: bench_preparation(
                 kernel_preparation, inputs, repeats)
+        if triton_path.NAME in impls:
+            table["preparation: triton"] = lambda inputs, repeats: bench_preparation(
+                triton_preparation, inputs, repeats)
         if "jla" in peers:
             table["jla mosaic_gpu"] = lambda inputs, repeats: bench_jax(jla_attention(), inputs,
                                                                         repeats)
