@@ -96,29 +96,32 @@ def _reversed_recurrence_kernel(w_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, d_o
     def recur(d_state_smem, minus_d_v_new_smem, d_v_new_smem):
         def chunk_step(indices, w, q, kt, a, decay, d_o, d_state):
             n = num_chunks - 1 - indices[0]
-            # A step issues two copies to GMEM, dS then dV_new: waiting until at most one is
-            # pending frees the buffer of the other one of the previous step.
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            d_state_smem[...] = d_state.astype(OPERAND_DTYPE)
-            decayed = d_state * lax.broadcast_in_dim(decay[...], state_shape, (0,))
-            # Fences the store for wgmma and TMA, and orders the plain load of `decay` before
-            # the TMA that refills this pipeline slot after the step.
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(d_state_smem, d_states_gmem.at[batch, head, n, :, columns])
 
             def products(d_v_new_acc, d_state_acc):
+                # The products of dO need no dS: they run while dS is written for the next one.
                 plgpu.wgmma(d_v_new_acc, a.T, d_o)
+                plgpu.wgmma(d_state_acc, q.T, d_o)
+                # A step issues two copies to GMEM, dS then dV_new: waiting until at most one is
+                # pending frees the buffer of the other one of the previous step.
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                d_state_smem[...] = d_state.astype(OPERAND_DTYPE)
+                # Fences the store for wgmma and TMA, and orders the plain load of `decay` before
+                # the TMA that refills this pipeline slot after the step.
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(d_state_smem,
+                                        d_states_gmem.at[batch, head, n, :, columns])
                 plgpu.wgmma(d_v_new_acc, kt.T, d_state_smem)
-                plgpu.wgmma(d_state_acc, q.T, d_o)  # in flight while dV_new is formed
-                d_v_new = plgpu.wgmma_accumulator_load(d_v_new_acc, wait_n=1)
+                d_v_new = d_v_new_acc[...]
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                 minus_d_v_new_smem[...] = (-d_v_new).astype(OPERAND_DTYPE)
                 d_v_new_smem[...] = d_v_new
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(d_v_new_smem, d_v_new_gmem.at[batch, head, n, :, columns])
+                plgpu.copy_smem_to_gmem(d_v_new_smem,
+                                        d_v_new_gmem.at[batch, head, n, :, columns])
                 plgpu.wgmma(d_state_acc, w.T, minus_d_v_new_smem)
                 return d_state_acc[...]
 
+            decayed = d_state * lax.broadcast_in_dim(decay[...], state_shape, (0,))
             return decayed + pl.run_scoped(products, plgpu.ACC(values_shape),
                                            plgpu.ACC(state_shape))
 
