@@ -30,9 +30,11 @@ def prepared_chunks(seed, batch, length, heads, value_heads, dim, *, gate="lower
     cotangents (d_o in bf16, as the kernel path's outputs) of the recurrence's two results."""
     inputs = bf16_inputs(seed, batch, length, heads, value_heads, dim, gate=gate,
                          initial_state=True, segments=segments)
-    chunks = prepare_chunks(*(inputs[name] for name in ("q", "k", "v", "g", "beta")),
-                            scale=dim**-0.5, segment_ids=inputs.get("segment_ids"),
-                            use_qk_l2norm=True, gate_lower_bound=None, chunk_size=CHUNK_SIZE)
+    prepare = jax.jit(lambda q, k, v, g, beta, segment_ids: prepare_chunks(
+        q, k, v, g, beta, scale=dim**-0.5, segment_ids=segment_ids, use_qk_l2norm=True,
+        gate_lower_bound=None, chunk_size=CHUNK_SIZE))
+    chunks = prepare(*(inputs[name] for name in ("q", "k", "v", "g", "beta")),
+                     inputs.get("segment_ids"))
     keys = jax.random.split(jax.random.PRNGKey(seed + 1000), 2)
     d_o = jax.random.normal(keys[0], chunks.U.shape).astype(jnp.bfloat16)
     d_final_state = jax.random.normal(keys[1], inputs["initial_state"].shape)
@@ -41,6 +43,16 @@ def prepared_chunks(seed, batch, length, heads, value_heads, dim, *, gate="lower
 
 def plain_recurrence(chunks, initial_state):
     return chunk_recurrence(chunks, initial_state, jnp.bfloat16)
+
+
+def kernel_recurrence(chunks, initial_state):
+    return mosaic_gpu.kernel_recurrence(chunks, initial_state, jnp.bfloat16)
+
+
+def jitted_vjp(recurrence):
+    """`(chunks, initial_state, cotangents) -> (d_chunks, d_initial_state)` under one jit."""
+    return jax.jit(lambda chunks, initial_state, cotangents: jax.vjp(
+        recurrence, chunks, initial_state)[1](cotangents))
 
 
 def chunk_slice(chunks: ChunkedInputs, start, stop) -> ChunkedInputs:
@@ -92,8 +104,7 @@ def test_interpreted_forward_saves_what_it_used(length, value_heads, segments):
 @pytest.mark.slow
 def test_interpreted_reversed_kernel_matches_plain_jax():
     chunks, initial_state, cotangents = prepared_chunks(1, 1, 256, 1, 2, 64, segments=True)
-    _, vjp = jax.vjp(plain_recurrence, chunks, initial_state)
-    d_chunks, d_initial_state = vjp(cotangents)
+    d_chunks, d_initial_state = jitted_vjp(plain_recurrence)(chunks, initial_state, cotangents)
     with interpreted_on_simulated_hopper():
         d_states, d_v_new, d_initial = run_reversed_recurrence(
             mosaic_gpu.recurrence_operands(chunks)._replace(U=None), *cotangents)
@@ -113,12 +124,11 @@ def test_interpreted_reversed_kernel_matches_plain_jax():
 def test_interpreted_recurrence_vjp_matches_plain_jax(length, heads, gate, segments):
     chunks, initial_state, cotangents = prepared_chunks(2, 1, length, *heads, 64, gate=gate,
                                                         segments=segments)
-    _, vjp = jax.vjp(plain_recurrence, chunks, initial_state)
-    expected_chunks, expected_initial = vjp(cotangents)
+    expected_chunks, expected_initial = jitted_vjp(plain_recurrence)(chunks, initial_state,
+                                                                     cotangents)
     with interpreted_on_simulated_hopper():
-        _, kernel_vjp = jax.vjp(lambda c, s: mosaic_gpu.kernel_recurrence(c, s, jnp.bfloat16),
-                                chunks, initial_state)
-        actual_chunks, actual_initial = kernel_vjp(cotangents)
+        actual_chunks, actual_initial = jitted_vjp(kernel_recurrence)(chunks, initial_state,
+                                                                      cotangents)
     for name, actual, expected in zip(ChunkedInputs._fields, actual_chunks, expected_chunks):
         assert actual.shape == expected.shape and actual.dtype == jnp.float32, name
         assert relative_error(actual, expected) <= GRADIENT_TOLERANCE, name
@@ -167,8 +177,9 @@ def test_backward_lowers_for_hopper(gate_lower_bound):
     assert text.count("mosaic_gpu") >= (2 if gate_lower_bound is None else 3)
 
 
-# On the GPU: real shapes. The recurrence's VJP against the plain-JAX one, and gradients against
-# the oracle where `tests/test_kda_kernels.py` does not already check them (T = 65536).
+# On the GPU: real shapes. The recurrence's VJP against the plain-JAX one, and gradients where
+# `tests/test_kda_kernels.py` does not already check them (T = 65536: against the chunked op,
+# float32-exact, since the oracle's per-token scan would be too slow to differentiate).
 
 
 @pytest.mark.gpu
@@ -176,11 +187,10 @@ def test_backward_lowers_for_hopper(gate_lower_bound):
 def test_gpu_recurrence_vjp_matches_plain_jax(gate, segments):
     chunks, initial_state, cotangents = prepared_chunks(5, 2, 8192, 16, 16, 128, gate=gate,
                                                         segments=segments)
-    _, vjp = jax.vjp(plain_recurrence, chunks, initial_state)
-    expected_chunks, expected_initial = jax.jit(vjp)(cotangents)
-    kernel = jax.jit(lambda c, s, ct: jax.vjp(
-        lambda c, s: mosaic_gpu.kernel_recurrence(c, s, jnp.bfloat16), c, s)[1](ct))
-    actual_chunks, actual_initial = kernel(chunks, initial_state, cotangents)
+    expected_chunks, expected_initial = jitted_vjp(plain_recurrence)(chunks, initial_state,
+                                                                     cotangents)
+    actual_chunks, actual_initial = jitted_vjp(kernel_recurrence)(chunks, initial_state,
+                                                                  cotangents)
     for name, actual, expected in zip(ChunkedInputs._fields, actual_chunks, expected_chunks):
         assert relative_error(actual, expected) <= GRADIENT_TOLERANCE, name
     assert relative_error(actual_initial, expected_initial) <= GRADIENT_TOLERANCE
@@ -190,7 +200,7 @@ def test_gpu_recurrence_vjp_matches_plain_jax(gate, segments):
 @pytest.mark.parametrize("dim", [64, 128])
 def test_gpu_gradients_long_sequence(dim):
     inputs = bf16_inputs(7, 1, 65536, 2, 2, dim, initial_state=True, segments=True)
-    expected = _loss_and_grads("reference", inputs, None)
+    expected = _loss_and_grads("chunked", inputs, None)
     actual = _loss_and_grads(mosaic_gpu.NAME, inputs, -5.0)
     for name, tolerance in BF16_TOLERANCE.items():
         assert relative_error(actual[name], expected[name]) <= tolerance, name
