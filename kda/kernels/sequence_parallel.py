@@ -1,0 +1,215 @@
+"""Sequence parallelism for KDA's recurrence over chunks: every SM busy on a few long sequences.
+
+The recurrence kernel (`kda.kernels.mosaic_gpu`) runs one program per (batch row, value head,
+64-column V tile), each walking all N chunks in order, one program per SM. At B * HV = 16 and
+V = 128 that is 32 programs on an H200's 132 SMs. Here the N chunks are cut into P segments of
+L = ceil(N / P) chunks that run side by side in ONE launch of the same kernel.
+
+Why it is exact. Per chunk the state update is affine in the entering state,
+
+    S_{n+1} = M_n S_n + Kt_n^T U_n,     M_n = diag(D_n) - Kt_n^T W_n,
+
+and the chunk's output `O_n = (Qs_n - Aqk_n W_n) S_n + Aqk_n U_n` is affine in it too. Each segment
+therefore runs from a zero state, with its value columns extended by K columns that start from
+the identity and see U = 0 (`U' = [U, 0]`, `S0' = [0, I_K]`). The kernel's first V columns give the
+segment's zero-start outputs `O0_n` and end state `b_p`; the extra K columns carry
+`A_{<n} = M_{n-1} ... M_first`, so they give the segment's transition `A_p` (their end state) and
+the outputs `R_n = (Qs_n - Aqk_n W_n) A_{<n}` (what the outputs read of the entering state). A short
+scan over segment transitions (`combine_segments`) gives the true entering state `S_p` of every
+segment, and then `O_n = O0_n + R_n S_p`: one batched matmul, parallel over all chunks. N is padded
+to P * L with inert chunks (W = U = Qs = Kt = Aqk = 0, D = 1: the state passes unchanged).
+Packed documents change nothing: their masks are already in the operands, which stay linear.
+
+Numerics. The kernel rounds its matmul operands to bf16 as it always does (the carried state,
+here also the transition columns, is float32 and rounded only as a wgmma operand); its outputs
+are float32 here, because `R_n` still multiplies a state. The combine runs in float32 at full
+precision; the output correction `R_n S_p` at the backend's default float32 matmul precision (TF32
+on Hopper: finer than the bf16 rounding the kernel applies to the same state in the unsplit run).
+
+When it pays, counted in sequential chunk steps (the kernel is bound by the latency of its
+per-chunk chain of wgmmas, not by bandwidth; one ~200 KiB-SMEM program per SM):
+
+    plain:    waves(G)      * N,        G  = B * HV * V / 64 programs
+    segments: waves(G' * P) * ceil(N/P), G' = B * HV * (V + K) / 64 programs per segment
+
+with `waves(x) = ceil(x / SMs)`. The extension doubles the work at K = V, so splitting pays only
+while the plain grid leaves at least half the SMs idle: on 132 SMs at K = V = 128, B * HV <= 16
+(P = 2 at 16: 128 programs, N/2 steps; P = 16 at 2); at K = V = 64, B * HV <= 33. At B * HV = 32,
+V = 128 (64 programs) no P helps: 2 waves of N/2 steps equal N. On top come memory-bound extras
+that do not shrink with P, about 2.8 KB per token and value head at K = V = 128 (U' written,
+float32 O0 and R read back, the bf16 output written), hence `MIN_STEP_GAIN`.
+"""
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kda.common import einsum
+from kda.kernels.mosaic_gpu import BLOCK_V, run_recurrence
+from kda.kernels.mosaic_gpu_common import RecurrenceOperands
+
+HOPPER_SM_COUNT = 132  # H100 SXM and H200: the count assumed where no GPU is attached
+# Splitting must cut the sequential chunk steps at least this much to pay for the memory-bound
+# extras (U extended, float32 outputs read back, the correction matmul) and the combine.
+MIN_STEP_GAIN = 1.5
+# Shorter segments would spend a growing share of each program in its prologue and epilogue
+# (initial-state load, pipeline fill, final-state store) for little further gain.
+MIN_SEGMENT_CHUNKS = 16
+# Past two waves a larger P no longer cuts the work (the extension doubles it for good); it only
+# evens out the last wave, for a few percent at the price of more, shorter segments.
+MAX_WAVES = 2
+
+
+def split_into_segments(operands, num_segments: int):
+    """Cuts the chunk axis into segments, each a separate head, and extends U by K zero columns.
+
+    Args:
+      operands: `RecurrenceOperands` or `kda.chunked.ChunkedInputs` [B, HV, N, ...] (every field
+        has the chunk axis third; both have `U` [B, HV, N, C, V] and `chunk_decay` [B, HV, N, K]).
+      num_segments: P; N is padded with inert chunks up to P * L, L = ceil(N / P).
+    Returns:
+      The same type, [B, HV * P, L, ...] (head-major, segment-minor: a free reshape when N = P * L)
+      with U [B, HV * P, L, C, V + K].
+    """
+    batch, heads, num_chunks = operands.W.shape[:3]
+    key_dim = operands.W.shape[-1]
+    segment_chunks = -(-num_chunks // num_segments)
+    pad = segment_chunks * num_segments - num_chunks
+
+    def split(x, pad_value=0.0, extra_columns=0):
+        widths = [(0, 0)] * x.ndim
+        widths[2] = (0, pad)
+        widths[-1] = (0, extra_columns)
+        x = jnp.pad(x, widths, constant_values=pad_value)
+        return x.reshape(batch, heads * num_segments, segment_chunks, *x.shape[3:])
+
+    special = {"U": dict(extra_columns=key_dim), "chunk_decay": dict(pad_value=1.0)}
+    return type(operands)(**{name: split(x, **special.get(name, {}))
+                             for name, x in operands._asdict().items()})
+
+
+def combine_segments(transitions, offsets, initial_state):
+    """The state entering each segment, from each segment's affine map `S -> A_p S + b_p`.
+
+    A scan over the maps (`lax.associative_scan`: log2(P) rounds of batched matmuls), in float32 at
+    full precision.
+
+    Args:
+      transitions: A [B, HV, P, K, K] (rows: state rows after the segment, columns: before).
+      offsets: b [B, HV, P, K, V], each segment's end state from a zero start.
+      initial_state: S_0 [B, HV, K, V].
+    Returns:
+      (entering [B, HV, P, K, V]: S_0 .. S_{P-1}, final_state [B, HV, K, V]: S_P).
+    """
+
+    def compose(earlier, later):
+        (a_first, b_first), (a_then, b_then) = earlier, later
+        return (einsum("...ij,...jk->...ik", a_then, a_first),
+                einsum("...ij,...jv->...iv", a_then, b_first) + b_then)
+
+    through_a, through_b = lax.associative_scan(compose, (transitions, offsets), axis=2)
+    leaving = einsum("bhpij,bhjv->bhpiv", through_a, initial_state) + through_b
+    entering = jnp.concatenate([initial_state[:, :, None], leaving[:, :, :-1]], axis=2)
+    return entering, leaving[:, :, -1]
+
+
+def recurrence_in_segments(recurrence: Callable, operands, initial_state, out_dtype, *,
+                           num_segments: int, precision=lax.Precision.HIGHEST):
+    """Runs `recurrence` on P segments side by side, then combines them exactly (module docstring).
+
+    Args:
+      recurrence: `(operands, initial_state, out_dtype) -> (o [B', HV', N', C, V'],
+        final_state [B', HV', K, V'])`, the contract of `kda.chunked.chunk_recurrence` (on
+        `ChunkedInputs`) or `kda.kernels.mosaic_gpu.run_recurrence` (on `RecurrenceOperands`).
+      operands: what `recurrence` takes, [B, HV, N, ...].
+      initial_state: [B, HV, K, V].
+      out_dtype: dtype of the chunk outputs.
+      num_segments: P >= 1.
+      precision: of the output correction `R_n S_p` (the combine is always at full precision).
+    Returns:
+      (o [B, HV, N, C, V] in out_dtype, final_state [B, HV, K, V] in U's dtype).
+    """
+    batch, heads, num_chunks, chunk, key_dim = operands.W.shape
+    value_dim = operands.U.shape[-1]
+    dtype = operands.U.dtype
+    segments = split_into_segments(operands, num_segments)
+    segment_start = jnp.concatenate(
+        [jnp.zeros((key_dim, value_dim), dtype), jnp.eye(key_dim, dtype=dtype)], axis=1)
+    extended_shape = (batch, heads * num_segments, key_dim, value_dim + key_dim)
+    o, ends = recurrence(segments, jnp.broadcast_to(segment_start, extended_shape), dtype)
+
+    ends = ends.reshape(batch, heads, num_segments, key_dim, value_dim + key_dim)
+    entering, final_state = combine_segments(ends[..., value_dim:], ends[..., :value_dim],
+                                             initial_state.astype(dtype))
+    o = o.reshape(batch, heads, num_segments, -1, chunk, value_dim + key_dim)
+    o = o[..., :value_dim] + jnp.einsum("bhplck,bhpkv->bhplcv", o[..., value_dim:], entering,
+                                        precision=precision)
+    o = o.reshape(batch, heads, -1, chunk, value_dim)[:, :, :num_chunks]
+    return o.astype(out_dtype), final_state
+
+
+def _multiprocessor_count() -> int:
+    """SMs of the target GPU: the abstract mesh's device (tests), the default device, or Hopper."""
+    abstract_device = jax.sharding.get_abstract_mesh().abstract_device
+    if abstract_device is not None:
+        return abstract_device.num_cores
+    return getattr(jax.devices()[0], "core_count", None) or HOPPER_SM_COUNT
+
+
+def choose_num_segments(batch_heads: int, num_chunks: int, key_dim: int, value_dim: int,
+                        num_sms: int | None = None) -> int:
+    """P with the fewest sequential chunk steps (module docstring) in at most `MAX_WAVES` waves,
+    or 1 where splitting does not cut them by `MIN_STEP_GAIN`. Ties go to the smaller P.
+
+    Args:
+      batch_heads: B * HV.
+      num_chunks: N.
+      key_dim, value_dim: K and V (multiples of 64).
+      num_sms: SMs of the GPU (default: `_multiprocessor_count()`).
+    """
+    num_sms = num_sms or _multiprocessor_count()
+
+    plain_programs = batch_heads * value_dim // BLOCK_V
+    segment_programs = batch_heads * (value_dim + key_dim) // BLOCK_V
+
+    def waves(num_segments):
+        programs = plain_programs if num_segments == 1 else segment_programs * num_segments
+        return math.ceil(programs / num_sms)
+
+    def sequential_steps(num_segments):
+        return waves(num_segments) * math.ceil(num_chunks / num_segments)
+
+    candidates = [p for p in range(1, max(1, num_chunks // MIN_SEGMENT_CHUNKS) + 1)
+                  if p == 1 or waves(p) <= MAX_WAVES]
+    best = min(candidates, key=sequential_steps)
+    return best if MIN_STEP_GAIN * sequential_steps(best) <= sequential_steps(1) else 1
+
+
+def sequence_parallel_recurrence(operands: RecurrenceOperands, initial_state, out_dtype, *,
+                                 num_segments: int | None = None):
+    """`kda.kernels.mosaic_gpu.run_recurrence` over P segments of the sequence, side by side.
+
+    Args:
+      operands: `RecurrenceOperands` [B, HV, N, 64, ...], K and V in {64, 128}.
+      initial_state: [B, HV, K, V].
+      out_dtype: dtype of the chunk outputs.
+      num_segments: P in [1, N]; None chooses it from the grid and the SM count
+        (`choose_num_segments`). P = 1 is the plain kernel.
+    Returns:
+      (o [B, HV, N, 64, V] in out_dtype, final_state float32 [B, HV, K, V]).
+    """
+    batch, heads, num_chunks, _, key_dim = operands.W.shape
+    value_dim = operands.U.shape[-1]
+    if num_segments is None:
+        num_segments = choose_num_segments(batch * heads, num_chunks, key_dim, value_dim)
+    if not 1 <= num_segments <= num_chunks:
+        raise ValueError(f"num_segments must be between 1 and the number of chunks N = "
+                         f"{num_chunks}, got {num_segments}; pass None to choose it")
+    if num_segments == 1:
+        return run_recurrence(operands, initial_state, out_dtype)
+    # The kernel already rounds the state to bf16 where it multiplies it; TF32 here is finer.
+    return recurrence_in_segments(run_recurrence, operands, initial_state, out_dtype,
+                                  num_segments=num_segments, precision=lax.Precision.DEFAULT)

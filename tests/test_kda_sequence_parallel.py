@@ -1,0 +1,259 @@
+"""Sequence parallelism for the KDA recurrence (`kda.kernels.sequence_parallel`).
+
+The scheme in plain JAX (segments run by `chunk_recurrence`, float32) must equal the unsplit
+recurrence to float32 rounding; the combine must equal a sequential loop over segments; the
+kernel on P segments (interpret mode on a simulated Hopper, with race detection) must equal the
+kernel on one and the plain-JAX recurrence within fla's bf16 bars; on a Hopper GPU the whole
+forward (preparation kernel, then the sequence-parallel recurrence) must match the oracle on long
+single sequences.
+
+Inputs use slow gates (g / 100, in (-0.05, 0)) wherever the combine is under test: with the
+default gates in (-5, 0) the state is forgotten within a chunk or two, so segments started from
+zero would already be almost right and a broken combine would go unnoticed.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kda.chunked import CHUNK_SIZE, chunk_recurrence, prepare_chunks
+from kda.kernels import mosaic_gpu
+from kda.kernels.mosaic_gpu_common import RecurrenceOperands
+from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
+from kda.kernels.sequence_parallel import (choose_num_segments, combine_segments,
+                                           recurrence_in_segments, sequence_parallel_recurrence,
+                                           split_into_segments)
+from kda_inputs import make_inputs, relative_error
+from test_kda_kernels import HOPPER, interpreted_on_simulated_hopper
+from test_kda_ops import BF16_TOLERANCE, F32_TOLERANCE, run
+
+SLOW_GATE_FACTOR = 0.01
+
+
+def slow_gate_inputs(seed, length, value_heads, key_dim, value_dim, *, dtype=jnp.float32,
+                     **options):
+    """`make_inputs` (one batch row, q/k heads = value heads) with gates in (-0.05, 0)."""
+    inputs = make_inputs(seed, 1, length, value_heads, value_heads, key_dim, value_dim,
+                         dtype=dtype, **options)
+    return {**inputs, "g": inputs["g"] * SLOW_GATE_FACTOR}
+
+
+def chunks_of(inputs):
+    """The plain-JAX preparation (float32 `ChunkedInputs`) and the initial state (zeros if none)."""
+    q, k, v, g, beta = (inputs[name] for name in ("q", "k", "v", "g", "beta"))
+    chunks = jax.jit(lambda *xs, segment_ids: prepare_chunks(
+        *xs, scale=q.shape[-1] ** -0.5, segment_ids=segment_ids,
+        use_qk_l2norm=inputs["use_qk_l2norm"], gate_lower_bound=None,
+        chunk_size=CHUNK_SIZE))(q, k, v, g, beta, segment_ids=inputs.get("segment_ids"))
+    batch, _, heads, value_dim = v.shape
+    state = inputs.get("initial_state")
+    if state is None:
+        state = jnp.zeros((batch, heads, q.shape[-1], value_dim), jnp.float32)
+    return chunks, state
+
+
+# The combine and the scheme in plain JAX.
+
+
+@functools.cache
+def slow_gate_chunks(segments: bool):
+    """Float32 `ChunkedInputs` (N = 8, HV = 2, K = 32, V = 16) and an initial state, prepared once;
+    tests take the first n chunks (a shorter sequence)."""
+    return chunks_of(slow_gate_inputs(1, 8 * CHUNK_SIZE - 17, 2, 32, 16, initial_state=True,
+                                      segments=segments))
+
+
+def first_chunks(chunks, num_chunks):
+    return jax.tree.map(lambda x: x[:, :, :num_chunks], chunks)
+
+
+def sequential_combine(transitions, offsets, initial_state):
+    """`combine_segments` by a loop over segments: S_{p+1} = A_p S_p + b_p."""
+    state, entering = initial_state, []
+    for p in range(transitions.shape[2]):
+        entering.append(state)
+        state = jnp.einsum("bhij,bhjv->bhiv", transitions[:, :, p], state,
+                           precision=jax.lax.Precision.HIGHEST) + offsets[:, :, p]
+    return jnp.stack(entering, axis=2), state
+
+
+@pytest.mark.parametrize("num_segments", [1, 2, 3, 8])
+def test_combine_matches_a_sequential_loop(num_segments):
+    key_dim, value_dim = 16, 8
+    keys = jax.random.split(jax.random.PRNGKey(num_segments), 3)
+    # Transitions of spectral norm about 1, like products of (I - beta k k^T) diag(decay).
+    transitions = jax.random.normal(keys[0], (2, 3, num_segments, key_dim, key_dim)) / (
+        2 * key_dim**0.5)
+    offsets = jax.random.normal(keys[1], (2, 3, num_segments, key_dim, value_dim))
+    initial_state = jax.random.normal(keys[2], (2, 3, key_dim, value_dim))
+    entering, final_state = jax.jit(combine_segments)(transitions, offsets, initial_state)
+    expected_entering, expected_final = jax.jit(sequential_combine)(transitions, offsets,
+                                                                    initial_state)
+    assert entering.shape == expected_entering.shape
+    assert relative_error(entering, expected_entering) <= F32_TOLERANCE
+    assert relative_error(final_state, expected_final) <= F32_TOLERANCE
+
+
+def test_split_pads_with_inert_chunks_and_extends_u_with_zero_columns():
+    chunks = first_chunks(slow_gate_chunks(False)[0], 5)
+    segments = split_into_segments(chunks, 3)  # N = 5 -> 3 segments of 2 chunks, 1 inert
+    assert segments.W.shape == (1, 6, 2, CHUNK_SIZE, 32)
+    assert segments.U.shape == (1, 6, 2, CHUNK_SIZE, 16 + 32)
+    assert segments.chunk_decay.shape == (1, 6, 2, 32)
+    # Head 1's segment 1 holds chunks 2 and 3; its last segment (row 5) chunk 4 and the padding.
+    np.testing.assert_array_equal(segments.W[0, 4], chunks.W[0, 1, 2:4])
+    np.testing.assert_array_equal(segments.U[0, 5, 0, :, :16], chunks.U[0, 1, 4])
+    np.testing.assert_array_equal(segments.U[..., 16:], 0.0)
+    for name in ("W", "U", "q_from_state", "k_to_state", "Aqk"):
+        np.testing.assert_array_equal(getattr(segments, name)[0, 5, 1], 0.0, err_msg=name)
+    np.testing.assert_array_equal(segments.chunk_decay[0, 5, 1], 1.0)
+
+
+def test_slow_gates_carry_the_state_across_segments():
+    """Without the combine (every segment from zero) the outputs and state would be far off."""
+    chunks, state = slow_gate_chunks(False)
+    o, final_state = jax.jit(chunk_recurrence, static_argnums=2)(chunks, state, jnp.float32)
+    segments = split_into_segments(chunks, 4)
+    segments = segments._replace(U=segments.U[..., :16])  # the plain columns only
+    o_from_zero, states_from_zero = jax.jit(chunk_recurrence, static_argnums=2)(
+        segments, jnp.zeros((1, 8, 32, 16)), jnp.float32)
+    assert relative_error(o_from_zero.reshape(o.shape), o) > 0.1
+    assert relative_error(states_from_zero[:, 3::4], final_state) > 0.05
+
+
+@pytest.mark.slow
+@settings(deadline=None, max_examples=10)
+@given(
+    num_chunks_and_segments=st.sampled_from([(1, 1), (3, 2), (4, 4), (8, 3), (8, 2), (7, 5)]),
+    initial_state=st.booleans(),
+    segments=st.booleans(),
+)
+def test_segments_in_plain_jax_equal_the_whole_recurrence(num_chunks_and_segments, initial_state,
+                                                          segments):
+    num_chunks, num_segments = num_chunks_and_segments
+    chunks, state = slow_gate_chunks(segments)
+    chunks = first_chunks(chunks, num_chunks)
+    state = state if initial_state else jnp.zeros_like(state)
+    o_whole, state_whole = jax.jit(chunk_recurrence, static_argnums=2)(chunks, state,
+                                                                       jnp.float32)
+    o, final_state = jax.jit(lambda c, s: recurrence_in_segments(
+        chunk_recurrence, c, s, jnp.float32, num_segments=num_segments))(chunks, state)
+    assert o.shape == o_whole.shape and final_state.shape == state_whole.shape
+    assert relative_error(o, o_whole) <= F32_TOLERANCE
+    assert relative_error(final_state, state_whole) <= F32_TOLERANCE
+
+
+# Choosing P: the arithmetic of the module docstring on 132 SMs.
+
+
+@pytest.mark.parametrize("batch_heads,num_chunks,dim,expected", [
+    (16, 1024, 128, 2),  # 32 programs; P = 2: 128 programs, one wave of N/2 steps
+    (16, 512, 64, 4),  # 16 programs; P = 4: 4 * 32 = 128
+    (2, 1024, 128, 16),  # 4 programs; P = 16: 128
+    (1, 1024, 128, 32),
+    (32, 1024, 128, 1),  # 64 programs: P = 2 needs 2 waves of N/2, no gain
+    (20, 1024, 128, 1),  # P = 3: 2 waves of N/3, a gain of 1.5 short of MIN_STEP_GAIN
+    (128, 32, 128, 1),  # 256 programs: the SMs are full
+    (16, 24, 128, 1),  # too short for two segments of MIN_SEGMENT_CHUNKS
+])
+def test_segments_are_chosen_where_they_cut_the_sequential_steps(batch_heads, num_chunks, dim,
+                                                                 expected):
+    assert choose_num_segments(batch_heads, num_chunks, dim, dim, num_sms=132) == expected
+
+
+def test_segment_counts_outside_one_to_n_are_refused():
+    chunks, state = slow_gate_chunks(False)
+    operands = mosaic_gpu.recurrence_operands(first_chunks(chunks, 2))
+    for num_segments in (0, 3):
+        with pytest.raises(ValueError, match=r"num_segments must be between 1 and the number of "
+                                             r"chunks N = 2, got"):
+            sequence_parallel_recurrence(operands, state, jnp.bfloat16,
+                                         num_segments=num_segments)
+
+
+# The kernel on segments.
+
+
+def test_sequence_parallel_kernel_lowers_for_hopper():
+    """Float32 outputs and V + K = 256 value columns pass Mosaic GPU's checks at K = V = 128."""
+    batch, heads, num_chunks, dim = 1, 2, 4, 128
+    shapes = dict(W=(CHUNK_SIZE, dim), U=(CHUNK_SIZE, dim), q_from_state=(CHUNK_SIZE, dim),
+                  k_to_state_t=(dim, CHUNK_SIZE), Aqk=(CHUNK_SIZE, CHUNK_SIZE), chunk_decay=(dim,))
+    operands = RecurrenceOperands(**{
+        name: jax.ShapeDtypeStruct((batch, heads, num_chunks, *shape),
+                                   jnp.float32 if name in ("U", "chunk_decay") else jnp.bfloat16)
+        for name, shape in shapes.items()})
+    state = jax.ShapeDtypeStruct((batch, heads, dim, dim), jnp.float32)
+    recurrence = jax.jit(lambda ops, s: sequence_parallel_recurrence(ops, s, jnp.bfloat16,
+                                                                     num_segments=2))
+    with jax.sharding.use_abstract_mesh(HOPPER):
+        lowered = recurrence.trace(operands, state).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_chunks,num_segments,segments", [
+    (8, 2, True),  # documents
+    (7, 4, False),  # N not a multiple of P: one inert chunk; a padded tail
+    (9, 2, True),
+])
+def test_interpreted_kernel_on_segments_matches_one_segment_and_plain_jax(num_chunks,
+                                                                          num_segments, segments):
+    inputs = slow_gate_inputs(4, num_chunks * CHUNK_SIZE - 5, 2, 64, 64, dtype=jnp.bfloat16,
+                              initial_state=True, segments=segments)
+    chunks, state = chunks_of(inputs)
+    operands = mosaic_gpu.recurrence_operands(chunks)
+    o_plain, state_plain = chunk_recurrence(chunks, state, jnp.bfloat16)
+
+    def kernel(p):
+        return jax.jit(lambda ops, s: sequence_parallel_recurrence(
+            ops, s, jnp.bfloat16, num_segments=p))(operands, state)
+
+    with interpreted_on_simulated_hopper():
+        o_one, state_one = kernel(1)
+    with interpreted_on_simulated_hopper():
+        o, final_state = kernel(num_segments)
+    assert o.dtype == jnp.bfloat16 and final_state.dtype == jnp.float32
+    for expected_o, expected_state in ((o_one, state_one), (o_plain, state_plain)):
+        assert relative_error(o, expected_o) <= BF16_TOLERANCE["o"]
+        assert relative_error(final_state, expected_state) <= BF16_TOLERANCE["state"]
+
+
+# On a Hopper GPU: long single sequences, the whole forward with bounded gates.
+
+
+def sequence_parallel_forward(inputs, num_segments):
+    """Preparation kernel, then the sequence-parallel recurrence: (o [B, T, HV, V], state)."""
+    q, k, v, g, beta = (inputs[name] for name in ("q", "k", "v", "g", "beta"))
+    batch, length, heads, value_dim = v.shape
+
+    def forward(q, k, v, g, beta, initial_state):
+        operands = prepare_chunks_kernel(q, k, v, g, beta, scale=q.shape[-1] ** -0.5,
+                                         segment_ids=None, use_qk_l2norm=True,
+                                         gate_lower_bound=-5.0)
+        o, state = sequence_parallel_recurrence(operands, initial_state, v.dtype,
+                                                num_segments=num_segments)
+        return jnp.moveaxis(o, 1, 3).reshape(batch, -1, heads, value_dim)[:, :length], state
+
+    return jax.jit(forward)(q, k, v, g, beta, inputs["initial_state"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length,gate_factor", [
+    (65536, SLOW_GATE_FACTOR), (65536, 1.0), (32768, SLOW_GATE_FACTOR)])
+def test_gpu_long_sequence_matches_reference(length, gate_factor):
+    inputs = make_inputs(11, 1, length, 16, 16, 128, 128, dtype=jnp.bfloat16, initial_state=True)
+    inputs["g"] = inputs["g"] * gate_factor
+    assert choose_num_segments(16, length // CHUNK_SIZE, 128, 128) == 2  # on an H100 or H200
+    o_ref, state_ref = run("reference", inputs)
+    o_one, state_one = sequence_parallel_forward(inputs, num_segments=1)
+    for num_segments in (None, 16):
+        o, state = sequence_parallel_forward(inputs, num_segments)
+        for expected_o, expected_state in ((o_ref, state_ref), (o_one, state_one)):
+            assert relative_error(o, expected_o) <= BF16_TOLERANCE["o"], num_segments
+            assert relative_error(state, expected_state) <= BF16_TOLERANCE["state"], num_segments
