@@ -105,25 +105,25 @@ def _reversed_recurrence_kernel(w_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, d_o
                 # pending frees the buffer of the other one of the previous step.
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                 d_state_smem[...] = d_state.astype(OPERAND_DTYPE)
-                # Fences the store for wgmma and TMA, and orders the plain load of `decay` before
-                # the TMA that refills this pipeline slot after the step.
-                plgpu.commit_smem()
+                plgpu.commit_smem()  # fences the store for wgmma and TMA
                 plgpu.copy_smem_to_gmem(d_state_smem,
                                         d_states_gmem.at[batch, head, n, :, columns])
                 plgpu.wgmma(d_v_new_acc, kt.T, d_state_smem)
+                # Formed once dS is stored, so that dS and its decayed copy are not both live.
+                decayed = d_state * lax.broadcast_in_dim(decay[...], state_shape, (0,))
                 d_v_new = d_v_new_acc[...]
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                 minus_d_v_new_smem[...] = (-d_v_new).astype(OPERAND_DTYPE)
                 d_v_new_smem[...] = d_v_new
+                # Fences the stores for wgmma and TMA, and orders the plain load of `decay`
+                # before the TMA that refills this pipeline slot after the step.
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(d_v_new_smem,
                                         d_v_new_gmem.at[batch, head, n, :, columns])
                 plgpu.wgmma(d_state_acc, w.T, minus_d_v_new_smem)
-                return d_state_acc[...]
+                return decayed + d_state_acc[...]
 
-            decayed = d_state * lax.broadcast_in_dim(decay[...], state_shape, (0,))
-            return decayed + pl.run_scoped(products, plgpu.ACC(values_shape),
-                                           plgpu.ACC(state_shape))
+            return pl.run_scoped(products, plgpu.ACC(values_shape), plgpu.ACC(state_shape))
 
         pipeline = plgpu.emit_pipeline(
             chunk_step,
