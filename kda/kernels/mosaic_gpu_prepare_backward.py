@@ -1,0 +1,613 @@
+"""Pallas Mosaic GPU kernels (Hopper) for the VJP of KDA's chunk preparation with bounded gates.
+
+`prepare_chunks_vjp_kernel` maps cotangents of `kda.chunked.ChunkedInputs` (W, U, q_from_state,
+k_to_state, chunk_decay, Aqk) to gradients of q, k, v, g, beta, like `jax.vjp` of
+`kda.chunked.prepare_chunks` (chunk 64, `gate_lower_bound` set). Per chunk, with the notation of
+`kda/chunked.py` (q, k normalised and q scaled; `E = exp(G)`; `T = (I + N)^-1`, `N = beta Akk`;
+`rhs_k = beta k E reads`, `rhs_v = beta v`):
+
+    d rhs_k = T^T dW,   d rhs_v = T^T dU,   dT = dW rhs_k^T + dU rhs_v^T
+    dN      = -T^T dT T^T  (strict lower, same document),   dAkk = beta dN
+    dv      = beta d rhs_v
+    dbeta   = rowsum(dN Akk) + rowsum(d rhs_k k E reads) + rowsum(d rhs_v v)
+    dq      = dq_from_state E reads + S_q                      (S: the score terms below)
+    dk      = [beta E reads d rhs_k + S_k_rows] + [dk_to_state exp(G_last - G) writes + S_k_columns]
+    dG      = q dq + k ([rows] - [columns]),  last row += colsum(k dk_to_state exp(G_last - G)
+              writes) + dchunk_decay exp(G_last) keeps
+    dg      = reverse cumulative sum of dG within the chunk
+
+where, for a score matrix `A[r, s] = sum_c x_r[c] k_s[c] exp(G_r[c] - G_s[c])` with cotangent dA
+(x = q for Aqk, x = k for Akk), the row terms are `sum_s dA[r, s] k_s exp(G_r - G_s)` and the column
+terms `sum_r dA[r, s] x_r exp(G_r - G_s)`. Both are 16x16 tile matmuls around the forward's causal
+anchors `b_i = G[16 i] + 7.5 L`: the row terms of row tile i are `exp(G_r - b_i)` times
+`dA[tile i, :] (k exp(b_i - G))` (columns s < 16 (i + 1)), the column terms of column tile j are
+`exp(b_j - G_s)` times `dA[:, tile j]^T (x exp(G - b_j))` (rows r >= 16 j). Every factor stays
+within e^(7.5 |L|) <= e^37.5 (far inside bf16's range), or underflows only where the true weight
+is below e^-49, as in the forward (`kda.kernels.mosaic_gpu_prepare`).
+
+Two kernels, like peers' "WY" and "intra" backward kernels:
+
+1. `_wy_backward_kernel`, one program per (batch row, value head, chunk), all of K: recomputes G,
+   Akk and T (as the forward kernel), then the gradients through the UT transform: dv, dbeta, dAkk
+   (written in bf16, a matmul operand of kernel 2) and `beta E reads d rhs_k` (float32).
+2. `_score_backward_kernel`, one program per (batch row, value head, chunk, 64 key columns): the
+   score terms of both score matrices, computed transposed (`[key column, token]`: wgmma's M = 64
+   runs over key columns, N = 16 over the tokens of one tile, so no product is wasted) and turned
+   back through shared memory as bf16 hi/lo pairs (Mosaic GPU transposes only 16-bit data), then
+   the direct terms, dG and its reverse cumulative sum as a triangular matmul of an exact 3-way
+   bf16 split.
+
+Around the kernels, plain JAX computes the q/k inverse norms, and applies the VJP of
+`kda.common.prepare_qk` (the scale, the L2 norm's backward and the sum over the value heads of a
+group), crops the padded tail and casts.
+
+Numerics: matmul operands bf16, accumulation and everything elementwise float32. T is used as a
+hi/lo bf16 pair where it produces dv and dk directly; dT, dN and the score cotangents are single
+bf16. Measured errors are in the tests and `benchmarks/kda_h200.md`.
+
+Shared memory per program (K = V = 128): about 201 KiB for kernel 1 and 192 KiB for kernel 2
+(101 KiB and 192 KiB at 64), so one program per SM each.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kda.chunked import CHUNK_SIZE, TILE_SIZE, ChunkedInputs
+from kda.common import L2_NORM_EPS, prepare_qk
+from kda.kernels.mosaic_gpu_common import OPERAND_DTYPE, swizzled_smem
+from kda.kernels.mosaic_gpu_prepare import (COLUMN_VECTOR, ROW_VECTOR, WGMMA, _columns,
+                                            _documents_in_chunk, _iota, _matmul, _rows, _split)
+
+CHUNK = CHUNK_SIZE
+NUM_TILES = CHUNK // TILE_SIZE
+KEY_SLICE = 64  # key columns per program of the score kernel (wgmma's M)
+SUPPORTED_DIMS = (64, 128)
+_COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True,
+                                        lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
+# Pieces shared by both kernels (called inside a kernel body).
+
+
+def _cumulative_sum(x, parts, ones, *, reverse=False):
+    """`tril(1) @ x` (or `triu(1) @ x`, the sum from each row to the end) within the chunk.
+
+    x is split exactly into three bf16 parts, so the sum is float32-accurate.
+
+    Args:
+      x: float32 [C, n] (WGMMA layout).
+      parts: three bf16 [C, n] SMEM operands (overwritten).
+      ones: bf16 [C, C] SMEM holding tril(1) (`_store_lower_ones`).
+    Returns:
+      float32 [C, n].
+    """
+    for part, value in zip(parts, _split(x, 3)):
+        part[...] = value
+    plgpu.commit_smem()
+    triangle = ones.transpose((1, 0)) if reverse else ones
+
+    def product(acc):
+        for part in parts:
+            plgpu.wgmma(acc, triangle, part)
+        return acc[...]
+
+    return pl.run_scoped(product, plgpu.ACC(x.shape))
+
+
+def _store_lower_ones(ones):
+    """ones[r, s] = 1 for s <= r (bf16 [C, C] SMEM)."""
+    shape = ones.shape
+    ones[...] = jnp.where(_iota(shape, 1) <= _iota(shape, 0), 1.0, 0.0).astype(OPERAND_DTYPE)
+
+
+def _anchor(G_smem, tile, lower_bound):
+    """The causal anchor `b_tile = G[16 tile] + 7.5 L` [n] (a COLUMN_VECTOR), read from SMEM."""
+    return (plgpu.load(G_smem.at[TILE_SIZE * tile], layout=COLUMN_VECTOR)
+            + 0.5 * (TILE_SIZE - 1) * lower_bound)
+
+
+def _row_anchors(G_smem, shape, lower_bound):
+    """[C, n]: row r holds the anchor of its own tile, `b_(r // 16)`."""
+    key_rows = _iota(shape, 0)
+    anchors = _columns(_anchor(G_smem, NUM_TILES - 1, lower_bound), shape)
+    for tile in reversed(range(NUM_TILES - 1)):
+        anchors = jnp.where(key_rows < TILE_SIZE * (tile + 1),
+                            _columns(_anchor(G_smem, tile, lower_bound), shape), anchors)
+    return anchors
+
+
+def _load_plain(smem):
+    """A float32 [C, n] operand kept in plain row-major SMEM (so that single rows can be read)."""
+    return plgpu.load(smem, layout=WGMMA, optimized=False)
+
+
+def _document_masks(document_smem, shape):
+    """(reads_state [C, n], writes_state [C, n], same_document [C, C], keeps_state scalar).
+
+    document_smem holds, per token, how many documents began inside the chunk up to the token
+    (`_documents_in_chunk`): rows of a document that began inside the chunk do not read the
+    entering state, and only the chunk's last document writes the leaving one.
+    """
+    document_of_row = plgpu.load(document_smem, layout=ROW_VECTOR)
+    document_of_column = plgpu.load(document_smem, layout=COLUMN_VECTOR)
+    last_document = document_smem[CHUNK - 1]
+    reads_state = _rows(jnp.where(document_of_row == 0.0, 1.0, 0.0), shape)
+    writes_state = _rows(jnp.where(document_of_row == last_document, 1.0, 0.0), shape)
+    scores_shape = (CHUNK, CHUNK)
+    same_document = (_rows(document_of_row, scores_shape)
+                     == _columns(document_of_column, scores_shape))
+    keeps_state = jnp.where(last_document == 0.0, 1.0, 0.0)
+    return reads_state, writes_state, same_document, keeps_state
+
+
+def _unit_lower_inverse(N, scratch):
+    """`(I + N)^-1` for strictly lower-triangular N [C, C] by recursive doubling (as the forward).
+
+    With `X_b` the inverse of the block-diagonal part of blocks of size b, `X_2b = X_b - X_b C_b
+    X_b`, `C_b` the entries of N linking two neighbouring b-blocks: every intermediate is a block
+    of the true inverse, so nothing grows the way powers of N would.
+
+    Args:
+      N: float32 [C, C] (WGMMA layout).
+      scratch: three bf16 [C, C] SMEM operands (link, product, inverse), overwritten.
+    Returns:
+      float32 [C, C].
+    """
+    link, product, inverse_smem = scratch
+    rows, columns = _iota(N.shape, 0), _iota(N.shape, 1)
+    distance = rows ^ columns  # b <= distance < 2b: neighbouring b-blocks of one 2b-block
+    inverse = jnp.where(rows == columns, 1.0, 0.0) - jnp.where(distance < 2, N, 0.0)
+    for block in (2 ** e for e in range(1, int(math.log2(CHUNK)))):
+        link[...] = jnp.where((distance >= block) & (distance < 2 * block), N,
+                              0.0).astype(OPERAND_DTYPE)
+        inverse_smem[...] = inverse.astype(OPERAND_DTYPE)
+        plgpu.commit_smem()
+        product[...] = _matmul(inverse_smem, link, N.shape).astype(OPERAND_DTYPE)
+        plgpu.commit_smem()
+        inverse = inverse - _matmul(product, inverse_smem, N.shape)
+    return inverse
+
+
+def _matmul_split_lhs(a_parts, b, shape):
+    """`(a_hi + a_lo) @ b`: float32 [shape]."""
+
+    def product(acc):
+        for a in a_parts:
+            plgpu.wgmma(acc, a, b)
+        return acc[...]
+
+    return pl.run_scoped(product, plgpu.ACC(shape))
+
+
+# Kernel 1: gradients through the UT transform.
+
+
+def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_factor_gmem,
+                        dw_gmem, du_gmem, dv_gmem, dbeta_gmem, dakk_gmem, dk_wy_gmem,
+                        *, lower_bound, group):
+    """One (batch row, value head, chunk) program.
+
+    GMEM inputs: k [B, T, H, K] and v [B, T, HV, V] in bf16; g [B, T, HV, K], beta [B, HV, T],
+    document [B, T], k_factor [B, H, T] (k's inverse norm) in float32; the cotangents dW
+    [B, HV, N, C, K] and dU [B, HV, N, C, V] in float32. T is a multiple of 64.
+    Outputs: dv [B, T, HV, V] bf16, dbeta [B, HV, T] float32, dAkk [B, HV, N, C, C] bf16 (masked,
+    beta included), `beta E reads d rhs_k` [B, HV, N, C, K] float32.
+    """
+    key_dim, value_dim = k_gmem.shape[-1], v_gmem.shape[-1]
+    batch, head, chunk = (lax.axis_index(axis) for axis in ("batch", "heads", "chunks"))
+    tokens = pl.ds(chunk * CHUNK, CHUNK)
+    out = (batch, head, chunk)
+    keys_shape, scores_shape = (CHUNK, key_dim), (CHUNK, CHUNK)
+
+    def body(k_smem, v_smem, g_smem, beta_smem, document_smem, k_factor_smem, dbeta_smem,
+             staging, tiles, matrices, barriers):
+        # tiles: four bf16 [C, K] operands; matrices: five bf16 [C, C] operands (roles below).
+        inputs = ((k_gmem.at[batch, tokens, head // group], k_smem),
+                  (v_gmem.at[batch, tokens, head], v_smem),
+                  (g_gmem.at[batch, tokens, head], g_smem),
+                  (beta_gmem.at[batch, head, tokens], beta_smem),
+                  (document_gmem.at[batch, tokens], document_smem),
+                  (k_factor_gmem.at[batch, head // group, tokens], k_factor_smem),
+                  (du_gmem.at[out], staging))
+        for index, (source, target) in enumerate(inputs):
+            plgpu.copy_gmem_to_smem(source, target, barriers.at[index])
+        for index in range(len(inputs) - 1):
+            plgpu.barrier_wait(barriers.at[index])
+        du_barrier, dw_barrier = barriers.at[len(inputs) - 1], barriers.at[len(inputs)]
+
+        reads_state, _, same_document, _ = _document_masks(document_smem, keys_shape)
+        beta_of_row = plgpu.load(beta_smem, layout=ROW_VECTOR)
+        rows, columns = _iota(scores_shape, 0), _iota(scores_shape, 1)
+        key_rows = _iota(keys_shape, 0)
+
+        def normalized_k():
+            k = plgpu.load(k_smem, layout=WGMMA).astype(jnp.float32)
+            return k * _rows(plgpu.load(k_factor_smem, layout=ROW_VECTOR), keys_shape)
+
+        # G = cumsum(g), stored over g for row reads.
+        ones = matrices.at[0]
+        _store_lower_ones(ones)
+        g_smem[...] = _cumulative_sum(_load_plain(g_smem), (tiles.at[0], tiles.at[1],
+                                                            tiles.at[2]), ones)
+        plgpu.commit_smem()
+
+        # Akk as the forward computes it: transposed tiles (rows s, columns r), each row tile i of
+        # k scaled by exp(G_r - b_i) times the columns k exp(b_i - G_s), s < 16 (i + 1).
+        k = normalized_k()
+        G = _load_plain(g_smem)
+        k_rows, column_buffers = tiles.at[0], (tiles.at[1], tiles.at[2])
+        k_rows[...] = (k * jnp.exp(G - _row_anchors(g_smem, keys_shape, lower_bound))).astype(
+            OPERAND_DTYPE)
+
+        def scores(kk_acc):
+            for i in range(NUM_TILES):
+                if i >= 2:  # the product of tile i - 2 reads this buffer: let it finish
+                    plgpu.wgmma_wait(1)
+                exponent = jnp.where(key_rows < TILE_SIZE * (i + 1),
+                                     _columns(_anchor(g_smem, i, lower_bound), keys_shape) - G,
+                                     -jnp.inf)
+                column_factor = column_buffers[i % 2]
+                column_factor[...] = (k * jnp.exp(exponent)).astype(OPERAND_DTYPE)
+                plgpu.commit_smem()
+                tile_rows = slice(TILE_SIZE * i, TILE_SIZE * (i + 1))
+                plgpu.wgmma(kk_acc.at[:, tile_rows], column_factor,
+                            k_rows.at[tile_rows].transpose((1, 0)))
+            return kk_acc[...]
+
+        kk_t = pl.run_scoped(scores, plgpu.ACC(scores_shape))
+        # [s, r] layout: the column index is the row r of Akk.
+        akk_t = jnp.where((columns > rows) & same_document, kk_t, 0.0)  # symmetric mask
+        akk, unit_lower = matrices.at[1], matrices.at[0]
+        akk.transpose((1, 0))[...] = akk_t.astype(OPERAND_DTYPE)
+        beta_of_column = plgpu.load(beta_smem, layout=COLUMN_VECTOR)
+        unit_lower.transpose((1, 0))[...] = (
+            akk_t * _columns(beta_of_column, scores_shape)).astype(OPERAND_DTYPE)
+        plgpu.commit_smem()
+
+        # T = (I + N)^-1, kept as bf16 hi and lo parts; T^T is their transposed view.
+        N = plgpu.load(unit_lower, layout=WGMMA).astype(jnp.float32)
+        inverse = _unit_lower_inverse(N, (matrices.at[2], matrices.at[3], matrices.at[4]))
+        inverse_parts = (matrices.at[4], matrices.at[2])
+        for part, value in zip(inverse_parts, _split(inverse, 2)):
+            part[...] = value
+        inverse_t = tuple(part.transpose((1, 0)) for part in inverse_parts)
+
+        # The cotangents of W and U in bf16; the right-hand sides of the UT transform.
+        du, dw, rhs_k, rhs_v = (tiles.at[i] for i in range(4))
+        plgpu.barrier_wait(du_barrier)
+        du[...] = plgpu.load(staging, layout=WGMMA).astype(OPERAND_DTYPE)
+        plgpu.commit_smem()  # the load is done before TMA reuses the staging buffer
+        plgpu.copy_gmem_to_smem(dw_gmem.at[out], staging, dw_barrier)
+        beta = _rows(beta_of_row, keys_shape)
+        decay_read = jnp.exp(_load_plain(g_smem)) * reads_state  # E reads
+        rhs_k[...] = (beta * normalized_k() * decay_read).astype(OPERAND_DTYPE)
+        v = plgpu.load(v_smem, layout=WGMMA).astype(jnp.float32)
+        rhs_v[...] = (beta * v).astype(OPERAND_DTYPE)
+        plgpu.barrier_wait(dw_barrier)
+        dw[...] = plgpu.load(staging, layout=WGMMA).astype(OPERAND_DTYPE)
+        plgpu.commit_smem()
+
+        # dT = dW rhs_k^T + dU rhs_v^T.
+        def d_inverse(acc):
+            plgpu.wgmma(acc, dw, rhs_k.transpose((1, 0)))
+            plgpu.wgmma(acc, du, rhs_v.transpose((1, 0)))
+            return acc[...]
+
+        dT_smem = matrices.at[0]  # N is no longer read
+        dT_smem[...] = pl.run_scoped(d_inverse, plgpu.ACC(scores_shape)).astype(OPERAND_DTYPE)
+
+        # dv = beta T^T dU (written over rhs_v, whose product is done), dbeta's v term.
+        d_rhs_v = _matmul_split_lhs(inverse_t, du, (CHUNK, value_dim))
+        dbeta = jnp.sum(d_rhs_v * v, axis=1)
+        dv = rhs_v
+        dv[...] = (_rows(beta_of_row, d_rhs_v.shape) * d_rhs_v).astype(dv.dtype)
+        # dk's UT term, beta E reads T^T dW (written over the staged dW), dbeta's k term.
+        d_rhs_k = _matmul_split_lhs(inverse_t, dw, keys_shape)
+        dbeta += jnp.sum(d_rhs_k * normalized_k() * decay_read, axis=1)
+        staging[...] = beta * decay_read * d_rhs_k
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dv, dv_gmem.at[batch, tokens, head])
+        plgpu.copy_smem_to_gmem(staging, dk_wy_gmem.at[out])
+
+        # dN = -T^T dT T^T on the entries N has (strict lower, same document); dAkk = beta dN.
+        product = matrices.at[3]
+        product[...] = _matmul(inverse_t[0], dT_smem, scores_shape).astype(OPERAND_DTYPE)
+        plgpu.commit_smem()
+        dN = -_matmul(product, inverse_t[0], scores_shape)
+        dN = jnp.where((columns < rows) & same_document, dN, 0.0)
+        dbeta += jnp.sum(dN * plgpu.load(akk, layout=WGMMA).astype(jnp.float32), axis=1)
+        dakk = dT_smem  # dT's product is done
+        dakk[...] = (_rows(beta_of_row, scores_shape) * dN).astype(OPERAND_DTYPE)
+        dbeta_smem[...] = dbeta
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dakk, dakk_gmem.at[out])
+        plgpu.copy_smem_to_gmem(dbeta_smem, dbeta_gmem.at[batch, head, tokens])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(
+        body,
+        swizzled_smem(keys_shape, OPERAND_DTYPE),  # k
+        swizzled_smem((CHUNK, value_dim), OPERAND_DTYPE),  # v
+        plgpu.SMEM(keys_shape, jnp.float32),  # g, then G (plain rows: read one by one)
+        plgpu.SMEM((CHUNK,), jnp.float32),  # beta
+        plgpu.SMEM((CHUNK,), jnp.float32),  # document
+        plgpu.SMEM((CHUNK,), jnp.float32),  # k's inverse norm
+        plgpu.SMEM((CHUNK,), jnp.float32),  # dbeta
+        swizzled_smem(keys_shape, jnp.float32),  # dU, then dW, then dk's UT term
+        swizzled_smem((4, *keys_shape), OPERAND_DTYPE),
+        swizzled_smem((5, *scores_shape), OPERAND_DTYPE),
+        plgpu.Barrier(num_barriers=8),
+    )
+
+
+# Kernel 2: gradients through the score tiles, the direct terms, dG and dg.
+
+
+def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem, k_factor_gmem,
+                           daqk_gmem, dakk_gmem, dq_state_gmem, dk_state_gmem, dk_wy_gmem,
+                           ddecay_gmem, dq_gmem, dk_gmem, dg_gmem,
+                           *, lower_bound, group, slices):
+    """One (batch row, value head, chunk, 64 key columns) program.
+
+    GMEM inputs: q, k [B, T, H, K] bf16; g [B, T, HV, K], document [B, T], q_factor and k_factor
+    [B, H, T] (inverse norms, q's times the scale) in float32; dAqk [B, HV, N, C, C] float32 and
+    dAkk [B, HV, N, C, C] bf16 (kernel 1); d q_from_state, d k_to_state and kernel 1's dk term
+    [B, HV, N, C, K] and d chunk_decay [B, HV, N, K] in float32.
+    Outputs: dq, dk (of the normalised, scaled q and k) and dg, float32 [B, T, HV, K].
+    """
+    batch, head, program = (lax.axis_index(axis) for axis in ("batch", "heads", "chunks"))
+    chunk, key_slice = lax.div(program, slices), lax.rem(program, slices)
+    tokens = pl.ds(chunk * CHUNK, CHUNK)
+    keys = pl.ds(key_slice * KEY_SLICE, KEY_SLICE)
+    out = (batch, head, chunk)
+    keys_shape, scores_shape = (CHUNK, KEY_SLICE), (CHUNK, CHUNK)
+    transposed_shape = (KEY_SLICE, CHUNK)
+
+    def body(q_smem, k_smem, g_smem, document_smem, q_factor_smem, k_factor_smem, ddecay_smem,
+             daqk_staging, dq_smem, dk_smem, dg_smem, scores_cotangents, tiles, barriers):
+        # scores_cotangents: dAqk, dAqk^T, dAkk, dAkk^T (bf16 [C, C]); tiles: nine bf16 [C, 64]
+        # operands (roles below); dq/dk/dg_smem first hold d q_from_state, d k_to_state and
+        # kernel 1's dk term.
+        daq, daq_t, dak, dak_t = (scores_cotangents.at[i] for i in range(4))
+        inputs = ((q_gmem.at[batch, tokens, head // group, keys], q_smem),
+                  (k_gmem.at[batch, tokens, head // group, keys], k_smem),
+                  (g_gmem.at[batch, tokens, head, keys], g_smem),
+                  (document_gmem.at[batch, tokens], document_smem),
+                  (q_factor_gmem.at[batch, head // group, tokens], q_factor_smem),
+                  (k_factor_gmem.at[batch, head // group, tokens], k_factor_smem),
+                  (ddecay_gmem.at[(*out, keys)], ddecay_smem),
+                  (daqk_gmem.at[out], daqk_staging),
+                  (dakk_gmem.at[out], dak),
+                  (dq_state_gmem.at[(*out, slice(None), keys)], dq_smem),
+                  (dk_state_gmem.at[(*out, slice(None), keys)], dk_smem),
+                  (dk_wy_gmem.at[(*out, slice(None), keys)], dg_smem))
+        for index, (source, target) in enumerate(inputs):
+            plgpu.copy_gmem_to_smem(source, target, barriers.at[index])
+        for index in range(len(inputs)):
+            plgpu.barrier_wait(barriers.at[index])
+
+        reads_state, writes_state, same_document, keeps_state = _document_masks(document_smem,
+                                                                                keys_shape)
+        rows, columns = _iota(scores_shape, 0), _iota(scores_shape, 1)
+        key_rows = _iota(keys_shape, 0)
+
+        # G = cumsum(g), stored over g for row reads.
+        ones = tiles.at[8]  # [C, C] = [C, 64]: the same shape
+        _store_lower_ones(ones)
+        cumsum_parts = (tiles.at[0], tiles.at[1], tiles.at[2])
+        g_smem[...] = _cumulative_sum(_load_plain(g_smem), cumsum_parts, ones)
+
+        # Score cotangents in bf16, as [r, s] and transposed: dAqk masked like Aqk (causal
+        # including the diagonal, same document); dAkk comes masked from kernel 1.
+        daqk = jnp.where((columns <= rows) & same_document,
+                         plgpu.load(daqk_staging, layout=WGMMA), 0.0).astype(OPERAND_DTYPE)
+        daq[...] = daqk
+        daq_t.transpose((1, 0))[...] = daqk
+        dak_t.transpose((1, 0))[...] = plgpu.load(dak, layout=WGMMA)
+        plgpu.commit_smem()
+
+        def normalized(smem, factor_smem):
+            x = plgpu.load(smem, layout=WGMMA).astype(jnp.float32)
+            return x * _rows(plgpu.load(factor_smem, layout=ROW_VECTOR), keys_shape)
+
+        G = _load_plain(g_smem)
+        k = normalized(k_smem, k_factor_smem)
+
+        # Row terms, transposed ([key column c, token r]), the factor exp(G_r - b_i) left out:
+        # tile i's columns are (k exp(b_i - G))^T dA[tile i, :]^T for both score matrices. The
+        # factors enter as exact-to-2^-16 hi/lo pairs, as in the column terms: dG takes row minus
+        # column terms that cancel (exactly on the diagonal), so their roundings must not differ.
+        row_buffers = ((tiles.at[0], tiles.at[1]), (tiles.at[2], tiles.at[3]))
+
+        def row_terms(q_acc, k_acc):
+            for i in range(NUM_TILES):
+                if i >= 2:  # the four products of tile i - 2 read these buffers
+                    plgpu.wgmma_wait(4)
+                exponent = jnp.where(key_rows < TILE_SIZE * (i + 1),
+                                     _columns(_anchor(g_smem, i, lower_bound), keys_shape) - G,
+                                     -jnp.inf)
+                parts = row_buffers[i % 2]
+                for part, value in zip(parts, _split(k * jnp.exp(exponent), 2)):
+                    part[...] = value
+                plgpu.commit_smem()
+                tile_rows = slice(TILE_SIZE * i, TILE_SIZE * (i + 1))
+                for acc, cotangent in ((q_acc, daq), (k_acc, dak)):
+                    for part in parts:
+                        plgpu.wgmma(acc.at[:, tile_rows], part.transpose((1, 0)),
+                                    cotangent.at[tile_rows].transpose((1, 0)))
+            return q_acc[...], k_acc[...]
+
+        q_rows_t, k_rows_t = pl.run_scoped(row_terms, plgpu.ACC(transposed_shape),
+                                           plgpu.ACC(transposed_shape))
+
+        # Column terms, transposed, the factor exp(b_j - G_s) left out: tile j's columns are
+        # (q exp(G - b_j))^T dAqk[:, tile j] + (k exp(G - b_j))^T dAkk[:, tile j], rows r >= 16 j.
+        q = normalized(q_smem, q_factor_smem)
+        column_buffers = (((tiles.at[0], tiles.at[1]), (tiles.at[2], tiles.at[3])),
+                          ((tiles.at[4], tiles.at[5]), (tiles.at[6], tiles.at[7])))
+
+        def column_terms(acc):
+            for j in range(NUM_TILES):
+                if j >= 2:
+                    plgpu.wgmma_wait(4)
+                exponent = jnp.where(key_rows >= TILE_SIZE * j,
+                                     G - _columns(_anchor(g_smem, j, lower_bound), keys_shape),
+                                     -jnp.inf)
+                row_factor = jnp.exp(exponent)
+                for parts, x in zip(column_buffers[j % 2], (q, k)):
+                    for part, value in zip(parts, _split(x * row_factor, 2)):
+                        part[...] = value
+                plgpu.commit_smem()
+                tile_columns = slice(TILE_SIZE * j, TILE_SIZE * (j + 1))
+                for parts, cotangent_t in zip(column_buffers[j % 2], (daq_t, dak_t)):
+                    for part in parts:
+                        plgpu.wgmma(acc.at[:, tile_columns], part.transpose((1, 0)),
+                                    cotangent_t.at[tile_columns].transpose((1, 0)))
+            return acc[...]
+
+        k_columns_t = pl.run_scoped(column_terms, plgpu.ACC(transposed_shape))
+
+        # Back to [token, key column] through SMEM: bf16 hi and lo parts, stored transposed.
+        def untransposed(values_t, parts):
+            for part, value in zip(parts, _split(values_t, 2)):
+                part.transpose((1, 0))[...] = value
+            plgpu.commit_smem()
+            return sum(plgpu.load(part, layout=WGMMA).astype(jnp.float32) for part in parts)
+
+        q_rows = untransposed(q_rows_t, (tiles.at[0], tiles.at[1]))
+        k_rows = untransposed(k_rows_t, (tiles.at[2], tiles.at[3]))
+        k_columns = untransposed(k_columns_t, (tiles.at[4], tiles.at[5]))
+
+        # The anchor factors, the direct terms, and dG.
+        anchor_exponent = G - _row_anchors(g_smem, keys_shape, lower_bound)
+        last_G = plgpu.load(g_smem.at[CHUNK - 1], layout=COLUMN_VECTOR)
+        dq = _load_plain(dq_smem) * jnp.exp(G) * reads_state + jnp.exp(anchor_exponent) * q_rows
+        dk_rows = _load_plain(dg_smem) + jnp.exp(anchor_exponent) * k_rows
+        dk_to_state = (_load_plain(dk_smem) * jnp.exp(_columns(last_G, keys_shape) - G)
+                       * writes_state)
+        dk_columns = dk_to_state + jnp.exp(-anchor_exponent) * k_columns
+        dG = q * dq + k * (dk_rows - dk_columns)
+        last_row = (jnp.sum(k * dk_to_state, axis=0)
+                    + plgpu.load(ddecay_smem, layout=COLUMN_VECTOR) * jnp.exp(last_G)
+                    * keeps_state)
+        dG = dG + jnp.where(key_rows == CHUNK - 1, _columns(last_row, keys_shape), 0.0)
+        dq_smem[...] = dq
+        dk_smem[...] = dk_rows + dk_columns
+        # dg = the sum of dG from each row to the chunk's end.
+        dg_smem[...] = _cumulative_sum(dG, cumsum_parts, ones, reverse=True)
+        plgpu.commit_smem()
+        target = (batch, tokens, head, keys)
+        for smem, gmem in ((dq_smem, dq_gmem), (dk_smem, dk_gmem), (dg_smem, dg_gmem)):
+            plgpu.copy_smem_to_gmem(smem, gmem.at[target])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(
+        body,
+        swizzled_smem(keys_shape, OPERAND_DTYPE),  # q
+        swizzled_smem(keys_shape, OPERAND_DTYPE),  # k
+        plgpu.SMEM(keys_shape, jnp.float32),  # g, then G (plain rows: read one by one)
+        plgpu.SMEM((CHUNK,), jnp.float32),  # document
+        plgpu.SMEM((CHUNK,), jnp.float32),  # q's inverse norm times the scale
+        plgpu.SMEM((CHUNK,), jnp.float32),  # k's inverse norm
+        plgpu.SMEM((KEY_SLICE,), jnp.float32),  # d chunk_decay
+        swizzled_smem(scores_shape, jnp.float32),  # dAqk
+        plgpu.SMEM(keys_shape, jnp.float32),  # d q_from_state, then dq
+        plgpu.SMEM(keys_shape, jnp.float32),  # d k_to_state, then dk
+        plgpu.SMEM(keys_shape, jnp.float32),  # kernel 1's dk term, then dg
+        swizzled_smem((4, *scores_shape), OPERAND_DTYPE),
+        swizzled_smem((9, *keys_shape), OPERAND_DTYPE),
+        plgpu.Barrier(num_barriers=12),
+    )
+
+
+def _inverse_norms(x, use_qk_l2norm, padded_length):
+    """float32 [B, H, T']: `rsqrt(sum(x^2) + eps)` per token and head (ones without the norm)."""
+    x = x.astype(jnp.float32)
+    if use_qk_l2norm:
+        factor = lax.rsqrt(jnp.sum(x * x, axis=-1) + L2_NORM_EPS)
+    else:
+        factor = jnp.ones(x.shape[:-1], jnp.float32)
+    factor = jnp.pad(factor, ((0, 0), (0, padded_length - x.shape[1]), (0, 0)))
+    return jnp.moveaxis(factor, 1, 2)
+
+
+def prepare_chunks_vjp_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm,
+                              gate_lower_bound, cotangents: ChunkedInputs):
+    """The VJP of `kda.chunked.prepare_chunks` (chunk 64, bounded gates) by the two kernels.
+
+    Args:
+      q, k: [B, T, H, K]; v: [B, T, HV, V] (K = V in {64, 128}); g: [B, T, HV, K], every
+        g >= gate_lower_bound; beta: [B, T, HV].
+      scale, segment_ids, use_qk_l2norm: as in `kda.chunked.chunk_kda`.
+      gate_lower_bound: L in [-5, 0).
+      cotangents: float32 `ChunkedInputs` [B, HV, N, ...], N = ceil(T / 64) (k_to_state [C, K],
+        not transposed).
+    Returns:
+      (dq, dk, dv, dg, dbeta) with the shapes and dtypes of q, k, v, g, beta.
+    """
+    batch, length, num_value_heads, value_dim = v.shape
+    num_heads, key_dim = q.shape[2:]
+    if key_dim != value_dim or key_dim not in SUPPORTED_DIMS:
+        raise ValueError(f"q/k and v need equal head sizes in {SUPPORTED_DIMS}, got K={key_dim}, "
+                         f"V={value_dim}; use the plain-JAX VJP for other sizes")
+    if gate_lower_bound is None or not -5.0 <= gate_lower_bound < 0.0:
+        raise ValueError(f"gate_lower_bound must be in [-5, 0), got {gate_lower_bound}; the "
+                         "kernels build their score tiles around it")
+    num_chunks = -(-length // CHUNK)
+    padded_length = num_chunks * CHUNK
+
+    def padded(x, dtype):
+        x = x.astype(dtype)
+        return jnp.pad(x, [(0, 0), (0, padded_length - length)] + [(0, 0)] * (x.ndim - 2))
+
+    group = num_value_heads // num_heads
+    q_bf16, k_bf16 = padded(q, OPERAND_DTYPE), padded(k, OPERAND_DTYPE)
+    g_padded = padded(g, jnp.float32)
+    document = _documents_in_chunk(segment_ids, batch, padded_length)
+    k_factor = _inverse_norms(k, use_qk_l2norm, padded_length)
+    q_factor = _inverse_norms(q, use_qk_l2norm, padded_length) * scale
+    cotangents = ChunkedInputs(*(x.astype(jnp.float32) for x in cotangents))
+    chunked = lambda *tail: (batch, num_value_heads, num_chunks, *tail)  # noqa: E731
+    lower_bound = float(gate_lower_bound)
+
+    wy_backward = plgpu.kernel(
+        functools.partial(_wy_backward_kernel, lower_bound=lower_bound, group=group),
+        out_type=(jax.ShapeDtypeStruct((batch, padded_length, num_value_heads, value_dim),
+                                       OPERAND_DTYPE),
+                  jax.ShapeDtypeStruct((batch, num_value_heads, padded_length), jnp.float32),
+                  jax.ShapeDtypeStruct(chunked(CHUNK, CHUNK), OPERAND_DTYPE),
+                  jax.ShapeDtypeStruct(chunked(CHUNK, key_dim), jnp.float32)),
+        grid=(batch, num_value_heads, num_chunks),
+        grid_names=("batch", "heads", "chunks"),
+        compiler_params=_COMPILER_PARAMS,
+    )
+    dv, dbeta, dakk, dk_wy = wy_backward(
+        k_bf16, padded(v, OPERAND_DTYPE), g_padded, jnp.moveaxis(padded(beta, jnp.float32), 1, 2),
+        document, k_factor, cotangents.W, cotangents.U)
+
+    slices = key_dim // KEY_SLICE
+    keyed = jax.ShapeDtypeStruct((batch, padded_length, num_value_heads, key_dim), jnp.float32)
+    score_backward = plgpu.kernel(
+        functools.partial(_score_backward_kernel, lower_bound=lower_bound, group=group,
+                          slices=slices),
+        out_type=(keyed, keyed, keyed),
+        grid=(batch, num_value_heads, num_chunks * slices),
+        grid_names=("batch", "heads", "chunks"),
+        compiler_params=_COMPILER_PARAMS,
+    )
+    dq, dk, dg = score_backward(
+        q_bf16, k_bf16, g_padded, document, q_factor, k_factor, cotangents.Aqk, dakk,
+        cotangents.q_from_state, cotangents.k_to_state, dk_wy, cotangents.chunk_decay)
+
+    # The scale, the L2 norm's backward and the sum over each group's value heads.
+    _, qk_vjp = jax.vjp(functools.partial(prepare_qk, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                                          num_value_heads=num_value_heads), q, k)
+    dq, dk = qk_vjp((dq[:, :length], dk[:, :length]))
+    return (dq, dk, dv[:, :length].astype(v.dtype), dg[:, :length].astype(g.dtype),
+            jnp.moveaxis(dbeta, 1, 2)[:, :length].astype(beta.dtype))

@@ -1,0 +1,103 @@
+"""The Mosaic GPU backward of the chunk preparation against `jax.vjp` of the plain-JAX one.
+
+On CPU the kernels run in Mosaic GPU interpret mode (simulated Hopper, race detection) at small
+shapes and are lowered for Hopper at K = 128; on a Hopper GPU (`gpu` marker) they run at real
+shapes. Cotangents are random normal `ChunkedInputs`, as the recurrence's backward would hand them.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kda.chunked import ChunkedInputs, prepare_chunks
+from kda.common import l2_normalize
+from kda.kernels.mosaic_gpu_prepare_backward import prepare_chunks_vjp_kernel
+from kda_inputs import relative_error
+from test_kda_kernels import HOPPER, bf16_inputs, interpreted_on_simulated_hopper
+from test_kda_ops import BF16_TOLERANCE
+
+LOWER_BOUND = -5.0
+INPUT_NAMES = ("q", "k", "v", "g", "beta")
+
+
+def preparation_case(seed, batch, length, heads, dim, *, segments, use_qk_l2norm,
+                     saturated=False):
+    """(inputs, options, cotangents) for one call of the preparation's VJP."""
+    inputs = bf16_inputs(seed, batch, length, *heads, dim, segments=segments)
+    if saturated:  # g = L everywhere: the tile factors reach e^37.5
+        inputs["g"] = jnp.full_like(inputs["g"], LOWER_BOUND)
+    if not use_qk_l2norm:  # unit keys as the caller's own norm makes them (else beta |k|^2 >> 2)
+        for name in ("q", "k"):
+            inputs[name] = l2_normalize(inputs[name].astype(jnp.float32)).astype(jnp.bfloat16)
+    options = dict(scale=dim**-0.5, segment_ids=inputs.get("segment_ids"),
+                   use_qk_l2norm=use_qk_l2norm, gate_lower_bound=LOWER_BOUND)
+    shapes = jax.eval_shape(lambda *xs: prepare_chunks(*xs, chunk_size=64, **options),
+                            *(inputs[name] for name in INPUT_NAMES))
+    keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(shapes))
+    cotangents = ChunkedInputs(*(jax.random.normal(key, shape.shape, jnp.float32)
+                                 for key, shape in zip(keys, shapes)))
+    return [inputs[name] for name in INPUT_NAMES], options, cotangents
+
+
+def assert_vjp_matches_plain_jax(args, options, cotangents):
+    _, plain_vjp = jax.vjp(lambda *xs: prepare_chunks(*xs, chunk_size=64, **options), *args)
+    expected = plain_vjp(cotangents)
+    actual = jax.jit(lambda c, *xs: prepare_chunks_vjp_kernel(*xs, cotangents=c, **options))(
+        cotangents, *args)
+    for name, got, want in zip(INPUT_NAMES, actual, expected):
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        assert relative_error(got, want) <= BF16_TOLERANCE[name], name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("length,heads,segments,use_qk_l2norm,saturated", [
+    (64, (1, 1), False, False, False),
+    (150, (1, 2), True, True, False),  # three chunks, a padded tail, grouped value heads
+    (128, (1, 1), True, False, True),  # g = L: the row and column terms of dG nearly cancel
+])
+def test_interpreted_vjp_matches_plain_jax(length, heads, segments, use_qk_l2norm, saturated):
+    case = preparation_case(11, 1, length, heads, 64, segments=segments,
+                            use_qk_l2norm=use_qk_l2norm, saturated=saturated)
+    with interpreted_on_simulated_hopper():
+        assert_vjp_matches_plain_jax(*case)
+
+
+@pytest.mark.slow  # about 10 s on an idle core
+def test_vjp_lowers_for_hopper():
+    """Layout inference, wgmma and TMA checks of both kernels at K = V = 128, with no GPU."""
+    args, options, cotangents = preparation_case(12, 2, 200, (2, 4), 128, segments=True,
+                                                 use_qk_l2norm=True)
+    vjp = jax.jit(lambda c, *xs: prepare_chunks_vjp_kernel(*xs, cotangents=c, **options))
+    with jax.sharding.use_abstract_mesh(HOPPER):
+        lowered = vjp.trace(cotangents, *args).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("mosaic_gpu") >= 2
+
+
+@pytest.mark.parametrize("dims,lower_bound,message", [
+    ((128, 64), LOWER_BOUND, r"equal head sizes in \(64, 128\), got K=128, V=64"),
+    ((32, 32), LOWER_BOUND, r"got K=32, V=32"),
+    ((64, 64), None, r"gate_lower_bound must be in \[-5, 0\), got None"),
+    ((64, 64), -6.0, r"got -6.0"),
+])
+def test_unsupported_calls_are_refused(dims, lower_bound, message):
+    key_dim, value_dim = dims
+    q = k = jnp.zeros((1, 64, 1, key_dim), jnp.bfloat16)
+    v = jnp.zeros((1, 64, 1, value_dim), jnp.bfloat16)
+    g = jnp.zeros((1, 64, 1, key_dim))
+    with pytest.raises(ValueError, match=message):
+        prepare_chunks_vjp_kernel(q, k, v, g, jnp.zeros((1, 64, 1)), scale=1.0, segment_ids=None,
+                                  use_qk_l2norm=False, gate_lower_bound=lower_bound,
+                                  cotangents=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [64, 128])
+def test_gpu_vjp_matches_plain_jax(dim):
+    assert_vjp_matches_plain_jax(*preparation_case(13, 2, 8192, (16, 16), dim, segments=False,
+                                                   use_qk_l2norm=True))
+
+
+@pytest.mark.gpu
+def test_gpu_vjp_packed_documents_and_grouped_heads():
+    assert_vjp_matches_plain_jax(*preparation_case(14, 2, 4100, (8, 16), 128, segments=True,
+                                                   use_qk_l2norm=True))
