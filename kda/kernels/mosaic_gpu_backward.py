@@ -203,7 +203,7 @@ def recurrence_cotangents(residuals: RecurrenceResiduals, d_o, d_states, d_v_new
     """
     states, v_new = residuals
     return ChunkedInputs(
-        W=-_products("...cv,...kv->...ck", d_v_new, states),
+        W=_products("...cv,...kv->...ck", -d_v_new, states),  # the sign fuses with the cast
         U=d_v_new,
         q_from_state=_products("...cv,...kv->...ck", d_o, states),
         k_to_state=_products("...cv,...kv->...ck", v_new, d_states),
