@@ -2,7 +2,7 @@
 
 Dropless (`dropless_moe`): sort the T·k token copies by expert, run every expert's GLU MLP with two
 grouped matmuls, un-sort, and sum each token's k outputs with its mixture weights. The sort moves
-rows with gathers whose gradients are gathers too (`_gather_rows`), so no scatter-add appears in
+rows with gathers whose gradients are gathers too (`gather_rows`), so no scatter-add appears in
 the backward pass, which is where XLA's default gather transpose loses its time on GPU.
 
 Expert parallel (`expert_parallel_moe`, under `jax.shard_map`): experts are split over the mesh
@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from moe.activations import fused_glu
 from moe.grouped_matmul import ROW_MULTIPLE, grouped_matmul
 from moe.routing import load_counts
 
@@ -53,7 +54,9 @@ def plan_dispatch(
     if row_valid is not None:
         key = jnp.where(row_valid, key, num_experts)
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+    # order is a permutation: with unique indices XLA writes each element once, no atomics.
+    positions = jnp.arange(order.shape[0], dtype=jnp.int32)
+    inverse = jnp.zeros_like(order).at[order].set(positions, unique_indices=True)
     group_sizes = load_counts(key, num_experts).astype(jnp.int32)
     return DispatchPlan(order, inverse, group_sizes)
 
@@ -81,10 +84,10 @@ def expert_mlp(
         [R, W] in x_sorted.dtype.
     """
     num_experts, width, _, hidden = w_in.shape
-    fused = grouped_matmul(
+    gate_up = grouped_matmul(
         x_sorted, w_in.reshape(num_experts, width, 2 * hidden), group_sizes, backend=backend
     )
-    hidden_act = activation(fused[:, :hidden], fused[:, hidden:]).astype(x_sorted.dtype)
+    hidden_act = fused_glu(activation, gate_up)
     return grouped_matmul(hidden_act, w_out, group_sizes, backend=backend)
 
 
@@ -125,7 +128,7 @@ def dropless_moe(
     _check_dispatch_args(x, expert_ids, weights, w_in, w_out)
     k = expert_ids.shape[1]
     plan = plan_dispatch(expert_ids.reshape(-1), w_in.shape[0])
-    x_sorted = _gather_rows(x, plan.order // k, plan.inverse, k)
+    x_sorted = gather_rows(x, plan.order // k, plan.inverse, k)
     y_sorted = expert_mlp(
         x_sorted,
         plan.group_sizes,
@@ -134,7 +137,7 @@ def dropless_moe(
         activation,
         backend=backend,
     )
-    return _unsort_combine(y_sorted, weights, plan.order, plan.inverse)
+    return unsort_combine(y_sorted, weights, plan.order, plan.inverse)
 
 
 def expert_parallel_moe(
@@ -243,7 +246,7 @@ def _expert_parallel_shard(
     row_used = recv_expert < local_experts
     plan = plan_dispatch(recv_expert, local_experts, row_used)
     y_sorted = expert_mlp(
-        _gather_rows(rows, plan.order, plan.inverse, 1),
+        gather_rows(rows, plan.order, plan.inverse, 1),
         plan.group_sizes,
         w_in,
         w_out,
@@ -252,7 +255,7 @@ def _expert_parallel_shard(
     )
     # Rows past the groups are padding the grouped matmul may leave unwritten: select, never
     # multiply, so that whatever they hold cannot leak.
-    y_rows = jnp.where(row_used[:, None], _gather_rows(y_sorted, plan.inverse, plan.order, 1), 0)
+    y_rows = jnp.where(row_used[:, None], gather_rows(y_sorted, plan.inverse, plan.order, 1), 0)
     back = jax.lax.all_to_all(y_rows.reshape(shards, capacity, width), EXPERT_AXIS, 0, 0)
 
     position = by_destination.inverse - starts[destination]
@@ -265,7 +268,7 @@ def _expert_parallel_shard(
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gather_rows(x, index, transpose_index, group):
+def gather_rows(x, index, transpose_index, group):
     """`x[index]`, where `index` repeats each row of x `group` times at positions `transpose_index`.
 
     x: [S, W], index: [S·group], transpose_index: [S·group] with
@@ -286,11 +289,11 @@ def _gather_rows_backward(group, residuals, out_grad):
     return x_grad.astype(out_grad.dtype), None, None
 
 
-_gather_rows.defvjp(_gather_rows_forward, _gather_rows_backward)
+gather_rows.defvjp(_gather_rows_forward, _gather_rows_backward)
 
 
 @jax.custom_vjp
-def _unsort_combine(y_sorted, weights, order, inverse):
+def unsort_combine(y_sorted, weights, order, inverse):
     """`combine` of expert outputs in token order: out[t] = sum_j w[t, j] y_sorted[inv[t·k + j]].
 
     y_sorted: [T·k, W] expert outputs in expert order, weights: [T, k], order/inverse: the
@@ -303,7 +306,7 @@ def _unsort_combine(y_sorted, weights, order, inverse):
 
 
 def _unsort_combine_forward(y_sorted, weights, order, inverse):
-    return _unsort_combine(y_sorted, weights, order, inverse), (y_sorted, weights, order, inverse)
+    return unsort_combine(y_sorted, weights, order, inverse), (y_sorted, weights, order, inverse)
 
 
 def _unsort_combine_backward(residuals, out_grad):
@@ -317,7 +320,7 @@ def _unsort_combine_backward(residuals, out_grad):
     return y_grad.astype(y_sorted.dtype), weights_grad.astype(weights.dtype), None, None
 
 
-_unsort_combine.defvjp(_unsort_combine_forward, _unsort_combine_backward)
+unsort_combine.defvjp(_unsort_combine_forward, _unsort_combine_backward)
 
 
 def _check_dispatch_args(x, expert_ids, weights, w_in, w_out):

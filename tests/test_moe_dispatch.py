@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe.activations import GLUActivation
+from moe.activations import GLUActivation, fused_glu
 from moe.dispatch import combine, dropless_moe, expert_parallel_moe, plan_dispatch
 from moe.grouped_matmul import grouped_matmul, mosaic_gpu_supports
 
@@ -73,6 +73,27 @@ def test_dropless_in_bf16_is_close_to_the_float32_reference():
     ref = naive_moe(x, ids, weights, w_in, w_out, SITU)
     np.testing.assert_allclose(ours.astype(jnp.float32), ref, atol=0.05, rtol=0.05)
 
+
+
+@pytest.mark.parametrize("kind", ["situ", "swiglu", "clamped_swiglu"])
+def test_fused_glu_equals_autodiff_and_saves_only_its_input(kind):
+    act = GLUActivation(kind)
+    gate_up = (8 * jax.random.normal(jax.random.key(0), (64, 2 * 16))).astype(jnp.bfloat16)
+    cotangent = jax.random.normal(jax.random.key(1), (64, 16), jnp.bfloat16)
+
+    def plain(a):
+        return act(a[:, :16], a[:, 16:]).astype(a.dtype)
+
+    ours, ours_pullback = jax.vjp(functools.partial(fused_glu, act), gate_up)
+    ref, ref_pullback = jax.vjp(plain, gate_up)
+    np.testing.assert_array_equal(ours.astype(jnp.float32), ref.astype(jnp.float32))
+    np.testing.assert_array_equal(
+        ours_pullback(cotangent)[0].astype(jnp.float32),
+        ref_pullback(cotangent)[0].astype(jnp.float32),
+    )
+    # The backward keeps gate_up alone, no float32 intermediate of the activation.
+    residuals = jax.tree.leaves(ours_pullback)
+    assert [(r.shape, r.dtype) for r in residuals] == [(gate_up.shape, jnp.bfloat16)]
 
 def test_plan_dispatch_groups_rows_and_inverts():
     row_expert = jnp.array([2, 0, 2, 1, 0, 2])
