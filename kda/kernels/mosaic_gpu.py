@@ -292,12 +292,12 @@ def _bounded_kda_fwd(q, k, v, g, beta, initial_state, segment_ids, options):
     # anyway, so keeping them costs memory (U is dropped: the backward reads no U) but no time.
     outputs, (operands, residuals) = _bounded_forward(
         q, k, v, g, beta, initial_state, segment_ids, options, save_for_backward=True)
-    return outputs, ((q, k, v, g, beta, segment_ids), operands._replace(U=None), residuals)
+    return outputs, ((q, k, v, g, beta), segment_ids, operands._replace(U=None), residuals)
 
 
 def _bounded_kda_bwd(options, saved, cotangents):
     """The recurrence's VJP by kernels, then the preparation's VJP (`prepare_chunks_vjp`)."""
-    inputs, operands, residuals = saved
+    inputs, segment_ids, operands, residuals = saved
     d_o, d_final_state = cotangents
     batch, length, num_value_heads, value_dim = d_o.shape
     num_chunks = operands.W.shape[2]
@@ -306,7 +306,6 @@ def _bounded_kda_bwd(options, saved, cotangents):
     d_o = jnp.moveaxis(d_o.reshape(batch, num_chunks, CHUNK_SIZE, num_value_heads, value_dim),
                        3, 1)
     d_chunks, d_initial_state = recurrence_vjp(operands, residuals, d_o, d_final_state)
-    *inputs, segment_ids = inputs
     return (*prepare_chunks_vjp(*inputs, segment_ids, options, d_chunks), d_initial_state, None)
 
 
