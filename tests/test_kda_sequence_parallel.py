@@ -197,13 +197,13 @@ def test_sequence_parallel_kernel_lowers_for_hopper():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("num_chunks,num_segments,segments", [
-    (8, 2, True),  # documents
-    (7, 4, False),  # N not a multiple of P: one inert chunk; a padded tail
-    (9, 2, True),
+@pytest.mark.parametrize("num_chunks,num_segments,segments,save_for_backward", [
+    (8, 2, True, False),  # documents
+    (7, 4, False, True),  # N not a multiple of P: one inert chunk; a padded tail; residuals
+    (9, 2, True, False),
 ])
-def test_interpreted_kernel_on_segments_matches_one_segment_and_plain_jax(num_chunks,
-                                                                          num_segments, segments):
+def test_interpreted_kernel_on_segments_matches_one_segment_and_plain_jax(
+        num_chunks, num_segments, segments, save_for_backward):
     inputs = slow_gate_inputs(4, num_chunks * CHUNK_SIZE - 5, 2, 64, 64, dtype=jnp.bfloat16,
                               initial_state=True, segments=segments)
     chunks, state = chunks_of(inputs)
@@ -212,16 +212,22 @@ def test_interpreted_kernel_on_segments_matches_one_segment_and_plain_jax(num_ch
 
     def kernel(p):
         return jax.jit(lambda ops, s: sequence_parallel_recurrence(
-            ops, s, jnp.bfloat16, num_segments=p))(operands, state)
+            ops, s, jnp.bfloat16, num_segments=p, save_for_backward=save_for_backward))(
+                operands, state)
 
     with interpreted_on_simulated_hopper():
-        o_one, state_one = kernel(1)
+        o_one, state_one, *residuals_one = kernel(1)
     with interpreted_on_simulated_hopper():
-        o, final_state = kernel(num_segments)
+        o, final_state, *residuals = kernel(num_segments)
     assert o.dtype == jnp.bfloat16 and final_state.dtype == jnp.float32
     for expected_o, expected_state in ((o_one, state_one), (o_plain, state_plain)):
         assert relative_error(o, expected_o) <= BF16_TOLERANCE["o"]
         assert relative_error(final_state, expected_state) <= BF16_TOLERANCE["state"]
+    # The backward's inputs: entering states and V_new, as the unsplit kernel saves them.
+    for saved, expected in zip(residuals, residuals_one):
+        for name, x, want in zip(expected._fields, saved, expected):
+            assert x.shape == want.shape and x.dtype == want.dtype, name
+            assert relative_error(x, want) <= BF16_TOLERANCE["state"], name
 
 
 # On a Hopper GPU: long single sequences, the whole forward with bounded gates.
@@ -257,3 +263,23 @@ def test_gpu_long_sequence_matches_reference(length, gate_factor):
         for expected_o, expected_state in ((o_ref, state_ref), (o_one, state_one)):
             assert relative_error(o, expected_o) <= BF16_TOLERANCE["o"], num_segments
             assert relative_error(state, expected_state) <= BF16_TOLERANCE["state"], num_segments
+
+
+@pytest.mark.gpu
+def test_gpu_long_sequence_saves_what_the_unsplit_kernel_saves():
+    inputs = make_inputs(12, 1, 65536, 16, 16, 128, 128, dtype=jnp.bfloat16, initial_state=True)
+    inputs["g"] = inputs["g"] * SLOW_GATE_FACTOR
+    q, k, v, g, beta = (inputs[name] for name in ("q", "k", "v", "g", "beta"))
+    operands = jax.jit(lambda *xs: prepare_chunks_kernel(
+        *xs, scale=128**-0.5, segment_ids=None, use_qk_l2norm=True,
+        gate_lower_bound=-5.0))(q, k, v, g, beta)
+
+    def forward(num_segments):
+        return jax.jit(lambda ops, s: sequence_parallel_recurrence(
+            ops, s, jnp.bfloat16, num_segments=num_segments, save_for_backward=True))(
+                operands, inputs["initial_state"])
+
+    _, _, expected = forward(1)
+    _, _, saved = forward(None)
+    for name, x, want in zip(expected._fields, saved, expected):
+        assert relative_error(x, want) <= BF16_TOLERANCE["state"], name

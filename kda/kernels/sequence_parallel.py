@@ -19,6 +19,9 @@ scan over segment transitions (`combine_segments`) gives the true entering state
 segment, and then `O_n = O0_n + R_n S_p`: one batched matmul, parallel over all chunks. N is padded
 to P * L with inert chunks (W = U = Qs = Kt = Aqk = 0, D = 1: the state passes unchanged).
 Packed documents change nothing: their masks are already in the operands, which stay linear.
+For training, what the kernel saves for the backward (the state entering each chunk and V_new)
+is affine in the entering state as well; its extra columns hold `A_{<n}` and `-W_n A_{<n}`, and
+it is corrected like the outputs.
 
 Numerics. The kernel rounds its matmul operands to bf16 as it always does (the carried state,
 here also the transition columns, is float32 and rounded only as a wgmma operand); its outputs
@@ -117,38 +120,50 @@ def combine_segments(transitions, offsets, initial_state):
 
 
 def recurrence_in_segments(recurrence: Callable, operands, initial_state, out_dtype, *,
-                           num_segments: int, precision=lax.Precision.HIGHEST):
+                           num_segments: int, precision=lax.Precision.HIGHEST,
+                           **recurrence_options):
     """Runs `recurrence` on P segments side by side, then combines them exactly (module docstring).
 
     Args:
-      recurrence: `(operands, initial_state, out_dtype) -> (o [B', HV', N', C, V'],
-        final_state [B', HV', K, V'])`, the contract of `kda.chunked.chunk_recurrence` (on
-        `ChunkedInputs`) or `kda.kernels.mosaic_gpu.run_recurrence` (on `RecurrenceOperands`).
+      recurrence: `(operands, initial_state, out_dtype, **recurrence_options) ->
+        (o [B', HV', N', C, V'], final_state [B', HV', K, V'], *residuals)`, the contract of
+        `kda.chunked.chunk_recurrence` (on `ChunkedInputs`) or of
+        `kda.kernels.mosaic_gpu.run_recurrence` (on `RecurrenceOperands`). Each residual, if any,
+        is a NamedTuple of per-chunk arrays [B', HV', N', rows, V'] affine in the entering state
+        (the kernel's saved states and V_new), corrected like the outputs and kept in its dtype.
       operands: what `recurrence` takes, [B, HV, N, ...].
       initial_state: [B, HV, K, V].
       out_dtype: dtype of the chunk outputs.
       num_segments: P >= 1.
-      precision: of the output correction `R_n S_p` (the combine is always at full precision).
+      precision: of the corrections `R_n S_p` (the combine is always at full precision).
     Returns:
-      (o [B, HV, N, C, V] in out_dtype, final_state [B, HV, K, V] in U's dtype).
+      (o [B, HV, N, C, V] in out_dtype, final_state [B, HV, K, V] in U's dtype, *residuals
+      [B, HV, N, rows, V]).
     """
-    batch, heads, num_chunks, chunk, key_dim = operands.W.shape
+    batch, heads, num_chunks, _, key_dim = operands.W.shape
     value_dim = operands.U.shape[-1]
     dtype = operands.U.dtype
     segments = split_into_segments(operands, num_segments)
     segment_start = jnp.concatenate(
         [jnp.zeros((key_dim, value_dim), dtype), jnp.eye(key_dim, dtype=dtype)], axis=1)
     extended_shape = (batch, heads * num_segments, key_dim, value_dim + key_dim)
-    o, ends = recurrence(segments, jnp.broadcast_to(segment_start, extended_shape), dtype)
+    o, ends, *residuals = recurrence(segments, jnp.broadcast_to(segment_start, extended_shape),
+                                     dtype, **recurrence_options)
 
     ends = ends.reshape(batch, heads, num_segments, key_dim, value_dim + key_dim)
     entering, final_state = combine_segments(ends[..., value_dim:], ends[..., :value_dim],
                                              initial_state.astype(dtype))
-    o = o.reshape(batch, heads, num_segments, -1, chunk, value_dim + key_dim)
-    o = o[..., :value_dim] + jnp.einsum("bhplck,bhpkv->bhplcv", o[..., value_dim:], entering,
-                                        precision=precision)
-    o = o.reshape(batch, heads, -1, chunk, value_dim)[:, :, :num_chunks]
-    return o.astype(out_dtype), final_state
+
+    def from_entering_states(x):
+        """[B, HV * P, L, rows, V + K] from zero starts -> [B, HV, N, rows, V] from S_p."""
+        x = x.reshape(batch, heads, num_segments, -1, *x.shape[-2:])
+        x = x[..., :value_dim] + jnp.einsum("bhplrk,bhpkv->bhplrv", x[..., value_dim:],
+                                            entering, precision=precision)
+        return x.reshape(batch, heads, -1, *x.shape[-2:])[:, :, :num_chunks]
+
+    residuals = [type(saved)(*(from_entering_states(x).astype(x.dtype) for x in saved))
+                 for saved in residuals]
+    return from_entering_states(o).astype(out_dtype), final_state, *residuals
 
 
 def _multiprocessor_count() -> int:
@@ -189,7 +204,7 @@ def choose_num_segments(batch_heads: int, num_chunks: int, key_dim: int, value_d
 
 
 def sequence_parallel_recurrence(operands: RecurrenceOperands, initial_state, out_dtype, *,
-                                 num_segments: int | None = None):
+                                 num_segments: int | None = None, save_for_backward=False):
     """`kda.kernels.mosaic_gpu.run_recurrence` over P segments of the sequence, side by side.
 
     Args:
@@ -198,8 +213,11 @@ def sequence_parallel_recurrence(operands: RecurrenceOperands, initial_state, ou
       out_dtype: dtype of the chunk outputs.
       num_segments: P in [1, N]; None chooses it from the grid and the SM count
         (`choose_num_segments`). P = 1 is the plain kernel.
+      save_for_backward: also return the `RecurrenceResiduals` the backward reads (the entering
+        states and V_new, bf16), as `run_recurrence` does; over segments they are corrected from
+        each segment's zero start to its true entering state like the outputs.
     Returns:
-      (o [B, HV, N, 64, V] in out_dtype, final_state float32 [B, HV, K, V]).
+      (o [B, HV, N, 64, V] in out_dtype, final_state float32 [B, HV, K, V][, residuals]).
     """
     batch, heads, num_chunks, _, key_dim = operands.W.shape
     value_dim = operands.U.shape[-1]
@@ -209,7 +227,9 @@ def sequence_parallel_recurrence(operands: RecurrenceOperands, initial_state, ou
         raise ValueError(f"num_segments must be between 1 and the number of chunks N = "
                          f"{num_chunks}, got {num_segments}; pass None to choose it")
     if num_segments == 1:
-        return run_recurrence(operands, initial_state, out_dtype)
+        return run_recurrence(operands, initial_state, out_dtype,
+                              save_for_backward=save_for_backward)
     # The kernel already rounds the state to bf16 where it multiplies it; TF32 here is finer.
     return recurrence_in_segments(run_recurrence, operands, initial_state, out_dtype,
-                                  num_segments=num_segments, precision=lax.Precision.DEFAULT)
+                                  num_segments=num_segments, precision=lax.Precision.DEFAULT,
+                                  save_for_backward=save_for_backward)
