@@ -5,23 +5,35 @@ same active FLOPs, in one process on one device.
                                                # expert width 1024, 16K tokens; writes
                                                # benchmarks/moe_h200.md
     python -m experiments.bench_moe --smoke    # the same code at a tiny size (CPU check)
+    python -m experiments.bench_moe --gpu --profile   # also: the layer's parts timed one by one
+                                                      # and the top device ops of a traced step
 
 Both layers use bf16 parameters and activations (router and norms in float32), the cotangent is a
 fixed random array, and the time is the median of `--iters` jitted steps that return the input and
 parameter gradients. TFLOP/s counts the matmul FLOPs of the active parameters (3x the forward:
 forward, input gradient, weight gradient). On GPU the MoE layer is first checked against the same
 layer with XLA's `ragged_dot` in place of the Mosaic GPU grouped matmul.
+
+`--profile` adds two tables: each part of the MoE layer (router + top-k + plan, gathers, grouped
+matmuls, activation, combine, norm and projections) jitted and timed on its own, forward and
+forward+backward; and the device ops of a `jax.profiler` trace of the layer's gradient step, read
+back from the trace's `.xplane.pb` with `jax.profiler.ProfileData`, summed per op and labelled
+with their HLO opcode, shape and JAX source op.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
+import glob
 import os
 import platform
+import re
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -31,10 +43,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from moe.activations import fused_glu
 from moe.config import MoEConfig, active_matmul_flops
-from moe.experts import DenseFFN, StableLatentMoE
-from moe.grouped_matmul import resolve_backend
-from moe.routing import max_violation
+from moe.dispatch import gather_rows, plan_dispatch, unsort_combine
+from moe.experts import DenseFFN, StableLatentMoE, rms_norm
+from moe.grouped_matmul import grouped_matmul, resolve_backend
+from moe.routing import max_violation, route, router_scores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +144,9 @@ def relative_error(a, b) -> float:
     return worst
 
 
-def run(shape: BenchShape, iters: int, check_backend: bool) -> dict:
-    """Times both layers at `shape`; returns the measurements."""
+def run(shape: BenchShape, iters: int, check_backend: bool, profile: bool = False) -> dict:
+    """Times both layers at `shape` (and, with `profile`, the MoE layer's parts and device ops);
+    returns the measurements."""
     keys = jax.random.split(jax.random.key(0), 4)
     x = jax.random.normal(keys[0], (shape.batch, shape.seq_len, shape.d_model), jnp.bfloat16)
     cotangent = jax.random.normal(keys[1], x.shape, jnp.bfloat16)
@@ -163,9 +178,184 @@ def run(shape: BenchShape, iters: int, check_backend: bool) -> dict:
             gib=compiled_bytes(step, (params, x, cotangent)) / 2**30,
         )
     results["ratio"] = results["moe"]["tflops"] / results["dense"]["tflops"]
+    if profile:
+        results["parts"] = time_moe_parts(moe_layer, x, iters)
+        step, params = gradient_step(moe_layer)
+        results["ops"] = profile_device_ops(step, (params, x, cotangent), steps=3)
     if check_backend:
         results["xla_check"] = compare_with_xla_backend(moe_layer, cfg, shape, x, cotangent)
     return results
+
+
+def time_forward_backward(fn: Callable, diff_args: tuple, other_args: tuple, iters: int):
+    """Median ms of `fn(*diff_args, *other_args) -> (out, aux)` forward, and forward+backward
+    (the pullback of a random cotangent to diff_args). Returns (forward ms, fwd+bwd ms, out, aux).
+    """
+    forward = jax.jit(fn)
+    out, aux = forward(*diff_args, *other_args)
+    cotangent = jax.random.normal(jax.random.key(5), out.shape, out.dtype)
+
+    @jax.jit
+    def forward_backward(diff_args, other_args, cotangent):
+        _, pullback, _ = jax.vjp(lambda *d: fn(*d, *other_args), *diff_args, has_aux=True)
+        return pullback(cotangent)
+
+    forward_ms = median_seconds(forward, (*diff_args, *other_args), iters) * 1e3
+    both_ms = median_seconds(forward_backward, (diff_args, other_args, cotangent), iters) * 1e3
+    return forward_ms, both_ms, out, aux
+
+
+def time_moe_parts(layer: StableLatentMoE, x: jax.Array, iters: int) -> list[dict]:
+    """Each stage of `StableLatentMoE.__call__` (dropless path) jitted and timed on its own.
+
+    Every stage is fed the previous stage's real output, so the routing, and with it the group
+    sizes of the grouped matmuls, are the benchmark's. Rows: part, forward ms, fwd+bwd ms.
+    """
+    cfg = layer.cfg
+    k, backend, dtype = cfg.top_k, cfg.gmm_backend, layer.dtype
+    tokens = x.reshape(-1, x.shape[-1]).astype(dtype)
+    num_experts, width, _, hidden = layer.expert_w_in.shape
+    w_in = layer.expert_w_in[...].astype(dtype).reshape(num_experts, width, 2 * hidden)
+    w_out = layer.expert_w_out[...].astype(dtype)
+
+    def router(tokens, router_weight, bias):
+        scores = router_scores(tokens, router_weight)
+        expert_ids, weights = route(scores, bias, k, cfg.routed_scaling_factor)
+        return weights, plan_dispatch(expert_ids.reshape(-1), num_experts)
+
+    def down(tokens, w_down):
+        return tokens @ w_down, None
+
+    def gather(z, order, inverse):
+        return gather_rows(z, order // k, inverse, k), None
+
+    def matmul(lhs, rhs, group_sizes):
+        return grouped_matmul(lhs, rhs, group_sizes, backend=backend), None
+
+    def activation(gate_up):
+        return fused_glu(layer.activation, gate_up), None
+
+    def combine(y_sorted, weights, order, inverse):
+        return unsort_combine(y_sorted, weights, order, inverse), None
+
+    def norm_up(routed, gain, w_up):
+        return rms_norm(routed, gain, cfg.norm_eps) @ w_up, None
+
+    rows = []
+
+    def timed(name, fn, diff_args, other_args=()):
+        forward_ms, both_ms, out, aux = time_forward_backward(fn, diff_args, other_args, iters)
+        rows.append(dict(part=name, forward_ms=forward_ms, forward_backward_ms=both_ms))
+        return out, aux
+
+    router_args = (tokens, layer.router[...])
+    bias = (layer.router_bias[...],)
+    weights, plan = timed("router, top-k, dispatch plan", router, router_args, bias)
+    z, _ = timed("down projection W_down", down, (tokens, layer.w_down[...].astype(dtype)))
+    plan_args = (plan.order, plan.inverse)
+    x_sorted, _ = timed("gather rows into expert order", gather, (z,), plan_args)
+    gate_up, _ = timed("grouped matmul 1 (gate, up)", matmul, (x_sorted, w_in), (plan.group_sizes,))
+    hidden_act, _ = timed("activation SiTU-GLU", activation, (gate_up,))
+    y_sorted, _ = timed("grouped matmul 2 (down)", matmul, (hidden_act, w_out), (plan.group_sizes,))
+    routed, _ = timed("un-sort and combine", combine, (y_sorted, weights), plan_args)
+    timed(
+        "latent RMSNorm + up projection W_up",
+        norm_up,
+        (routed, layer.latent_gain[...], layer.w_up[...].astype(dtype)),
+    )
+    return rows
+
+
+def profile_device_ops(step: Callable, args: tuple, steps: int, top: int = 25) -> dict:
+    """Device ops of `steps` traced calls of a jitted step, summed per op, the costliest first.
+
+    Returns dict(rows=[dict(op, calls, ms, share, hlo)], total_ms, source): per-step calls and ms;
+    `hlo` = opcode, shape and JAX source op of the op in the compiled module. Falls back to the
+    compiled module's `cost_analysis()` totals (rows empty) if the trace holds no op events.
+    """
+    compiled = step.lower(*args).compile()
+    jax.block_until_ready(step(*args))
+    times, calls, source = collections.Counter(), collections.Counter(), "none"
+    with tempfile.TemporaryDirectory() as trace_dir:
+        # A profiler that cannot start (no CUPTI) or a trace that does not parse must not cost
+        # the benchmark run its other numbers: the table then says why and gives the fallback.
+        try:
+            jax.profiler.start_trace(trace_dir)
+            try:
+                for _ in range(steps):
+                    jax.block_until_ready(step(*args))
+            finally:
+                jax.profiler.stop_trace()
+            traces = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+            profile = jax.profiler.ProfileData.from_file(max(traces, key=os.path.getmtime))
+            times, calls, source = _op_times(profile)
+        except Exception as error:  # noqa: BLE001 (reported in the table, see above)
+            source = f"trace failed: {type(error).__name__}: {error}"
+    if not times:
+        cost = compiled.cost_analysis() or {}
+        return dict(rows=[], total_ms=0.0, source=source, cost_analysis=dict(cost))
+    described = _hlo_descriptions(compiled.as_text())
+    total = sum(times.values())
+    rows = [
+        dict(
+            op=op,
+            calls=calls[op] / steps,
+            ms=nanos / steps / 1e6,
+            share=nanos / total,
+            hlo=described.get(op, ""),
+        )
+        for op, nanos in times.most_common(top)
+    ]
+    return dict(rows=rows, total_ms=total / steps / 1e6, source=source)
+
+
+def _op_times(profile) -> tuple[collections.Counter, collections.Counter, str]:
+    """Per-op total ns and call counts of a trace: the GPU's "XLA Ops" line where there is one,
+    else the kernels on its stream lines; on CPU the host threads' events that name an HLO op."""
+    times, calls = collections.Counter(), collections.Counter()
+    device_planes = [plane for plane in profile.planes if plane.name.startswith("/device:")]
+    if device_planes:
+        lines = [line for plane in device_planes for line in plane.lines]
+        op_lines = [line for line in lines if line.name == "XLA Ops"]
+        source = "XLA Ops" if op_lines else "device streams"
+        lines = op_lines or [line for line in lines if line.name.startswith("Stream")]
+    else:
+        source = "host threads"
+        host_planes = [plane for plane in profile.planes if plane.name == "/host:CPU"]
+        lines = [line for plane in host_planes for line in plane.lines]
+    for line in lines:
+        for event in line.events:
+            stats = dict(event.stats)
+            if source == "host threads" and "hlo_op" not in stats:
+                continue
+            name = str(stats.get("hlo_op", event.name)).lstrip("%")
+            times[name] += event.duration_ns
+            calls[name] += 1
+    return times, calls, source
+
+
+_HLO_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[^\s=]+)\s*=\s*(?P<shape>.*?)\s(?P<opcode>[a-z][a-z0-9\-]*)\("
+)
+
+
+def _hlo_descriptions(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> "opcode shape (kind, custom-call target) source-op" of an HLO module."""
+    described = {}
+    for line in hlo_text.splitlines():
+        match = _HLO_INSTRUCTION.match(line)
+        if not match:
+            continue
+        parts = [match["opcode"], re.sub(r"\{[^}]*\}", "", match["shape"])]
+        for key in ("kind", "custom_call_target"):
+            found = re.search(rf"{key}=\"?([\w.\-]+)", line)
+            if found:
+                parts.append(found.group(1))
+        source = re.search(r'op_name="([^"]*)"', line)
+        if source:
+            parts.append(source.group(1).split("/", 1)[-1])
+        described[match["name"]] = " ".join(parts)
+    return described
 
 
 def compare_with_xla_backend(moe_layer, cfg, shape, x, cotangent) -> float:
@@ -224,7 +414,53 @@ def markdown(shape: BenchShape, results: dict, command: str) -> str:
         f"MoE / dense achieved TFLOP/s: **{results['ratio']:.2f}** (target >= 0.60).",
         "",
     ]
+    if "parts" in results:
+        lines += profile_markdown(results)
     return "\n".join(lines)
+
+
+def profile_markdown(results: dict) -> list[str]:
+    """The `--profile` tables: the MoE layer's parts, and the top device ops of its step."""
+    parts = results["parts"]
+    lines = [
+        "## Where the MoE layer's time goes (`--profile`)",
+        "",
+        "Each part jitted and timed on its own (median ms; launch overheads and the fusions XLA "
+        "makes across part boundaries in the whole step are not in these numbers).",
+        "",
+        "| part | forward ms | forward+backward ms |",
+        "|---|---:|---:|",
+    ]
+    lines += [
+        f"| {row['part']} | {row['forward_ms']:.3f} | {row['forward_backward_ms']:.3f} |"
+        for row in parts
+    ]
+    lines.append(
+        f"| sum of the parts | {sum(row['forward_ms'] for row in parts):.3f} | "
+        f"{sum(row['forward_backward_ms'] for row in parts):.3f} |"
+    )
+    lines.append(f"| whole layer, one jitted step | | {results['moe']['ms']:.3f} |")
+    ops = results["ops"]
+    lines += ["", f"Device ops of the MoE layer's gradient step (trace: {ops['source']}).", ""]
+    if not ops["rows"]:
+        lines += [
+            "The trace held no op events; cost analysis of the compiled step instead: "
+            f"{ops['cost_analysis']}",
+            "",
+        ]
+        return lines
+    lines += [
+        f"Total op time per step: {ops['total_ms']:.3f} ms.",
+        "",
+        "| op | calls/step | ms/step | share | HLO (opcode shape kind source) |",
+        "|---|---:|---:|---:|---|",
+    ]
+    lines += [
+        f"| {row['op']} | {row['calls']:g} | {row['ms']:.3f} | {row['share']:.1%} | "
+        f"{row['hlo'].replace('|', '/')} |"
+        for row in ops["rows"]
+    ]
+    return lines + [""]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -239,6 +475,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--out", default=None, help="markdown table (default benchmarks/moe_h200.md with --gpu)"
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also time the MoE layer's parts and list the top device ops of a traced step",
+    )
     return parser.parse_args(argv)
 
 
@@ -248,7 +489,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("--gpu needs a CUDA device; use --smoke on CPU.")
     shape = GPU_SHAPE if args.gpu else SMOKE_SHAPE
     iters = args.iters or (20 if args.gpu else 2)
-    results = run(shape, iters, check_backend=args.gpu)
+    results = run(shape, iters, check_backend=args.gpu, profile=args.profile)
     command = "python -m experiments.bench_moe " + " ".join(sys.argv[1:] if argv is None else argv)
     table = markdown(shape, results, command)
     print(table)

@@ -40,12 +40,32 @@ def test_balance_model_is_causal():
 
 
 @pytest.mark.slow
-def test_bench_moe_smoke_writes_its_table(tmp_path):
+def test_bench_moe_smoke_writes_its_table_and_profile(tmp_path):
     out = tmp_path / "moe_smoke.md"
-    results = bench_moe.main(["--smoke", "--iters", "1", "--out", str(out)])
+    results = bench_moe.main(["--smoke", "--profile", "--iters", "1", "--out", str(out)])
     assert results["moe"]["tflops"] > 0 and results["dense"]["tflops"] > 0
-    assert "MoE / dense achieved TFLOP/s" in out.read_text()
+    table = out.read_text()
+    assert "MoE / dense achieved TFLOP/s" in table
     assert bench_moe.matched_dense_hidden(bench_moe.GPU_SHAPE) == 4864
+    parts = [row["part"] for row in results["parts"]]
+    assert len(parts) == 8 and "activation SiTU-GLU" in parts
+    assert all(row["forward_ms"] > 0 and row["forward_backward_ms"] > 0 for row in results["parts"])
+    ops = results["ops"]["rows"]
+    assert ops and all(row["ms"] >= 0 and row["calls"] > 0 for row in ops)
+    # The trace's op names are found in the compiled module, so the rows carry their HLO.
+    assert sum(bool(row["hlo"]) for row in ops) >= len(ops) // 2
+    assert "| un-sort and combine |" in table and "Device ops of the MoE layer" in table
+
+
+def test_hlo_descriptions_name_opcode_shape_kind_and_source():
+    hlo = (
+        '  %multiply_fusion.3 = bf16[8,4]{1,0} fusion(%p0), kind=kLoop, calls=%fc, '
+        'metadata={op_name="jit(step)/transpose(jvp())/mul" source_file="x.py"}\n'
+        '  ROOT %custom-call.1 = (f32[2], s32[2]) custom-call(%a), custom_call_target="TopK"\n'
+    )
+    described = bench_moe._hlo_descriptions(hlo)
+    assert described["multiply_fusion.3"] == "fusion bf16[8,4] kLoop transpose(jvp())/mul"
+    assert described["custom-call.1"] == "custom-call (f32[2], s32[2]) TopK"
 
 
 def test_split_bf16_matmul_is_float32_accurate():
