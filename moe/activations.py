@@ -79,8 +79,9 @@ def fused_glu(activation: Callable[[jax.Array, jax.Array], jax.Array], gate_up: 
     sigmoid(g), tanh(u/b2) and their products, seven [..., M] arrays) as float32 residuals; XLA
     may store those that hold transcendentals rather than recompute them in the backward (its CPU
     compile of the benchmark layer stores four). For the routed experts of that layer (131072
-    rows, M = 1024) each is 512 MiB written and read back. Here the only residual is gate_up, which the grouped matmul wrote anyway, and
-    the backward recomputes the intermediates in its elementwise pass over gate_up.
+    rows, M = 1024) each is 512 MiB written and read back. Here the only residual is gate_up,
+    which the grouped matmul wrote anyway, and the backward recomputes the intermediates in its
+    elementwise pass over gate_up.
     """
     return _fused_glu(activation, gate_up)
 
