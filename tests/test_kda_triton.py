@@ -80,24 +80,27 @@ def test_unsupported_head_sizes_are_refused():
 
 @pytest.mark.parametrize("dim", [64, 128])
 def test_kernel_launches_have_the_plain_jax_operands_shapes(dim):
-    """Outputs, grid and constants of both launches (no triton needed to build them)."""
+    """Outputs, grids and constants of the three launches (no triton needed to build them)."""
     inputs = bf16_inputs(2, 2, 200, 1, 2, dim, initial_state=True, segments=True)
     args = [inputs[name] for name in ("q", "k", "v", "g", "beta")]
     options = preparation_options(inputs, dim)
     expected = jax.eval_shape(lambda *xs: recurrence_operands(
         prepare_chunks(*xs, chunk_size=64, **options)), *args)
-    preparation = triton_path.preparation_launch(*args, **options)
-    assert preparation.kernel == "prepare_kernel" and preparation.grid == (4, 2 * 2)
-    for got, want in zip(preparation.out_shape, expected):
-        assert (got.shape, got.dtype) == (want.shape, want.dtype)
-    assert preparation.constants["T"] == 200 and preparation.constants["NUM_CHUNKS"] == 4
-    assert [x.dtype for x in preparation.inputs] == [jnp.bfloat16] * 3 + [jnp.float32] * 2 + [
+    as_spec = lambda x: (x.shape, x.dtype)  # noqa: E731
+    scores, solve = triton_path.preparation_launches(*args, **options)
+    assert (scores.kernel, solve.kernel) == ("scores_kernel", "solve_kernel")
+    assert scores.grid == solve.grid == (4, 2 * 2)
+    assert scores.constants["T"] == 200 and solve.constants["NUM_CHUNKS"] == 4
+    assert [x.dtype for x in scores.inputs] == [jnp.bfloat16] * 2 + [jnp.float32] * 2 + [
         jnp.int32]
+    # q_from_state, k_to_state^T, Aqk, chunk_decay, then N = beta Akk (bf16 like Aqk).
+    assert list(map(as_spec, scores.out_shape)) == [as_spec(expected[i]) for i in (2, 3, 4, 5, 4)]
+    assert list(map(as_spec, solve.out_shape)) == [as_spec(expected.W), as_spec(expected.U)]
 
     recurrence = triton_path.recurrence_launch(expected, inputs["initial_state"], jnp.bfloat16)
     assert recurrence.kernel == "recurrence_kernel"
     assert recurrence.grid == (dim // triton_path.BLOCK_V, 2 * 2)
-    assert [(s.shape, s.dtype) for s in recurrence.out_shape] == [
+    assert list(map(as_spec, recurrence.out_shape)) == [
         ((2, 2, 4, 64, dim), jnp.bfloat16), ((2, 2, dim, dim), jnp.float32)]
 
 

@@ -1,15 +1,15 @@
 """The Triton path for KDA (jax-triton): portable kernels for NVIDIA GPUs from Ampere on.
 
-Two Triton kernels (`kda.kernels.triton_kernels`), each replacing one half of the chunked op
+Triton kernels (`kda.kernels.triton_kernels`) for the two halves of the chunked op
 (`kda.chunked`) with the contracts of the Mosaic GPU kernels (`RecurrenceOperands`):
 
-* the chunk preparation with bounded gates (`gate_lower_bound` set), one program per (chunk of 64
-  tokens, batch row x value head): cumulative gates, the 16x16 score tiles as bf16 `tl.dot`s
-  around the causal anchor `G_first + 7.5 L`, document masks, `(I + beta Akk)^-1` by recursive
-  doubling, W and U from hi/lo bf16 splits, the state factors. With unbounded gates the
-  preparation stays in plain JAX.
-* the recurrence over chunks, one program per (64-column V tile, batch row x value head), its
-  float32 state tile `S [K, 64]` in registers, bf16 `tl.dot`s with float32 accumulation.
+* the chunk preparation with bounded gates (`gate_lower_bound` set), in two kernels of one
+  program per (chunk of 64 tokens, batch row x value head): the scores (cumulative gates, the
+  16x16 score tiles as bf16 `tl.dot`s around the causal anchor `G_first + 7.5 L`, document masks,
+  the state factors), then the UT transform (`(I + beta Akk)^-1` by recursive doubling, W and U
+  from hi/lo bf16 splits). With unbounded gates the preparation stays in plain JAX.
+* the recurrence over chunks, one program per (32-column V tile, batch row x value head), its
+  float32 state tile `S [K, 32]` in registers, bf16 `tl.dot`s with float32 accumulation.
 
 Numerics follow the Mosaic GPU kernels (`kda.kernels.mosaic_gpu_prepare` describes them). Only the
 forward is a kernel: `jax.custom_vjp`s whose backward is plain JAX, recomputed from the inputs, so
@@ -36,11 +36,16 @@ from kda.kernels.mosaic_gpu_common import OPERAND_DTYPE, RecurrenceOperands
 
 NAME = "triton"
 SUPPORTED_DIMS = (64, 128)  # K and V: powers of two (tl.arange), multiples of BLOCK_V
-BLOCK_V = 64  # state columns per recurrence program: S [K, 64] float32 in registers
-# Warps per program: the preparation holds several [64, K] float32 tiles at once.
+# State columns per recurrence program: S [K, 32] float32 in registers. With 64 columns the
+# kernel spills registers at K = 128 (ptxas, sm_80 and sm_90, even with 8 warps); with 32 it does
+# not, and the grid has twice the programs.
+BLOCK_V = 32
+RECURRENCE_WARPS = {64: 4, 128: 8}  # by K
+RECURRENCE_STAGES = 2  # the loads of chunk n + 1 overlap the math of chunk n
+# The preparation holds several [64, 64] float32 tiles at once; with fewer warps, or with its
+# column-block loops software-pipelined, it spills more registers (ptxas, sm_80 and sm_90).
 PREPARE_WARPS = 8
-RECURRENCE_WARPS = 4
-PIPELINE_STAGES = 2  # the recurrence's loads of chunk n + 1 overlap the math of chunk n
+PREPARE_STAGES = 1
 
 
 class KernelLaunch(NamedTuple):
@@ -51,6 +56,7 @@ class KernelLaunch(NamedTuple):
     out_shape: tuple  # jax.ShapeDtypeStruct per output
     grid: tuple
     num_warps: int
+    num_stages: int  # software-pipelining depth of the kernel's loops
     constants: dict  # the kernel's constexpr parameters
 
 
@@ -62,12 +68,13 @@ def launch(call: KernelLaunch):
 
     return jax_triton.triton_call(
         *call.inputs, kernel=getattr(triton_kernels, call.kernel), out_shape=call.out_shape,
-        grid=call.grid, num_warps=call.num_warps, num_stages=PIPELINE_STAGES, **call.constants)
+        grid=call.grid, num_warps=call.num_warps, num_stages=call.num_stages,
+        **call.constants)
 
 
-def preparation_launch(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm,
-                       gate_lower_bound) -> KernelLaunch:
-    """The preparation kernel's call for `kda.chunked.prepare_chunks` (chunk 64, bounded gates).
+def preparation_launches(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm,
+                         gate_lower_bound):
+    """The preparation kernels' calls for `kda.chunked.prepare_chunks` (chunk 64, bounded gates).
 
     Args:
       q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K], every g >= gate_lower_bound;
@@ -75,32 +82,46 @@ def preparation_launch(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm,
       scale, segment_ids, use_qk_l2norm: as in `kda.chunked.chunk_kda`.
       gate_lower_bound: L in [-5, 0).
     Returns:
-      A `KernelLaunch` whose outputs are the fields of `RecurrenceOperands` [B, HV, N, ...].
+      (scores, solve): `scores` outputs q_from_state, k_to_state^T, Aqk, chunk_decay and
+      N = beta Akk; `solve` outputs W and U, and is missing N, its last input (`solve_launch`).
     """
     batch, length, num_value_heads, value_dim = v.shape
     num_heads, key_dim = q.shape[2:]
     num_chunks = -(-length // CHUNK_SIZE)
     if segment_ids is None:  # one document: every token has the same id
         segment_ids = jnp.zeros((batch, length), jnp.int32)
+    q, k, v = (x.astype(OPERAND_DTYPE) for x in (q, k, v))
+    g, beta, segment_ids = g.astype(jnp.float32), beta.astype(jnp.float32), segment_ids.astype(
+        jnp.int32)
     chunked = lambda *tail: (batch, num_value_heads, num_chunks, *tail)  # noqa: E731
-    return KernelLaunch(
-        kernel="prepare_kernel",
-        inputs=(q.astype(OPERAND_DTYPE), k.astype(OPERAND_DTYPE), v.astype(OPERAND_DTYPE),
-                g.astype(jnp.float32), beta.astype(jnp.float32), segment_ids.astype(jnp.int32)),
-        out_shape=RecurrenceOperands(
-            W=jax.ShapeDtypeStruct(chunked(CHUNK_SIZE, key_dim), OPERAND_DTYPE),
-            U=jax.ShapeDtypeStruct(chunked(CHUNK_SIZE, value_dim), jnp.float32),
-            q_from_state=jax.ShapeDtypeStruct(chunked(CHUNK_SIZE, key_dim), OPERAND_DTYPE),
-            k_to_state_t=jax.ShapeDtypeStruct(chunked(key_dim, CHUNK_SIZE), OPERAND_DTYPE),
-            Aqk=jax.ShapeDtypeStruct(chunked(CHUNK_SIZE, CHUNK_SIZE), OPERAND_DTYPE),
-            chunk_decay=jax.ShapeDtypeStruct(chunked(key_dim), jnp.float32)),
-        grid=(num_chunks, batch * num_value_heads),
+    grid = (num_chunks, batch * num_value_heads)
+    shapes = {"T": length, "H": num_heads, "HV": num_value_heads, "K": key_dim,
+              "NUM_CHUNKS": num_chunks, "CHUNK": CHUNK_SIZE}
+    scores = KernelLaunch(
+        kernel="scores_kernel",
+        inputs=(q, k, g, beta, segment_ids),
+        out_shape=(jax.ShapeDtypeStruct(chunked(CHUNK_SIZE, key_dim), OPERAND_DTYPE),
+                   jax.ShapeDtypeStruct(chunked(key_dim, CHUNK_SIZE), OPERAND_DTYPE),
+                   jax.ShapeDtypeStruct(chunked(CHUNK_SIZE, CHUNK_SIZE), OPERAND_DTYPE),
+                   jax.ShapeDtypeStruct(chunked(key_dim), jnp.float32),
+                   jax.ShapeDtypeStruct(chunked(CHUNK_SIZE, CHUNK_SIZE), OPERAND_DTYPE)),
+        grid=grid,
         num_warps=PREPARE_WARPS,
-        constants=dict(T=length, H=num_heads, HV=num_value_heads, K=key_dim, V=value_dim,
-                       NUM_CHUNKS=num_chunks, CHUNK=CHUNK_SIZE, TILE=TILE_SIZE,
-                       SCALE=float(scale), LOWER_BOUND=float(gate_lower_bound),
-                       USE_QK_L2NORM=bool(use_qk_l2norm)),
+        num_stages=PREPARE_STAGES,
+        constants={**shapes, "TILE": TILE_SIZE, "SCALE": float(scale),
+                   "LOWER_BOUND": float(gate_lower_bound), "USE_QK_L2NORM": bool(use_qk_l2norm)},
     )
+    solve = KernelLaunch(
+        kernel="solve_kernel",
+        inputs=(k, v, g, beta, segment_ids),
+        out_shape=(jax.ShapeDtypeStruct(chunked(CHUNK_SIZE, key_dim), OPERAND_DTYPE),
+                   jax.ShapeDtypeStruct(chunked(CHUNK_SIZE, value_dim), jnp.float32)),
+        grid=grid,
+        num_warps=PREPARE_WARPS,
+        num_stages=PREPARE_STAGES,
+        constants={**shapes, "V": value_dim, "USE_QK_L2NORM": bool(use_qk_l2norm)},
+    )
+    return scores, solve
 
 
 def recurrence_launch(operands: RecurrenceOperands, initial_state, out_dtype) -> KernelLaunch:
@@ -114,15 +135,20 @@ def recurrence_launch(operands: RecurrenceOperands, initial_state, out_dtype) ->
         out_shape=(jax.ShapeDtypeStruct((batch, heads, num_chunks, chunk, value_dim), out_dtype),
                    jax.ShapeDtypeStruct((batch, heads, key_dim, value_dim), jnp.float32)),
         grid=(value_dim // BLOCK_V, batch * heads),
-        num_warps=RECURRENCE_WARPS,
+        num_warps=RECURRENCE_WARPS[key_dim],
+        num_stages=RECURRENCE_STAGES,
         constants=dict(NUM_CHUNKS=num_chunks, CHUNK=chunk, K=key_dim, V=value_dim,
                        BLOCK_V=BLOCK_V),
     )
 
 
 def prepare_chunks_kernel(q, k, v, g, beta, **options) -> RecurrenceOperands:
-    """`kda.chunked.prepare_chunks` by the Triton kernel; arguments as `preparation_launch`."""
-    return RecurrenceOperands(*launch(preparation_launch(q, k, v, g, beta, **options)))
+    """`kda.chunked.prepare_chunks` by the Triton kernels; arguments as `preparation_launches`."""
+    scores, solve = preparation_launches(q, k, v, g, beta, **options)
+    q_from_state, k_to_state_t, aqk, chunk_decay, unit_lower = launch(scores)
+    w, u = launch(solve._replace(inputs=(*solve.inputs, unit_lower)))
+    return RecurrenceOperands(W=w, U=u, q_from_state=q_from_state, k_to_state_t=k_to_state_t,
+                              Aqk=aqk, chunk_decay=chunk_decay)
 
 
 def run_recurrence(operands: RecurrenceOperands, initial_state, out_dtype):

@@ -12,15 +12,20 @@ import triton.language as tl
 from kda import common
 
 L2_NORM_EPS = tl.constexpr(common.L2_NORM_EPS)
+COLUMN_BLOCK = tl.constexpr(64)  # columns of W and U computed at once (K and V are 64 or 128)
 
 
 @triton.jit
-def _split_dot(a, b):
-    """`a @ b` for float32 a [M, N], b [N, P] from bf16 hi/lo parts of both (lo @ lo dropped)."""
-    a_hi = a.to(tl.bfloat16)
-    a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
-    b_hi = b.to(tl.bfloat16)
-    b_lo = (b - b_hi.to(tl.float32)).to(tl.bfloat16)
+def _split(x):
+    """float32 x -> (hi, lo) bf16 with hi + lo = x to about 16 mantissa bits."""
+    hi = x.to(tl.bfloat16)
+    return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _split_dot(a_hi, a_lo, b):
+    """`a @ b` from a's bf16 parts and float32 b's (the lo @ lo product is negligible)."""
+    b_hi, b_lo = _split(b)
     product = tl.dot(a_hi, b_hi)
     product = tl.dot(a_hi, b_lo, product)
     return tl.dot(a_lo, b_hi, product)
@@ -33,92 +38,142 @@ def _row(matrix, rows, index):
 
 
 @triton.jit
-def prepare_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, segment_ptr,
-                   w_ptr, u_ptr, q_state_ptr, k_state_t_ptr, aqk_ptr, decay_ptr,
-                   T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                   V: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
-                   TILE: tl.constexpr, SCALE: tl.constexpr, LOWER_BOUND: tl.constexpr,
-                   USE_QK_L2NORM: tl.constexpr):
-    """One (chunk, batch row x value head) program of `kda.chunked.prepare_chunks`, bounded gates.
+def _load_rows(ptr, offsets, valid):
+    """float32 rows [C, N] at `offsets`, zero past T."""
+    return tl.load(ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
 
-    Inputs: q, k [B, T, H, K] and v [B, T, HV, V] (bf16), g [B, T, HV, K] and beta [B, T, HV]
-    (float32), segment ids [B, T] (int32; all equal when there are no documents). Tokens past T
-    read as zeros, as the plain-JAX padding. Outputs, [B, HV, N, ...]: W [C, K] bf16, U [C, V]
-    float32, q_from_state [C, K] bf16, k_to_state transposed [K, C] bf16, Aqk [C, C] bf16 and
-    chunk_decay [K] float32 (`kda.kernels.mosaic_gpu_common.RecurrenceOperands`).
+
+@triton.jit
+def _inverse_norms(ptr, row_offsets, valid, K: tl.constexpr, USE_QK_L2NORM: tl.constexpr):
+    """[C]: the factors that L2-normalise the rows [C, K] at `row_offsets` (1 without the norm),
+    read by 64-column blocks."""
+    if not USE_QK_L2NORM:
+        return tl.full(valid.shape, 1.0, tl.float32)
+    square_norm = tl.zeros(valid.shape, tl.float32)
+    for block in tl.static_range(K // COLUMN_BLOCK):
+        columns = block * COLUMN_BLOCK + tl.arange(0, COLUMN_BLOCK)
+        x = _load_rows(ptr, row_offsets[:, None] + columns[None, :], valid)
+        square_norm += tl.sum(x * x, 1)
+    return tl.math.rsqrt(square_norm + L2_NORM_EPS)
+
+
+@triton.jit
+def _documents(segment_ptr, token_index, tokens, valid):
+    """[C] int32: documents started inside this chunk up to each token (0: the one live at its
+    start), from the segment ids [B, T]; tokens past T start none."""
+    segment = tl.load(segment_ptr + token_index, mask=valid, other=0)
+    previous = tl.load(segment_ptr + token_index - 1, mask=valid & (tokens > 0), other=0)
+    return tl.cumsum(((segment != previous) & valid & (tokens > 0)).to(tl.int32), 0)
+
+
+# The two preparation kernels run one program per (chunk, batch row x value head) on the same
+# inputs: q, k [B, T, H, K] and v [B, T, HV, V] in bf16, g [B, T, HV, K] and beta [B, T, HV] in
+# float32, segment ids [B, T] int32 (all equal when there are no documents). Tokens past T read as
+# zeros, as the plain-JAX padding. Outputs are [B, HV, N, ...]. Two kernels rather than one: the
+# scores and the inverse each fill the registers, and together they spilled (ptxas, sm_80/90).
+
+
+@triton.jit
+def scores_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, segment_ptr,
+                  q_state_ptr, k_state_t_ptr, aqk_ptr, decay_ptr, unit_lower_ptr,
+                  T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                  NUM_CHUNKS: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr,
+                  SCALE: tl.constexpr, LOWER_BOUND: tl.constexpr, USE_QK_L2NORM: tl.constexpr):
+    """The chunk's scores and state factors (bounded gates), the first half of `prepare_chunks`.
+
+    Outputs: q_from_state [C, K] bf16, k_to_state transposed [K, C] bf16, Aqk [C, C] bf16,
+    chunk_decay [K] float32, and N = beta Akk [C, C] bf16 (strictly lower) for `solve_kernel`.
     """
     chunk = tl.program_id(0)
     batch_head = tl.program_id(1)
     batch = batch_head // HV
     head = batch_head % HV
     rows = tl.arange(0, CHUNK)
-    keys = tl.arange(0, K)
-    values = tl.arange(0, V)
     tokens = chunk * CHUNK + rows
     valid = tokens < T
     token_index = batch.to(tl.int64) * T + tokens  # into [B, T]
     head_token = token_index * HV + head  # into [B, T, HV]
-
-    # Documents started inside this chunk up to each token: 0 = the document live at its start.
-    segment = tl.load(segment_ptr + token_index, mask=valid, other=0)
-    previous = tl.load(segment_ptr + token_index - 1, mask=valid & (tokens > 0), other=0)
-    document = tl.cumsum(((segment != previous) & valid & (tokens > 0)).to(tl.int32), 0)
+    document = _documents(segment_ptr, token_index, tokens, valid)
     last_document = tl.max(document, 0)
+
+    out_chunk = batch_head.to(tl.int64) * NUM_CHUNKS + chunk  # into [B, HV, N]
+    qk_rows = (token_index * H + head // (HV // H)) * K  # grouped heads share q and k
+    q_scale = _inverse_norms(q_ptr, qk_rows, valid, K, USE_QK_L2NORM) * SCALE
+    k_scale = _inverse_norms(k_ptr, qk_rows, valid, K, USE_QK_L2NORM)
+
+    # By 64-column blocks of K (every step is per column but the score products, which sum the
+    # blocks' contributions), so that a block's [C, 64] tiles fit in registers.
     reads_state = (document == 0)[:, None]
     writes_state = (document == last_document)[:, None]
-
-    g = tl.load(g_ptr + head_token[:, None] * K + keys[None, :], mask=valid[:, None], other=0.0)
-    G = tl.cumsum(g, 0)  # [C, K] chunk-local cumulative log-decay
-    last_G = _row(G, rows, CHUNK - 1)
-    out_chunk = batch_head.to(tl.int64) * NUM_CHUNKS + chunk  # into [B, HV, N]
-    tl.store(decay_ptr + out_chunk * K + keys, tl.where(last_document == 0, tl.exp(last_G), 0.0))
-
-    # Each 16-row tile i is anchored at b_i = G[16 i] + 7.5 L (kda/chunked.py, bounded gates).
-    anchor_shift = 0.5 * (TILE - 1) * LOWER_BOUND
     row_tile = rows // TILE
-    row_anchor = tl.zeros([CHUNK, K], tl.float32)
-    for i in tl.static_range(CHUNK // TILE):
-        anchor = _row(G, rows, TILE * i) + anchor_shift
-        row_anchor = tl.where((row_tile == i)[:, None], anchor[None, :], row_anchor)
-    row_factor = tl.exp(G - row_anchor)  # exponents within [7.5 L, -7.5 L]
-
-    qk_head = head // (HV // H)  # grouped value heads share a q/k head
-    qk_offsets = (token_index * H + qk_head)[:, None] * K + keys[None, :]
-    q = tl.load(q_ptr + qk_offsets, mask=valid[:, None], other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + qk_offsets, mask=valid[:, None], other=0.0).to(tl.float32)
-    if USE_QK_L2NORM:
-        q = q * tl.math.rsqrt(tl.sum(q * q, 1) + L2_NORM_EPS)[:, None]
-        k = k * tl.math.rsqrt(tl.sum(k * k, 1) + L2_NORM_EPS)[:, None]
-    q = q * SCALE
-    decay_from_start = tl.where(reads_state, tl.exp(G), 0.0)
-    chunk_keys = out_chunk * CHUNK * K + rows[:, None] * K + keys[None, :]  # into [B, HV, N, C, K]
-    tl.store(q_state_ptr + chunk_keys, (q * decay_from_start).to(tl.bfloat16))
-    k_to_state = k * tl.where(writes_state, tl.exp(last_G[None, :] - G), 0.0)
-    tl.store(k_state_t_ptr + out_chunk * K * CHUNK + keys[None, :] * CHUNK + rows[:, None],
-             k_to_state.to(tl.bfloat16))
-
-    # Scores: row tile i times the columns s < 16 (i + 1) scaled by exp(b_i - G_s). Each product
-    # runs over all C rows with the other tiles' rows zeroed: 4x the useful work of the score
-    # tiles, but registers cannot be sliced into 16-row tiles.
-    q_rows = (q * row_factor).to(tl.bfloat16)
-    k_rows = (k * row_factor).to(tl.bfloat16)
+    anchor_shift = 0.5 * (TILE - 1) * LOWER_BOUND
     qk = tl.zeros([CHUNK, CHUNK], tl.float32)
     kk = tl.zeros([CHUNK, CHUNK], tl.float32)
-    for i in tl.static_range(CHUNK // TILE):
-        anchor = _row(G, rows, TILE * i) + anchor_shift
-        # Later columns get exp(-inf) = 0: their exponents could overflow.
-        exponent = tl.where(rows[:, None] < TILE * (i + 1), anchor[None, :] - G, -float("inf"))
-        columns = tl.trans((k * tl.exp(exponent)).to(tl.bfloat16))  # [K, C]
-        in_tile = (row_tile == i)[:, None]
-        qk = tl.dot(tl.where(in_tile, q_rows, 0.0).to(tl.bfloat16), columns, qk)
-        kk = tl.dot(tl.where(in_tile, k_rows, 0.0).to(tl.bfloat16), columns, kk)
+    for block in range(K // COLUMN_BLOCK):  # a loop, not unrolled: one block live at a time
+        columns = block * COLUMN_BLOCK + tl.arange(0, COLUMN_BLOCK)
+        G = tl.cumsum(_load_rows(g_ptr, head_token[:, None] * K + columns[None, :], valid), 0)
+        last_G = _row(G, rows, CHUNK - 1)
+        tl.store(decay_ptr + out_chunk * K + columns,
+                 tl.where(last_document == 0, tl.exp(last_G), 0.0))
+        q = _load_rows(q_ptr, qk_rows[:, None] + columns[None, :], valid) * q_scale[:, None]
+        tl.store(q_state_ptr + out_chunk * CHUNK * K + rows[:, None] * K + columns[None, :],
+                 (q * tl.where(reads_state, tl.exp(G), 0.0)).to(tl.bfloat16))
+        k = _load_rows(k_ptr, qk_rows[:, None] + columns[None, :], valid) * k_scale[:, None]
+        k_to_state = k * tl.where(writes_state, tl.exp(last_G[None, :] - G), 0.0)
+        tl.store(k_state_t_ptr + out_chunk * K * CHUNK + columns[None, :] * CHUNK + rows[:, None],
+                 k_to_state.to(tl.bfloat16))
+
+        # Each 16-row tile i is anchored at b_i = G[16 i] + 7.5 L (kda/chunked.py, bounded
+        # gates): rows scaled by exp(G_r - b_i), exponents within [7.5 L, -7.5 L].
+        row_anchor = tl.zeros([CHUNK, COLUMN_BLOCK], tl.float32)
+        for i in tl.static_range(CHUNK // TILE):
+            anchor = _row(G, rows, TILE * i) + anchor_shift
+            row_anchor = tl.where((row_tile == i)[:, None], anchor[None, :], row_anchor)
+        row_factor = tl.exp(G - row_anchor)
+        q_rows = (q * row_factor).to(tl.bfloat16)
+        k_rows = (k * row_factor).to(tl.bfloat16)
+        # Row tile i times the columns s < 16 (i + 1) scaled by exp(b_i - G_s). Each product runs
+        # over all C rows with the other tiles' rows zeroed: 4x the useful work of the score
+        # tiles, but registers cannot be sliced into 16-row tiles.
+        for i in tl.static_range(CHUNK // TILE):
+            anchor = _row(G, rows, TILE * i) + anchor_shift
+            # Later columns get exp(-inf) = 0: their exponents could overflow.
+            exponent = tl.where(rows[:, None] < TILE * (i + 1), anchor[None, :] - G,
+                                -float("inf"))
+            scaled_columns = tl.trans((k * tl.exp(exponent)).to(tl.bfloat16))  # [64, C]
+            in_tile = (row_tile == i)[:, None]
+            qk = tl.dot(tl.where(in_tile, q_rows, 0.0).to(tl.bfloat16), scaled_columns, qk)
+            kk = tl.dot(tl.where(in_tile, k_rows, 0.0).to(tl.bfloat16), scaled_columns, kk)
 
     same_document = document[:, None] == document[None, :]
-    aqk = tl.where((rows[None, :] <= rows[:, None]) & same_document, qk, 0.0)
     chunk_scores = out_chunk * CHUNK * CHUNK + rows[:, None] * CHUNK + rows[None, :]
+    aqk = tl.where((rows[None, :] <= rows[:, None]) & same_document, qk, 0.0)
     tl.store(aqk_ptr + chunk_scores, aqk.to(tl.bfloat16))
     beta = tl.load(beta_ptr + head_token, mask=valid, other=0.0)
-    N = tl.where((rows[None, :] < rows[:, None]) & same_document, kk * beta[:, None], 0.0)
+    unit_lower = tl.where((rows[None, :] < rows[:, None]) & same_document, kk * beta[:, None], 0.0)
+    tl.store(unit_lower_ptr + chunk_scores, unit_lower.to(tl.bfloat16))
+
+
+@triton.jit
+def solve_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, segment_ptr, unit_lower_ptr,
+                 w_ptr, u_ptr,
+                 T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                 V: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
+                 USE_QK_L2NORM: tl.constexpr):
+    """The UT transform, the second half of `prepare_chunks`: with N from `scores_kernel`,
+    W = (I + N)^-1 (beta k exp(G)) [C, K] bf16 and U = (I + N)^-1 (beta v) [C, V] float32."""
+    chunk = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    batch = batch_head // HV
+    head = batch_head % HV
+    rows = tl.arange(0, CHUNK)
+    tokens = chunk * CHUNK + rows
+    valid = tokens < T
+    token_index = batch.to(tl.int64) * T + tokens  # into [B, T]
+    head_token = token_index * HV + head  # into [B, T, HV]
+    out_chunk = batch_head.to(tl.int64) * NUM_CHUNKS + chunk  # into [B, HV, N]
+    N = tl.load(unit_lower_ptr + out_chunk * CHUNK * CHUNK + rows[:, None] * CHUNK
+                + rows[None, :]).to(tl.float32)
 
     # (I + N)^-1 by recursive doubling: with X the inverse of the b-block diagonal part,
     # X <- X - X C X, where C holds N's entries linking neighbouring b-blocks of a 2b-block.
@@ -132,14 +187,27 @@ def prepare_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, segment_ptr,
         product = tl.dot(inverse_operand, link).to(tl.bfloat16)
         inverse = inverse - tl.dot(product, inverse_operand)
 
-    # W = (I + N)^-1 (beta k exp(G)), U = (I + N)^-1 (beta v): hi/lo splits, since U is read in
-    # float32 and W is rounded only once.
-    w = _split_dot(inverse, k * decay_from_start * beta[:, None])
-    tl.store(w_ptr + chunk_keys, w.to(tl.bfloat16))
-    v = tl.load(v_ptr + head_token[:, None] * V + values[None, :], mask=valid[:, None],
-                other=0.0).to(tl.float32)
-    u = _split_dot(inverse, v * beta[:, None])
-    tl.store(u_ptr + out_chunk * CHUNK * V + rows[:, None] * V + values[None, :], u)
+    # hi/lo splits of both factors, since U is read in float32 and W is rounded only once. By
+    # 64-column blocks, so that a block's [C, 64] tiles fit in registers.
+    inverse_hi, inverse_lo = _split(inverse)
+    beta = tl.load(beta_ptr + head_token, mask=valid, other=0.0)
+    reads_state = (_documents(segment_ptr, token_index, tokens, valid) == 0)[:, None]
+    key_rows = (token_index * H + head // (HV // H)) * K  # grouped heads share k
+    key_factor = beta * _inverse_norms(k_ptr, key_rows, valid, K, USE_QK_L2NORM)
+    for block in range(K // COLUMN_BLOCK):
+        columns = block * COLUMN_BLOCK + tl.arange(0, COLUMN_BLOCK)
+        # (A loop, not unrolled: one block live at a time.) G again as the cumulative sum of g:
+        # per column, the same sums as in `scores_kernel`.
+        G = tl.cumsum(_load_rows(g_ptr, head_token[:, None] * K + columns[None, :], valid), 0)
+        rhs = (_load_rows(k_ptr, key_rows[:, None] + columns[None, :], valid)
+               * tl.where(reads_state, tl.exp(G), 0.0) * key_factor[:, None])
+        tl.store(w_ptr + out_chunk * CHUNK * K + rows[:, None] * K + columns[None, :],
+                 _split_dot(inverse_hi, inverse_lo, rhs).to(tl.bfloat16))
+    for block in range(V // COLUMN_BLOCK):
+        columns = block * COLUMN_BLOCK + tl.arange(0, COLUMN_BLOCK)
+        v_block = _load_rows(v_ptr, head_token[:, None] * V + columns[None, :], valid)
+        tl.store(u_ptr + out_chunk * CHUNK * V + rows[:, None] * V + columns[None, :],
+                 _split_dot(inverse_hi, inverse_lo, v_block * beta[:, None]))
 
 
 @triton.jit
