@@ -27,7 +27,8 @@ import numpy as np
 import kda
 from kda.chunked import CHUNK_SIZE, chunk_recurrence, prepare_chunks
 from kda.kernels import triton as triton_path
-from kda.kernels.mosaic_gpu import kernel_recurrence, recurrence_operands
+from kda.kernels.mosaic_gpu import kernel_recurrence
+from kda.kernels.mosaic_gpu_common import recurrence_operands
 from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
 from kda.kernels.sequence_parallel import choose_num_segments, sequence_parallel_recurrence
 

@@ -23,6 +23,7 @@ import kda.api
 from kda.chunked import prepare_chunks
 from kda.common import l2_normalize
 from kda.kernels import mosaic_gpu
+from kda.kernels.mosaic_gpu_common import recurrence_operands
 from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
 from kda_inputs import make_inputs, relative_error
 from test_kda_ops import BF16_TOLERANCE, _loss_and_grads, run
@@ -94,7 +95,7 @@ def assert_preparation_matches_plain_jax(inputs, dim):
     """Every operand the recurrence kernel reads, from the kernel and from `prepare_chunks`."""
     args = [inputs[name] for name in ("q", "k", "v", "g", "beta")]
     options = preparation_options(inputs, dim)
-    expected = mosaic_gpu.recurrence_operands(prepare_chunks(*args, chunk_size=64, **options))
+    expected = recurrence_operands(prepare_chunks(*args, chunk_size=64, **options))
     actual = jax.jit(lambda *xs: prepare_chunks_kernel(*xs, **options))(*args)
     for name, got, want in zip(expected._fields, actual, expected):
         assert got.shape == want.shape and got.dtype == want.dtype, name

@@ -15,6 +15,8 @@ import pytest
 from kda.chunked import CHUNK_SIZE, ChunkedInputs, chunk_recurrence, prepare_chunks
 from kda.kernels import mosaic_gpu
 from kda.kernels.mosaic_gpu_backward import run_reversed_recurrence
+from kda.kernels.mosaic_gpu_common import recurrence_operands
+from kda.kernels.mosaic_gpu_recurrence import run_recurrence
 from kda_inputs import relative_error
 from test_kda_kernels import (  # noqa: F401 (kernel_on_any_backend: a fixture, used by name)
     HOPPER, bf16_inputs, interpreted_on_simulated_hopper, kernel_on_any_backend)
@@ -80,10 +82,10 @@ def plain_state_cotangents(chunks, initial_state, cotangents):
 def test_interpreted_forward_saves_what_it_used(length, value_heads, segments):
     chunks, initial_state, _ = prepared_chunks(0, 1, length, 1, value_heads, 64,
                                                segments=segments)
-    operands = mosaic_gpu.recurrence_operands(chunks)
+    operands = recurrence_operands(chunks)
     with interpreted_on_simulated_hopper():
-        o, final_state = mosaic_gpu.run_recurrence(operands, initial_state, jnp.bfloat16)
-        o_saving, final_state_saving, (states, v_new) = mosaic_gpu.run_recurrence(
+        o, final_state = run_recurrence(operands, initial_state, jnp.bfloat16)
+        o_saving, final_state_saving, (states, v_new) = run_recurrence(
             operands, initial_state, jnp.bfloat16, save_for_backward=True)
     np.testing.assert_array_equal(o_saving, o)
     np.testing.assert_array_equal(final_state_saving, final_state)
@@ -107,7 +109,7 @@ def test_interpreted_reversed_kernel_matches_plain_jax():
     d_chunks, d_initial_state = jitted_vjp(plain_recurrence)(chunks, initial_state, cotangents)
     with interpreted_on_simulated_hopper():
         d_states, d_v_new, d_initial = run_reversed_recurrence(
-            mosaic_gpu.recurrence_operands(chunks)._replace(U=None), *cotangents)
+            recurrence_operands(chunks)._replace(U=None), *cotangents)
     assert d_states.dtype == jnp.bfloat16
     assert d_v_new.dtype == d_initial.dtype == jnp.float32
     expected_d_states = plain_state_cotangents(chunks, initial_state, cotangents)

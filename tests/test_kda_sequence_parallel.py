@@ -22,8 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kda.chunked import CHUNK_SIZE, chunk_recurrence, prepare_chunks
-from kda.kernels import mosaic_gpu
-from kda.kernels.mosaic_gpu_common import RecurrenceOperands
+from kda.kernels.mosaic_gpu_common import RecurrenceOperands, recurrence_operands
 from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
 from kda.kernels.sequence_parallel import (choose_num_segments, combine_segments,
                                            recurrence_in_segments, sequence_parallel_recurrence,
@@ -168,7 +167,7 @@ def test_segments_are_chosen_where_they_cut_the_sequential_steps(batch_heads, nu
 
 def test_segment_counts_outside_one_to_n_are_refused():
     chunks, state = slow_gate_chunks(False)
-    operands = mosaic_gpu.recurrence_operands(first_chunks(chunks, 2))
+    operands = recurrence_operands(first_chunks(chunks, 2))
     for num_segments in (0, 3):
         with pytest.raises(ValueError, match=r"num_segments must be between 1 and the number of "
                                              r"chunks N = 2, got"):
@@ -207,7 +206,7 @@ def test_interpreted_kernel_on_segments_matches_one_segment_and_plain_jax(
     inputs = slow_gate_inputs(4, num_chunks * CHUNK_SIZE - 5, 2, 64, 64, dtype=jnp.bfloat16,
                               initial_state=True, segments=segments)
     chunks, state = chunks_of(inputs)
-    operands = mosaic_gpu.recurrence_operands(chunks)
+    operands = recurrence_operands(chunks)
     o_plain, state_plain = chunk_recurrence(chunks, state, jnp.bfloat16)
 
     def kernel(p):

@@ -1,11 +1,15 @@
 """GPU kernels for KDA. Importing a kernel module registers it with `kda.api` for `impl="auto"`.
 
-* `kda.kernels.mosaic_gpu`: Pallas Mosaic GPU (Hopper) forward of the recurrence over chunks, and
-  the `impl="mosaic_gpu"` path (registered) that runs it, after the preparation kernel when the
-  gates are bounded.
-* `kda.kernels.mosaic_gpu_prepare`: Pallas Mosaic GPU (Hopper) forward of the chunk preparation
-  with bounded gates (scores, masks, UT transform), writing the recurrence kernel's operands.
-* `kda.kernels.mosaic_gpu_common`: what the two share (SMEM layouts, `RecurrenceOperands`).
+* `kda.kernels.mosaic_gpu`: the `impl="mosaic_gpu"` path (registered): the Pallas Mosaic GPU
+  (Hopper) kernels below composed under `jax.custom_vjp`s.
+* `kda.kernels.mosaic_gpu_prepare`: forward of the chunk preparation with bounded gates (scores,
+  masks, UT transform), writing the recurrence kernel's operands.
+* `kda.kernels.mosaic_gpu_recurrence`: forward of the recurrence over chunks.
+* `kda.kernels.sequence_parallel`: the recurrence over segments of the sequence side by side,
+  combined exactly, for few long sequences.
+* `kda.kernels.mosaic_gpu_backward`: the reversed recurrence (backward of the recurrence).
+* `kda.kernels.mosaic_gpu_prepare_backward`: backward of the chunk preparation.
+* `kda.kernels.mosaic_gpu_common`: what they share (SMEM layouts, `RecurrenceOperands`).
 * `kda.kernels.triton`: the same two kernels in Triton through jax-triton (NVIDIA GPUs from Ampere
   on; `kda.kernels.triton_kernels` holds the kernels), the `impl="triton"` path (registered behind
   `mosaic_gpu`).

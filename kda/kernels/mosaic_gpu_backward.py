@@ -31,7 +31,7 @@ batched matmuls over all chunks at once (`recurrence_cotangents`):
     dKt = V_new dS_{n+1}^T,  dD = sum over V of S_n * dS_{n+1}
 
 with S_n and V_new_n the bf16 operands the forward kernel used (`RecurrenceResiduals`, written by
-`kda.kernels.mosaic_gpu.run_recurrence(..., save_for_backward=True)`).
+`kda.kernels.mosaic_gpu_recurrence.run_recurrence(..., save_for_backward=True)`).
 
 Numerics: matmul operands bf16 (dO, dS and -dV_new rounded when written to SMEM), accumulation
 and the carried dS float32, D read in float32.

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kda.chunked import ChunkedInputs
+
 OPERAND_DTYPE = jnp.bfloat16  # every wgmma operand; accumulators are float32
 
 
@@ -24,7 +26,7 @@ def swizzled_smem(shape, dtype):
 class RecurrenceOperands(NamedTuple):
     """`kda.chunked.ChunkedInputs` as the recurrence kernel reads them (bf16 matmul operands).
 
-    Produced from `ChunkedInputs` by `kda.kernels.mosaic_gpu.recurrence_operands`, or directly by
+    Produced from `ChunkedInputs` by `recurrence_operands`, or directly by
     the preparation kernel (`kda.kernels.mosaic_gpu_prepare`).
     """
 
@@ -34,3 +36,13 @@ class RecurrenceOperands(NamedTuple):
     k_to_state_t: jax.Array  # bf16 [B, HV, N, K, C]   k_to_state transposed: the wgmma lhs
     Aqk: jax.Array  # bf16 [B, HV, N, C, C]
     chunk_decay: jax.Array  # float32 [B, HV, N, K]
+
+
+def recurrence_operands(chunks: ChunkedInputs) -> RecurrenceOperands:
+    """The kernel's operands from the plain-JAX preparation: bf16 matmul operands, k transposed."""
+    as_operand = lambda x: x.astype(OPERAND_DTYPE)  # noqa: E731
+    return RecurrenceOperands(
+        W=as_operand(chunks.W), U=chunks.U.astype(jnp.float32),
+        q_from_state=as_operand(chunks.q_from_state),
+        k_to_state_t=as_operand(jnp.swapaxes(chunks.k_to_state, -1, -2)),
+        Aqk=as_operand(chunks.Aqk), chunk_decay=chunks.chunk_decay.astype(jnp.float32))

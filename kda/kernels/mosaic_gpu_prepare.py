@@ -1,7 +1,7 @@
 """A Pallas Mosaic GPU kernel (Hopper) for KDA's chunk preparation with bounded gates.
 
 It replaces `kda.chunked.prepare_chunks` when `gate_lower_bound = L` is set and writes what the
-recurrence kernel (`kda.kernels.mosaic_gpu`) reads: W, U, q_from_state, k_to_state^T, chunk_decay
+recurrence kernel (`kda.kernels.mosaic_gpu_recurrence`) reads: W, U, q_from_state, k_to_state^T, chunk_decay
 and Aqk (`RecurrenceOperands`). One program per (batch row, value head, chunk of C = 64 tokens)
 reads the chunk's q, k (its q/k head: grouped value heads), v, g, beta and document index by TMA
 and, in one warpgroup, computes with wgmma (bf16 operands, float32 accumulators):
@@ -34,8 +34,8 @@ and 128), against fla's bars of 5e-3.
 Shared memory: 201 KiB a program at K = V = 128 and 121 KiB at 64, so one program per SM; its
 TMA loads and stores do not overlap another program's math (a persistent, pipelined grid would).
 
-Only the forward is a kernel: `kda.kernels.mosaic_gpu` wraps it in a `jax.custom_vjp` whose
-backward is the VJP of the plain-JAX chunked op.
+Its backward is `kda.kernels.mosaic_gpu_prepare_backward`; `kda.kernels.mosaic_gpu` composes the two
+under a `jax.custom_vjp`.
 """
 
 import functools

@@ -1,6 +1,6 @@
 """Sequence parallelism for KDA's recurrence over chunks: every SM busy on a few long sequences.
 
-The recurrence kernel (`kda.kernels.mosaic_gpu`) runs one program per (batch row, value head,
+The recurrence kernel (`kda.kernels.mosaic_gpu_recurrence`) runs one program per (batch row, value head,
 64-column V tile), each walking all N chunks in order, one program per SM. At B * HV = 16 and
 V = 128 that is 32 programs on an H200's 132 SMs. Here the N chunks are cut into P segments of
 L = ceil(N / P) chunks that run side by side in ONE launch of the same kernel.
@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kda.common import einsum
-from kda.kernels.mosaic_gpu import BLOCK_V, run_recurrence
+from kda.kernels.mosaic_gpu_recurrence import BLOCK_V, run_recurrence
 from kda.kernels.mosaic_gpu_common import RecurrenceOperands
 
 HOPPER_SM_COUNT = 132  # H100 SXM and H200: the count assumed where no GPU is attached
@@ -131,7 +131,7 @@ def recurrence_in_segments(recurrence: Callable, operands, initial_state, out_dt
       recurrence: `(operands, initial_state, out_dtype, **recurrence_options) ->
         (o [B', HV', N', C, V'], final_state [B', HV', K, V'], *residuals)`, the contract of
         `kda.chunked.chunk_recurrence` (on `ChunkedInputs`) or of
-        `kda.kernels.mosaic_gpu.run_recurrence` (on `RecurrenceOperands`). Each residual, if any,
+        `kda.kernels.mosaic_gpu_recurrence.run_recurrence` (on `RecurrenceOperands`). Each residual, if any,
         is a NamedTuple of per-chunk arrays [B', HV', N', rows, V'] affine in the entering state
         (the kernel's saved states and V_new), corrected like the outputs and kept in its dtype.
       operands: what `recurrence` takes, [B, HV, N, ...].
@@ -208,7 +208,7 @@ def choose_num_segments(batch_heads: int, num_chunks: int, key_dim: int, value_d
 
 def sequence_parallel_recurrence(operands: RecurrenceOperands, initial_state, out_dtype, *,
                                  num_segments: int | None = None, save_for_backward=False):
-    """`kda.kernels.mosaic_gpu.run_recurrence` over P segments of the sequence, side by side.
+    """`kda.kernels.mosaic_gpu_recurrence.run_recurrence` over P segments of the sequence, side by side.
 
     Args:
       operands: `RecurrenceOperands` [B, HV, N, 64, ...], K and V in {64, 128}.

@@ -1,0 +1,176 @@
+"""The Pallas Mosaic GPU kernel (Hopper) for KDA's recurrence over chunks.
+
+It replaces `kda.chunked.chunk_recurrence` on `RecurrenceOperands`. One program per (batch row,
+value head, 64-column V tile) keeps its float32 state tile `S [K, 64]` in registers across all
+chunks and, per chunk of C = 64 tokens, computes with wgmma (M = 64 = C, or K for the update):
+
+    V_new = U - W S                              [C, K] x [K, 64]
+    O     = q_from_state S + Aqk V_new           [C, K] x [K, 64]  +  [C, C] x [C, 64]
+    S     = chunk_decay * S + k_to_state^T V_new [K, C] x [C, 64]
+
+Numerics: matmul operands are bfloat16 (W, q_from_state, k_to_state and Aqk are rounded once
+when they are handed to the kernel; S and V_new each time they are written to shared memory for
+the next wgmma), accumulation and the carried state are float32, U and chunk_decay are read in
+float32. Inputs of the next chunk stream in by TMA while the current chunk computes
+(`plgpu.emit_pipeline`, two stages); outputs leave through a double buffer in shared memory.
+
+For training the kernel also writes what the backward (`kda.kernels.mosaic_gpu_backward`) reads
+(`save_for_backward`): the state entering each chunk and V_new, the bf16 wgmma operands it used
+(two TMA stores a chunk from shared memory it fills anyway).
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kda.kernels.mosaic_gpu_backward import RecurrenceResiduals
+from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands, swizzled,
+                                           swizzled_smem)
+
+# State columns per program: S [K, 64] float32 is 64 registers a thread at K = 128. 32 would halve
+# that, but the 64-byte swizzle of a [K, 32] bf16 operand cannot pair with W's 128-byte one.
+BLOCK_V = 64
+PIPELINE_STAGES = 2
+
+
+def _chunk_block(shape, dtype):
+    """One chunk's tile of a [N, *shape] array, fetched into swizzled SMEM at pipeline step n."""
+    transforms = swizzled(shape, dtype) if len(shape) == 2 else ()
+    return plgpu.BlockSpec((None, *shape), lambda n: (n,) + (0,) * len(shape),
+                           transforms=transforms)
+
+
+def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, s0_gmem,
+                       o_gmem, s_final_gmem, *saved_gmem):
+    """The body of one (batch row, value head, V tile) program; see the module docstring.
+
+    GMEM operands: w, q [B, HV, N, C, K], kt [B, HV, N, K, C] and a [B, HV, N, C, C] in bfloat16;
+    u [B, HV, N, C, V], decay [B, HV, N, K] and s0 [B, HV, K, V] in float32.
+    Outputs: o [B, HV, N, C, V] and s_final [B, HV, K, V] (float32), and when the backward needs
+    them (`saved_gmem`, `RecurrenceResiduals`) the entering states [B, HV, N, K, V] and V_new
+    [B, HV, N, C, V], both as the bf16 wgmma operands the forward used.
+    """
+    num_chunks, chunk, key_dim = w_gmem.shape[2:]
+    batch, head, v_tile = (lax.axis_index(axis) for axis in ("batch", "heads", "v_tiles"))
+    columns = pl.ds(v_tile * BLOCK_V, BLOCK_V)
+    state_shape = (key_dim, BLOCK_V)
+    saves = bool(saved_gmem)
+    # Copies to GMEM a step issues, in order: [entering state, V_new,] output. Waiting until at
+    # most m copies are pending frees the buffer of every copy issued before the last m.
+    copies_per_step = 3 if saves else 1
+
+    def load_initial_state(state_smem, barrier):
+        plgpu.copy_gmem_to_smem(s0_gmem.at[batch, head, :, columns], state_smem, barrier)
+        plgpu.barrier_wait(barrier)
+        state = plgpu.load(state_smem, layout=plgpu.Layout.WGMMA)
+        plgpu.commit_smem()  # the load is done before TMA reuses this memory for the pipeline
+        return state
+
+    initial_state = pl.run_scoped(load_initial_state, swizzled_smem(state_shape, jnp.float32),
+                                  plgpu.Barrier())
+
+    def save(smem, gmem, n):
+        """Writes a bf16 operand of chunk n out for the backward."""
+        plgpu.copy_smem_to_gmem(smem, gmem.at[batch, head, n, :, columns])
+
+    def recur(state_smem, v_new_smem, o_smem):
+        def chunk_step(indices, w, u, q, kt, a, decay, state):
+            (n,) = indices
+            if saves:  # the previous step's state copy is out
+                plgpu.wait_smem_to_gmem(copies_per_step - 1, wait_read_only=True)
+            state_smem[...] = state.astype(OPERAND_DTYPE)
+            decayed_state = state * lax.broadcast_in_dim(decay[...], state_shape, (0,))
+            # Fences the stores for wgmma, and orders the plain load of `decay` (like the one of
+            # `u` below) before the TMA that refills this pipeline slot after the step.
+            plgpu.commit_smem()
+            if saves:
+                save(state_smem, saved_gmem[0], n)
+
+            def reads_of_state(ws_acc, o_acc, update_acc):
+                plgpu.wgmma(ws_acc, w, state_smem)
+                plgpu.wgmma(o_acc, q, state_smem)  # in flight while V_new is formed
+                v_new = u[...] - plgpu.wgmma_accumulator_load(ws_acc, wait_n=1)
+                if saves:  # the previous step's V_new copy is out
+                    plgpu.wait_smem_to_gmem(copies_per_step - 1, wait_read_only=True)
+                v_new_smem[...] = v_new.astype(OPERAND_DTYPE)
+                plgpu.commit_smem()
+                if saves:
+                    save(v_new_smem, saved_gmem[1], n)
+                plgpu.wgmma(o_acc, a, v_new_smem)
+                plgpu.wgmma(update_acc, kt, v_new_smem)
+                return o_acc[...], update_acc[...]
+
+            o, update = pl.run_scoped(
+                reads_of_state, plgpu.ACC((chunk, BLOCK_V)), plgpu.ACC((chunk, BLOCK_V)),
+                plgpu.ACC(state_shape))
+            slot = o_smem.at[lax.rem(n, 2)]
+            # This slot's previous copy (two steps ago) is out.
+            plgpu.wait_smem_to_gmem(copies_per_step, wait_read_only=True)
+            slot[...] = o.astype(slot.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(slot, o_gmem.at[batch, head, n, :, columns])
+            return decayed_state + update
+
+        pipeline = plgpu.emit_pipeline(
+            chunk_step,
+            grid=(num_chunks,),
+            in_specs=[
+                _chunk_block((chunk, key_dim), OPERAND_DTYPE),  # W
+                _chunk_block((chunk, BLOCK_V), jnp.float32),  # U
+                _chunk_block((chunk, key_dim), OPERAND_DTYPE),  # q_from_state
+                _chunk_block((key_dim, chunk), OPERAND_DTYPE),  # k_to_state^T
+                _chunk_block((chunk, chunk), OPERAND_DTYPE),  # Aqk
+                _chunk_block((key_dim,), jnp.float32),  # chunk_decay
+            ],
+            max_concurrent_steps=PIPELINE_STAGES,
+            init_carry=initial_state,
+        )
+        return pipeline(w_gmem.at[batch, head], u_gmem.at[batch, head, :, :, columns],
+                        q_gmem.at[batch, head], kt_gmem.at[batch, head], a_gmem.at[batch, head],
+                        decay_gmem.at[batch, head])
+
+    final_state = pl.run_scoped(
+        recur, swizzled_smem(state_shape, OPERAND_DTYPE),
+        swizzled_smem((chunk, BLOCK_V), OPERAND_DTYPE),
+        swizzled_smem((2, chunk, BLOCK_V), o_gmem.dtype))
+
+    def store_final_state(state_smem):
+        plgpu.wait_smem_to_gmem(0)  # the last outputs are out
+        state_smem[...] = final_state
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(state_smem, s_final_gmem.at[batch, head, :, columns])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(store_final_state, swizzled_smem(state_shape, jnp.float32))
+
+
+def run_recurrence(operands: RecurrenceOperands, initial_state, out_dtype, *,
+                   save_for_backward=False):
+    """Runs the kernel: (o [B, HV, N, C, V] in out_dtype, final_state float32 [B, HV, K, V]).
+
+    With `save_for_backward`, also returns the `RecurrenceResiduals` the backward reads (the
+    entering states and V_new, which the kernel then writes as it goes) as a third result.
+    """
+    batch, heads, num_chunks, chunk, key_dim = operands.W.shape
+    value_dim = operands.U.shape[-1]
+    chunked = lambda *tail: (batch, heads, num_chunks, *tail)  # noqa: E731
+    out_type = (jax.ShapeDtypeStruct(chunked(chunk, value_dim), out_dtype),
+                jax.ShapeDtypeStruct((batch, heads, key_dim, value_dim), jnp.float32))
+    if save_for_backward:
+        out_type += RecurrenceResiduals(
+            states=jax.ShapeDtypeStruct(chunked(key_dim, value_dim), OPERAND_DTYPE),
+            v_new=jax.ShapeDtypeStruct(chunked(chunk, value_dim), OPERAND_DTYPE))
+    run = plgpu.kernel(
+        _recurrence_kernel,
+        out_type=out_type,
+        grid=(batch, heads, value_dim // BLOCK_V),
+        grid_names=("batch", "heads", "v_tiles"),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    o, final_state, *saved = run(*operands, initial_state.astype(jnp.float32))
+    if save_for_backward:
+        return o, final_state, RecurrenceResiduals(*saved)
+    return o, final_state
