@@ -110,6 +110,15 @@ def test_kernel_launches_have_the_plain_jax_operands_shapes(dim):
 
 
 @pytest.mark.gpu
+def test_gpu_triton_path_is_available():
+    """Says why the tests below would be refused: the path needs jax-triton on an Ampere+ GPU."""
+    assert triton_path._on_ampere_or_later(), "the GPU's compute capability is below 8.0"
+    assert triton_path._jax_triton_importable(), (
+        "jax-triton is not importable: pip install --no-deps "
+        ".whl/jax_triton-0.3.1-py3-none-any.whl")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("gate,lower_bound", [("lower_bound", -5.0), ("softplus", None)])
 def test_gpu_triton_matches_reference(gate, lower_bound):
     inputs = bf16_inputs(5, 2, 8192, 16, 16, 128, gate=gate, initial_state=True)
