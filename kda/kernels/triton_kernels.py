@@ -1,9 +1,11 @@
 """The Triton kernels of `kda.kernels.triton` (this module imports triton: load it only to launch).
 
-Both kernels use plain `tl.dot` on bfloat16 tiles with float32 accumulation, which Triton lowers
-to mma on any NVIDIA GPU from Ampere on (and to wgmma on Hopper); nothing here needs Hopper.
-Every array is contiguous in the layout its docstring gives; offsets are computed from the static
-shapes (constexpr), in int64 from the (batch row, head) index on, so large B * T * H do not wrap.
+The kernels (`scores_kernel` and `solve_kernel` for the chunk preparation, `recurrence_kernel`)
+use plain `tl.dot` on bfloat16 tiles with float32 accumulation, which Triton lowers to mma on any
+NVIDIA GPU from Ampere on (and to wgmma on Hopper); nothing here needs Hopper. Every array is
+contiguous in the layout its docstring gives; offsets are computed from the static shapes
+(constexpr), in int64 from the (batch row, head) index on, so large B * T * H do not wrap.
+Numerics and register footprints: `kda.kernels.triton`.
 """
 
 import triton
@@ -12,7 +14,7 @@ import triton.language as tl
 from kda import common
 
 L2_NORM_EPS = tl.constexpr(common.L2_NORM_EPS)
-COLUMN_BLOCK = tl.constexpr(64)  # columns of W and U computed at once (K and V are 64 or 128)
+COLUMN_BLOCK = tl.constexpr(64)  # columns of q, k, g, W and U handled at once (K, V: 64 or 128)
 
 
 @triton.jit
