@@ -16,7 +16,7 @@ import pytest
 import kda
 from kda.chunked import prepare_chunks
 from kda.kernels import triton as triton_path
-from kda.kernels.mosaic_gpu import recurrence_operands
+from kda.kernels.mosaic_gpu_common import recurrence_operands
 from kda_inputs import make_inputs, relative_error
 from test_kda_ops import BF16_TOLERANCE, _loss_and_grads, run
 

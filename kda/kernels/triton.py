@@ -38,8 +38,8 @@ from kda.api import KDACall, register_kernel
 from kda.chunked import (CHUNK_SIZE, TILE_SIZE, ChunkedInputs, chunk_kda,
                          chunk_kda_with_recurrence, chunk_recurrence)
 from kda.kernels import mosaic_gpu
-from kda.kernels.mosaic_gpu import recurrence_operands
-from kda.kernels.mosaic_gpu_common import OPERAND_DTYPE, RecurrenceOperands
+from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands,
+                                           recurrence_operands)
 
 NAME = "triton"
 SUPPORTED_DIMS = (64, 128)  # K and V: powers of two (tl.arange), multiples of BLOCK_V
