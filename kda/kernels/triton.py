@@ -16,8 +16,8 @@ matmul operands, float32 accumulators, state and elementwise math; U and chunk_d
 In Triton's interpreter (float32 bit-exact bf16 products, round-to-nearest bf16 casts) the kernels
 give o within 3.3e-3 and the final state within 2.3e-3 relative error of the oracle (K = 64 and
 128, documents, grouped heads), against fla's bars of 5e-3. Register footprints (ptxas -v on
-Triton 3.6's PTX, no GPU): the recurrence does not spill; the scores kernel spills up to 368
-bytes a thread at K = 128 on sm_80 (112 on sm_90), the solve kernel up to 64.
+Triton 3.6's PTX, no GPU): the recurrence does not spill; the scores and solve kernels spill at
+most 64 bytes a thread (sm_80 and sm_90, K = 64 and 128).
 
 Only the forward is a kernel: `jax.custom_vjp`s whose backward is plain JAX, recomputed from the
 inputs, so gradients equal the chunked op's: the VJP of `chunk_recurrence` with unbounded gates

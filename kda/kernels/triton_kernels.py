@@ -40,6 +40,12 @@ def _row(matrix, rows, index):
 
 
 @triton.jit
+def _pick(vector, selection):
+    """`vector [C]` at the positions `selection [R, C]` marks (one per row): [R]."""
+    return tl.sum(tl.where(selection, vector[None, :], 0), 1)
+
+
+@triton.jit
 def _load_rows(ptr, offsets, valid):
     """float32 rows [C, N] at `offsets`, zero past T."""
     return tl.load(ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
@@ -103,15 +109,11 @@ def scores_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, segment_ptr,
     q_scale = _inverse_norms(q_ptr, qk_rows, valid, K, USE_QK_L2NORM) * SCALE
     k_scale = _inverse_norms(k_ptr, qk_rows, valid, K, USE_QK_L2NORM)
 
-    # By 64-column blocks of K (every step is per column but the score products, which sum the
-    # blocks' contributions), so that a block's [C, 64] tiles fit in registers.
+    # By 64-column blocks of K (loops, not unrolled: one block live at a time), so that a block's
+    # [C, 64] tiles fit in registers. First the state factors, per column.
     reads_state = (document == 0)[:, None]
     writes_state = (document == last_document)[:, None]
-    row_tile = rows // TILE
-    anchor_shift = 0.5 * (TILE - 1) * LOWER_BOUND
-    qk = tl.zeros([CHUNK, CHUNK], tl.float32)
-    kk = tl.zeros([CHUNK, CHUNK], tl.float32)
-    for block in range(K // COLUMN_BLOCK):  # a loop, not unrolled: one block live at a time
+    for block in range(K // COLUMN_BLOCK):
         columns = block * COLUMN_BLOCK + tl.arange(0, COLUMN_BLOCK)
         G = tl.cumsum(_load_rows(g_ptr, head_token[:, None] * K + columns[None, :], valid), 0)
         last_G = _row(G, rows, CHUNK - 1)
@@ -125,35 +127,45 @@ def scores_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, segment_ptr,
         tl.store(k_state_t_ptr + out_chunk * K * CHUNK + columns[None, :] * CHUNK + rows[:, None],
                  k_to_state.to(tl.bfloat16))
 
-        # Each 16-row tile i is anchored at b_i = G[16 i] + 7.5 L (kda/chunked.py, bounded
-        # gates): rows scaled by exp(G_r - b_i), exponents within [7.5 L, -7.5 L].
-        row_anchor = tl.zeros([CHUNK, COLUMN_BLOCK], tl.float32)
-        for i in tl.static_range(CHUNK // TILE):
-            anchor = _row(G, rows, TILE * i) + anchor_shift
-            row_anchor = tl.where((row_tile == i)[:, None], anchor[None, :], row_anchor)
-        row_factor = tl.exp(G - row_anchor)
-        q_rows = (q * row_factor).to(tl.bfloat16)
-        k_rows = (k * row_factor).to(tl.bfloat16)
-        # Row tile i times the columns s < 16 (i + 1) scaled by exp(b_i - G_s). Each product runs
-        # over all C rows with the other tiles' rows zeroed: 4x the useful work of the score
-        # tiles, but registers cannot be sliced into 16-row tiles.
-        for i in tl.static_range(CHUNK // TILE):
-            anchor = _row(G, rows, TILE * i) + anchor_shift
-            # Later columns get exp(-inf) = 0: their exponents could overflow.
-            exponent = tl.where(rows[:, None] < TILE * (i + 1), anchor[None, :] - G,
-                                -float("inf"))
-            scaled_columns = tl.trans((k * tl.exp(exponent)).to(tl.bfloat16))  # [64, C]
-            in_tile = (row_tile == i)[:, None]
-            qk = tl.dot(tl.where(in_tile, q_rows, 0.0).to(tl.bfloat16), scaled_columns, qk)
-            kk = tl.dot(tl.where(in_tile, k_rows, 0.0).to(tl.bfloat16), scaled_columns, kk)
-
-    same_document = document[:, None] == document[None, :]
-    chunk_scores = out_chunk * CHUNK * CHUNK + rows[:, None] * CHUNK + rows[None, :]
-    aqk = tl.where((rows[None, :] <= rows[:, None]) & same_document, qk, 0.0)
-    tl.store(aqk_ptr + chunk_scores, aqk.to(tl.bfloat16))
+    # Then the scores by 16-row tiles, each anchored at b = G[first row] + 7.5 L (kda/chunked.py,
+    # bounded gates): the tile's rows scaled by exp(G_r - b), the columns s < 16 (tile + 1) by
+    # exp(b - G_s); every exponent of the diagonal tile lies within [7.5 L, -7.5 L].
+    anchor_shift = 0.5 * (TILE - 1) * LOWER_BOUND
     beta = tl.load(beta_ptr + head_token, mask=valid, other=0.0)
-    unit_lower = tl.where((rows[None, :] < rows[:, None]) & same_document, kk * beta[:, None], 0.0)
-    tl.store(unit_lower_ptr + chunk_scores, unit_lower.to(tl.bfloat16))
+    for tile in range(CHUNK // TILE):
+        tile_rows = tile * TILE + tl.arange(0, TILE)  # the tile's rows r in the chunk
+        tile_valid = chunk * CHUNK + tile_rows < T
+        tile_token = batch.to(tl.int64) * T + chunk * CHUNK + tile_rows  # into [B, T]
+        in_tile = rows[None, :] == tile_rows[:, None]  # [16, C]: the tile's entries of a [C]
+        qk = tl.zeros([TILE, CHUNK], tl.float32)
+        kk = tl.zeros([TILE, CHUNK], tl.float32)
+        for block in range(K // COLUMN_BLOCK):
+            columns = block * COLUMN_BLOCK + tl.arange(0, COLUMN_BLOCK)
+            G = tl.cumsum(_load_rows(g_ptr, head_token[:, None] * K + columns[None, :], valid), 0)
+            anchor = _row(G, rows, tile * TILE) + anchor_shift
+            # The tile's rows of G: its own cumulative sum on the row before it (0 for tile 0).
+            tile_g = _load_rows(g_ptr, (tile_token * HV + head)[:, None] * K + columns[None, :],
+                                tile_valid)
+            tile_G = _row(G, rows, tile * TILE - 1)[None, :] + tl.cumsum(tile_g, 0)
+            row_factor = tl.exp(tile_G - anchor[None, :])
+            tile_qk = (tile_token * H + head // (HV // H))[:, None] * K + columns[None, :]
+            q_rows = _load_rows(q_ptr, tile_qk, tile_valid) * _pick(q_scale, in_tile)[:, None]
+            k_rows = _load_rows(k_ptr, tile_qk, tile_valid) * _pick(k_scale, in_tile)[:, None]
+            # Later columns get exp(-inf) = 0: their exponents could overflow.
+            exponent = tl.where(rows[:, None] < (tile + 1) * TILE, anchor[None, :] - G,
+                                -float("inf"))
+            k = _load_rows(k_ptr, qk_rows[:, None] + columns[None, :], valid) * k_scale[:, None]
+            scaled_columns = tl.trans((k * tl.exp(exponent)).to(tl.bfloat16))  # [64, C]
+            qk = tl.dot((q_rows * row_factor).to(tl.bfloat16), scaled_columns, qk)
+            kk = tl.dot((k_rows * row_factor).to(tl.bfloat16), scaled_columns, kk)
+
+        same_document = _pick(document, in_tile)[:, None] == document[None, :]
+        tile_scores = out_chunk * CHUNK * CHUNK + tile_rows[:, None] * CHUNK + rows[None, :]
+        aqk = tl.where((rows[None, :] <= tile_rows[:, None]) & same_document, qk, 0.0)
+        tl.store(aqk_ptr + tile_scores, aqk.to(tl.bfloat16))
+        unit_lower = tl.where((rows[None, :] < tile_rows[:, None]) & same_document,
+                              kk * _pick(beta, in_tile)[:, None], 0.0)
+        tl.store(unit_lower_ptr + tile_scores, unit_lower.to(tl.bfloat16))
 
 
 @triton.jit
