@@ -265,11 +265,12 @@ def _version(package: str) -> str:
 PEERS = ("jla", "fla", "cudnn")
 
 
-def contenders(gpu: bool, impls: list[str], peers=PEERS) -> dict[str, Callable]:
-    """name -> bench(inputs, repeats) -> (output, Timing)."""
+def contenders(gpu: bool, impls: list[str], peers=PEERS, parts=True) -> dict[str, Callable]:
+    """name -> bench(inputs, repeats) -> (output, Timing); `parts`: also the recurrence and the
+    preparation alone, for each of our kernels (GPU only)."""
     table = {impl: (lambda inputs, repeats, impl=impl: bench_jax(ours(impl), inputs, repeats))
              for impl in impls}
-    if gpu:
+    if gpu and parts:
         # The sequential part alone, plain JAX against our kernel: how much the kernel saves.
         table["recurrence: chunked scan"] = lambda inputs, repeats: bench_recurrence(
             chunk_recurrence, inputs, repeats)
@@ -289,6 +290,7 @@ def contenders(gpu: bool, impls: list[str], peers=PEERS) -> dict[str, Callable]:
         if triton_path.NAME in impls:
             table["preparation: triton"] = lambda inputs, repeats: bench_preparation(
                 triton_preparation, inputs, repeats)
+    if gpu:
         if "jla" in peers:
             table["jla mosaic_gpu"] = lambda inputs, repeats: bench_jax(jla_attention(), inputs,
                                                                         repeats)
@@ -398,6 +400,9 @@ def main(argv=None):
                                            "CPU, the jla kernel with --gpu)")
     parser.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS),
                         help="peers to time with --gpu (fla's first call autotunes for minutes)")
+    parser.add_argument("--no-parts", dest="parts", action="store_false",
+                        help="with --gpu, skip the rows that time the recurrence and the "
+                             "preparation alone (each costs its own compilations)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, help="markdown file (default benchmarks/kda_<backend>.md)")
     args = parser.parse_args(argv)
@@ -418,7 +423,7 @@ def main(argv=None):
                      f"{kda.available_implementations()}")
     shapes = args.shapes or [Shape.parse(s) for s in (GPU_SHAPES if args.gpu else CPU_SHAPES)]
     baseline = args.baseline or ("jla mosaic_gpu" if args.gpu else "chunked")
-    table = contenders(args.gpu, impls, args.peers)
+    table = contenders(args.gpu, impls, args.peers, args.parts)
     names = list(table)
     out = args.out or Path("benchmarks") / f"kda_{'h200' if args.gpu else backend}.md"
     command = "python -m experiments.bench_kda " + " ".join(argv if argv is not None
