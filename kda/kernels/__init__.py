@@ -15,6 +15,9 @@
   `mosaic_gpu`).
 """
 
-from kda.kernels import mosaic_gpu, triton
+# `register_kernel` puts the newest kernel first in `impl="auto"`'s search: the Mosaic GPU path is
+# imported last so that it is tried before the portable Triton path.
+from kda.kernels import triton  # isort: skip
+from kda.kernels import mosaic_gpu  # isort: skip
 
 __all__ = ["mosaic_gpu", "triton"]

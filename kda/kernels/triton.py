@@ -23,8 +23,8 @@ Only the forward is a kernel: `jax.custom_vjp`s whose backward is plain JAX, rec
 inputs, so gradients equal the chunked op's: the VJP of `chunk_recurrence` with unbounded gates
 (JAX differentiates the plain-JAX preparation), of the whole chunked op with bounded gates.
 `jax_triton` and `triton` are imported only when a kernel launches, so `import kda` works without
-them. Importing this module registers `impl="triton"` with `kda.api`, behind `impl="mosaic_gpu"`
-(Hopper keeps Mosaic).
+them. Importing this module registers `impl="triton"` with `kda.api`; `kda.kernels` imports it before
+the Mosaic GPU path, so that `impl="auto"` tries Mosaic first and Hopper keeps it.
 """
 
 import functools
@@ -37,7 +37,6 @@ import jax.numpy as jnp
 from kda.api import KDACall, register_kernel
 from kda.chunked import (CHUNK_SIZE, TILE_SIZE, ChunkedInputs, chunk_kda,
                          chunk_kda_with_recurrence, chunk_recurrence)
-from kda.kernels import mosaic_gpu
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands,
                                            recurrence_operands)
 
@@ -307,6 +306,3 @@ def supports(call: KDACall) -> bool:
 
 
 register_kernel(NAME, triton_kda, supports)
-# `register_kernel` puts the newest kernel first, and `impl="auto"` takes the first that supports
-# the call: put the Mosaic GPU path back in front, so that Hopper keeps it.
-register_kernel(mosaic_gpu.NAME, mosaic_gpu.mosaic_gpu_kda, mosaic_gpu.supports)
