@@ -15,8 +15,11 @@ in-place updates). One step:
 3. the MoE router-bias update (Quantile Balancing) from the step's router statistics, outside the
    gradient; every replica computes the same bias from the same globally reduced statistics;
 4. QK-Clip of the MLA heads when enabled (`train.qk_clip`);
-5. if the loss or the gradient norm is not finite, all of the above is discarded with
-   `jnp.where` and `skipped_steps` grows by one: a bad batch never touches the weights.
+5. steps 2-4 run under `lax.cond` on the loss and the gradient norm being finite; otherwise the
+   state passes through unchanged and `skipped_steps` grows by one: a bad batch never touches
+   the weights. (A `jnp.where(finite, new, old)` over the state would read the old optimizer
+   moments after the in-place update has written the new ones, so XLA would copy every moment
+   first: 27.7 GiB more for the `1b` preset; the cond keeps the update in place.)
 
 The model is any `nnx.Module` with `forward(tokens, segment_ids) -> (logits, router_stats)` and
 `moe_sites()` (as `models.lm.HybridLM`).
@@ -112,8 +115,6 @@ def make_train_step(
     """
 
     def step(state: nnx.State, batch: Batch):
-        # merge shares the Variables of `state`; keep the incoming arrays for a skipped step.
-        previous = jax.tree.map(lambda x: x, state)
         train_state = nnx.merge(graphdef, state)
         graph, params, rest = nnx.split(train_state.model, nnx.Param, ...)
 
@@ -136,28 +137,32 @@ def make_train_step(
         )(params)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-
-        model = train_state.model
-        train_state.optimizer.update(model, grads)
-        update_router_biases(model, router_stats)
         metrics = dict(
             loss=loss,
             aux_loss=auxiliary,
             grad_norm=grad_norm,
             targets=count,
             skipped=1.0 - finite.astype(jnp.float32),
-            max_vio=moe_max_violation(model, router_stats),
+            max_vio=moe_max_violation(train_state.model, router_stats),
         )
+        head_max = []
         if qk_clip_tau is not None:
-            head_max = []
-            for path, layer in qk_clip.mla_layers(model):
-                logits_h = qk_clip.max_logits(layer.cfg, *captured[path], batch["segment_ids"])
-                qk_clip.clip_query_key(layer, logits_h, qk_clip_tau)
-                head_max.append(logits_h)
+            head_max = [
+                qk_clip.max_logits(layer.cfg, *captured[path], batch["segment_ids"])
+                for path, layer in qk_clip.mla_layers(train_state.model)
+            ]
             metrics["qk_max_logit"] = jnp.stack(head_max) if head_max else jnp.zeros((0, 0))
 
-        updated = nnx.state(train_state)
-        new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, previous)
+        def apply_updates(state: nnx.State) -> nnx.State:
+            updated = nnx.merge(graphdef, state)
+            model = updated.model
+            updated.optimizer.update(model, grads)
+            update_router_biases(model, router_stats)
+            for (_, layer), logits_h in zip(qk_clip.mla_layers(model), head_max):  # [] if off
+                qk_clip.clip_query_key(layer, logits_h, qk_clip_tau)
+            return nnx.state(updated)
+
+        new_state = jax.lax.cond(finite, apply_updates, lambda state: state, state)
         kept = nnx.merge(graphdef, new_state)
         kept.skipped_steps[...] += (~finite).astype(jnp.int32)
         metrics["skipped_steps"] = kept.skipped_steps[...]
