@@ -2,7 +2,8 @@
 breakdown of where the time goes (KDA, Gated MLA attention, MoE, rest).
 
     python -m experiments.bench_train --gpu     # H200: `1b` preset, 4 rows x 4096 tokens,
-                                                # bf16 compute -> benchmarks/train_h200.md
+                                                # bf16 compute, remat dots
+                                                # -> benchmarks/train_h200.md
     python -m experiments.bench_train --smoke   # `tiny` preset at a tiny size (CPU check)
 
 The step is the real one (`train.loop.Trainer`: forward, backward, AdamW, the QB router-bias
@@ -12,13 +13,45 @@ per row), so the input pipeline is not measured. Time = median of `--steps` step
 parameter plus the KDA recurrence and causal attention scores) per second over 989 TFLOP/s, the
 H100/H200 dense bf16 peak.
 
+Preflight: before any step runs, the step is compiled ahead of time and XLA's memory analysis is
+printed (arguments, outputs, temporaries, the peak they add up to, and the device's limit), so a
+run reports its memory even if it then fails; a peak over the limit stops the run there, and an
+out-of-memory error names the options that shrink the step (`--remat full`, a smaller `--batch`).
+The timed steps reuse that compiled program.
+
+Why the `--gpu` setup uses remat `dots` (each layer keeps its matmul outputs and recomputes the
+rest in the backward pass, `models.lm.REMAT`): with no remat the first H200 run failed, XLA asking
+for 66.4 GiB of temporaries on top of the 41.6 GiB of arguments (float32 parameters, 13.9 GiB,
+and AdamW moments, 27.7 GiB, of 3.72B parameters) against the 104 GiB that JAX's allocator takes
+by default (75% of 139 GiB). Compiled on CPU at the same shapes, with the GPU kernels (KDA, grouped
+matmuls, cuDNN attention) replaced by opaque calls with the same operands and results, XLA plans
+these temporaries besides the arguments (float32 gradients included):
+
+    remat            4 x 4096: backward / optimizer update     2 x 4096: backward
+    none             133.5 GiB / -                             70.4 GiB
+    dots              27.0 GiB / 28.8 GiB
+    dots_no_batch     25.9 GiB / 28.8 GiB
+    full              23.8 GiB / 28.8 GiB
+
+XLA:CPU fuses less than XLA:GPU (with no remat it keeps every float32 intermediate of the norms,
+gates and routing): for the step as it was then (moments copied, KDA preparation differentiated
+in plain JAX) this estimate gives 180 GiB of temporaries where the GPU planned 66.4. So these are
+upper bounds: with `dots` the step should need at most about 70 GiB, a clear margin under
+104 GiB, where no remat needs up to 175 GiB at 4 rows (112 GiB at 2). Every policy recomputes
+the kernels' forwards (custom VJPs are opaque to it); `dots` recomputes the least besides
+(elementwise work, norms, routing), so of the policies that fit it costs the least speed. The
+step also no longer copies the AdamW moments (27.7 GiB) for its non-finite-step check:
+`train.step` applies the update under `lax.cond`.
+
 Breakdown: one KDA, one Gated MLA and one MoE layer of the same configuration are timed alone
-(forward and backward of a fixed random input and cotangent, median of the same number of
-steps), times their number of layers; "rest" is the step minus those parts: the dense FFN, the
-embedding and LM head, norms, AttnRes, the loss, the optimizer and the bias update.
+(forward and backward of a fixed random input and cotangent, under the same remat policy, median
+of the same number of steps), times their number of layers; "rest" is the step minus those parts:
+the dense FFN, the embedding and LM head, norms, AttnRes, the loss, the optimizer and the bias
+update.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -37,6 +70,7 @@ from flax import nnx
 from kda.layer import KDA
 from models.attention import GatedMLA
 from models.config import ModelConfig, count_params, format_count, preset
+from models.lm import REMAT
 from moe.experts import StableLatentMoE
 from train.data import DataConfig
 from train.loop import MeshConfig, TrainConfig, Trainer
@@ -47,23 +81,29 @@ from train.packing import finalize_batch
 DOCUMENTS_PER_ROW = 4
 
 
+GIB = 2**30
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchSetup:
-    """One benchmark: a preset, rows x sequence length, timed and warm-up steps."""
+    """One benchmark: a preset, rows x sequence length, timed and warm-up steps, and the
+    recomputation policy of each layer (`models.lm.REMAT`)."""
 
     preset: str
     batch: int
     seq_len: int
     steps: int
     warmup: int
+    remat: str
 
     @property
     def tokens(self) -> int:
         return self.batch * self.seq_len
 
 
-GPU = BenchSetup("1b", batch=4, seq_len=4096, steps=20, warmup=3)
-SMOKE = BenchSetup("tiny", batch=2, seq_len=64, steps=3, warmup=1)
+# The module docstring says why the GPU setup recomputes with `dots`.
+GPU = BenchSetup("1b", batch=4, seq_len=4096, steps=20, warmup=3, remat="dots")
+SMOKE = BenchSetup("tiny", batch=2, seq_len=64, steps=3, warmup=1, remat="none")
 
 
 def synthetic_batch(setup: BenchSetup, seed: int = 0) -> dict[str, np.ndarray]:
@@ -95,12 +135,84 @@ def median_seconds(run: Callable[[], object], steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def time_train_step(trainer: Trainer, batch: dict, setup: BenchSetup) -> float:
-    placed = trainer.place(batch)
+def compile_step(trainer: Trainer, batch: dict) -> tuple[jax.stages.Compiled, float]:
+    """The training step compiled ahead of time for `batch` (placed on the mesh), and the
+    seconds the compile took."""
+    start = time.perf_counter()
+    with jax.set_mesh(trainer.mesh):
+        compiled = trainer.train_step.lower(trainer.state, batch).compile()
+    return compiled, time.perf_counter() - start
+
+
+def memory_analysis(compiled: jax.stages.Compiled) -> dict[str, float]:
+    """XLA's memory plan of a compiled program per device, in GiB: arguments, outputs, the part of
+    the outputs written into donated arguments (alias), temporaries, and their peak sum."""
+    stats = compiled.memory_analysis()
+    gib = {name: getattr(stats, f"{name}_size_in_bytes") / GIB
+           for name in ("argument", "output", "alias", "temp")}
+    gib["peak"] = gib["argument"] + gib["output"] - gib["alias"] + gib["temp"]
+    return gib
+
+
+def device_memory_limit() -> float | None:
+    """GiB the default device's allocator may hand out (None where the backend does not say)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats["bytes_limit"] / GIB if "bytes_limit" in stats else None
+
+
+def shrink_hint(setup: BenchSetup) -> str:
+    """The command-line options that make the step need less device memory."""
+    options = [] if setup.remat == "full" else [
+        "--remat full (each layer keeps only its input and recomputes its forward)"]
+    if setup.batch > 1:
+        options.append(f"--batch {setup.batch // 2}")
+    if not options:
+        return "the step is already at its smallest here; use a smaller preset or --seq-len"
+    return "rerun with " + " or ".join(options)
+
+
+def preflight(compiled: jax.stages.Compiled, seconds: float, setup: BenchSetup) -> dict:
+    """Prints XLA's memory plan of the compiled step; raises if it exceeds the device's limit."""
+    memory = memory_analysis(compiled)
+    limit = device_memory_limit()
+    print(
+        f"preflight: step compiled in {seconds:.1f} s; XLA memory per device: arguments "
+        f"{memory['argument']:.2f} GiB, outputs {memory['output']:.2f} GiB ({memory['alias']:.2f} "
+        f"GiB of them in donated arguments), temporaries {memory['temp']:.2f} GiB; peak "
+        f"{memory['peak']:.2f} GiB" + ("" if limit is None else f" of {limit:.2f} GiB"),
+        flush=True,
+    )
+    if limit is not None and memory["peak"] > limit:
+        raise RuntimeError(
+            f"the {setup.preset} step at {setup.batch} x {setup.seq_len} tokens with remat "
+            f"{setup.remat} needs {memory['peak']:.1f} GiB, more than the {limit:.1f} GiB the "
+            f"device allocator has; {shrink_hint(setup)}"
+        )
+    return memory
+
+
+@contextlib.contextmanager
+def explained_out_of_memory(setup: BenchSetup, memory: dict):
+    """Re-raises a device out-of-memory error with the options that shrink the step."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as error:
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        raise RuntimeError(
+            f"out of device memory running the {setup.preset} step at {setup.batch} x "
+            f"{setup.seq_len} tokens with remat {setup.remat} (XLA planned a peak of "
+            f"{memory['peak']:.1f} GiB); {shrink_hint(setup)}"
+        ) from error
+
+
+def time_train_step(trainer: Trainer, compiled: jax.stages.Compiled, batch: dict,
+                    setup: BenchSetup) -> float:
+    """Median seconds of the compiled step on the placed `batch` (the state advances)."""
 
     def run():
         with jax.set_mesh(trainer.mesh):
-            trainer.state, metrics = trainer.train_step(trainer.state, placed)
+            trainer.state, metrics = compiled(trainer.state, batch)
         return metrics
 
     return median_seconds(run, setup.steps, setup.warmup)
@@ -108,9 +220,11 @@ def time_train_step(trainer: Trainer, batch: dict, setup: BenchSetup) -> float:
 
 def time_layer(layer: nnx.Module, call: Callable, x: jax.Array, segment_ids: jax.Array,
                setup: BenchSetup) -> float:
-    """Median seconds of one forward and backward of `call(layer, x, segment_ids)` [B, T, D]."""
+    """Median seconds of one forward and backward of `call(layer, x, segment_ids)` [B, T, D],
+    recomputed in the backward pass as `setup.remat` says (as the step does per layer)."""
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
     cotangent = jax.random.normal(jax.random.key(1), x.shape, x.dtype)
+    policy = REMAT[setup.remat]
 
     @jax.jit
     def forward_backward(params, x):
@@ -118,6 +232,8 @@ def time_layer(layer: nnx.Module, call: Callable, x: jax.Array, segment_ids: jax
             y = call(nnx.merge(graphdef, params, rest), x, segment_ids)
             return jnp.sum(y.astype(jnp.float32) * cotangent.astype(jnp.float32))
 
+        if policy is not None:
+            loss = jax.checkpoint(loss, policy=policy)
         return jax.grad(loss, argnums=(0, 1))(params, x)
 
     return median_seconds(lambda: forward_backward(params, x), setup.steps, setup.warmup)
@@ -146,8 +262,8 @@ def layer_breakdown(cfg: ModelConfig, setup: BenchSetup) -> dict[str, tuple[int,
             for name, (count, layer, call) in parts.items() if count}
 
 
-def run(setup: BenchSetup, optimizer: str, remat: str) -> dict:
-    cfg = preset(setup.preset, remat=remat)
+def run(setup: BenchSetup, optimizer: str) -> dict:
+    cfg = preset(setup.preset, remat=setup.remat)
     config = TrainConfig(
         model=cfg,
         data=DataConfig(seq_len=setup.seq_len, batch_size=setup.batch),
@@ -157,18 +273,23 @@ def run(setup: BenchSetup, optimizer: str, remat: str) -> dict:
         progress=False,
     )
     trainer = Trainer.create(config)
-    step_seconds = time_train_step(trainer, synthetic_batch(setup), setup)
-    del trainer
+    batch = trainer.place(synthetic_batch(setup))
+    compiled, compile_seconds = compile_step(trainer, batch)
+    memory = preflight(compiled, compile_seconds, setup)
+    with explained_out_of_memory(setup, memory):
+        step_seconds = time_train_step(trainer, compiled, batch, setup)
+        del trainer, compiled, batch
+        layers = layer_breakdown(cfg, setup)
     flops = train_flops_per_token(cfg, setup.seq_len)
     tokens_per_second = setup.tokens / step_seconds
-    layers = layer_breakdown(cfg, setup)
     parts = {name: count * seconds for name, (count, seconds) in layers.items()}
     parts["rest"] = step_seconds - sum(parts.values())
     return {
         "setup": dataclasses.asdict(setup),
         "optimizer": optimizer,
-        "remat": remat,
         "params": {k: count_params(cfg)[k] for k in ("total", "active", "embedding")},
+        "compile_seconds": compile_seconds,
+        "memory_gib": memory,
         "step_seconds": step_seconds,
         "tokens_per_second": tokens_per_second,
         "model_tflops_per_second": tokens_per_second * flops["total"] / 1e12,
@@ -196,6 +317,7 @@ def run(setup: BenchSetup, optimizer: str, remat: str) -> dict:
 def markdown(result: dict, command: str) -> str:
     setup = result["setup"]
     params = result["params"]
+    memory = result["memory_gib"]
     lines = [
         f"# Training step benchmark: `{setup['preset']}` preset, {setup['batch']} x "
         f"{setup['seq_len']} tokens",
@@ -203,15 +325,19 @@ def markdown(result: dict, command: str) -> str:
         f"`{command}` on {result['device']} (jax {result['jax']}, flax {result['flax']}, "
         f"{result['date']}); {format_count(params['total'])} parameters, "
         f"{format_count(params['active'])} active per token (embedding excluded); optimizer "
-        f"{result['optimizer']}, remat {result['remat']}; median of {setup['steps']} steps.",
+        f"{result['optimizer']}, remat {setup['remat']}; median of {setup['steps']} steps.",
+        "",
+        f"Compile {result['compile_seconds']:.0f} s. XLA memory plan per device: arguments "
+        f"{memory['argument']:.2f} GiB, temporaries {memory['temp']:.2f} GiB, peak "
+        f"{memory['peak']:.2f} GiB.",
         "",
         "| step | tokens/s | model TFLOP/s | MFU (of 989 TFLOP/s) |",
         "|---|---|---|---|",
         f"| {1e3 * result['step_seconds']:.1f} ms | {result['tokens_per_second']:,.0f} | "
         f"{result['model_tflops_per_second']:.1f} | {100 * result['mfu']:.1f}% |",
         "",
-        "Breakdown (one layer of each kind timed alone, forward + backward, times its number of "
-        "layers; rest = the step minus those):",
+        "Breakdown (one layer of each kind timed alone, forward + backward under the same remat, "
+        "times its number of layers; rest = the step minus those):",
         "",
         "| part | layers | ms per step | share of step | model TFLOP/s in the part |",
         "|---|---|---|---|---|",
@@ -236,16 +362,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--seq-len", type=int, help="tokens per row (overrides the size's)")
     parser.add_argument("--steps", type=int, help="timed steps (overrides the size's)")
     parser.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
-    parser.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"),
-                        default="none", help="recomputation policy of each layer")
+    parser.add_argument("--remat", choices=tuple(REMAT),
+                        help=f"recomputation policy of each layer (--gpu: {GPU.remat}, --smoke: "
+                        f"{SMOKE.remat})")
     parser.add_argument("--out", help="write the markdown table here (--gpu default: "
                         "benchmarks/train_h200.md) and the numbers next to it as .json")
     args = parser.parse_args(argv)
     setup = GPU if args.gpu else SMOKE
     overrides = {k: v for k, v in (("batch", args.batch), ("seq_len", args.seq_len),
-                                   ("steps", args.steps)) if v is not None}
+                                   ("steps", args.steps), ("remat", args.remat)) if v is not None}
     setup = dataclasses.replace(setup, **overrides)
-    result = run(setup, args.optimizer, args.remat)
+    result = run(setup, args.optimizer)
     command = "python -m experiments.bench_train " + " ".join(
         argv if argv is not None else __import__("sys").argv[1:])
     table = markdown(result, command)
