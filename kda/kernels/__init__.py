@@ -9,6 +9,8 @@
   combined exactly, for few long sequences.
 * `kda.kernels.mosaic_gpu_backward`: the reversed recurrence (backward of the recurrence).
 * `kda.kernels.mosaic_gpu_prepare_backward`: backward of the chunk preparation.
+* `kda.kernels.mosaic_gpu_tiles`: the in-kernel building blocks of both preparation kernels
+  (chunk cumsum, causal anchors and score tiles, document masks, `(I + N)^-1`, split matmuls).
 * `kda.kernels.mosaic_gpu_common`: what they share (SMEM layouts, `RecurrenceOperands`).
 * `kda.kernels.triton`: the same two kernels in Triton through jax-triton (NVIDIA GPUs from Ampere
   on; `kda.kernels.triton_kernels` holds the kernels), the `impl="triton"` path (registered behind

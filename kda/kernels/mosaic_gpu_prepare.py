@@ -1,14 +1,16 @@
 """A Pallas Mosaic GPU kernel (Hopper) for KDA's chunk preparation with bounded gates.
 
 It replaces `kda.chunked.prepare_chunks` when `gate_lower_bound = L` is set and writes what the
-recurrence kernel (`kda.kernels.mosaic_gpu_recurrence`) reads: W, U, q_from_state, k_to_state^T, chunk_decay
-and Aqk (`RecurrenceOperands`). One program per (batch row, value head, chunk of C = 64 tokens)
-reads the chunk's q, k (its q/k head: grouped value heads), v, g, beta and document index by TMA
-and, in one warpgroup, computes with wgmma (bf16 operands, float32 accumulators):
+recurrence kernel (`kda.kernels.mosaic_gpu_recurrence`) reads: W, U, q_from_state,
+k_to_state^T, chunk_decay and Aqk (`RecurrenceOperands`). One program per (batch row, value
+head, chunk of C = 64 tokens) reads the chunk's q, k (its q/k head: grouped value heads), v, g,
+beta and document index by TMA and, in one warpgroup, computes with wgmma (bf16 operands, float32
+accumulators), from the building blocks of `kda.kernels.mosaic_gpu_tiles` (named below):
 
 1. L2 norm and scale of q and k (in float32 registers).
 2. `G = cumsum(g)` as `tril(1) @ g`, with g split exactly into three bf16 parts
-   (g = hi + mid + lo to float32 precision), so the cumulative log-decay is float32-accurate.
+   (g = hi + mid + lo to float32 precision), so the cumulative log-decay is float32-accurate
+   (`cumulative_sum`).
 3. The score tiles of `kda/chunked.py`, every 16x16 tile a bf16 matmul. Each row tile i has the
    causal anchor `b_i = G[16 i] + 7.5 L`; rows are scaled by `exp(G_r - b_i)` and the columns
    `s < 16 (i + 1)` of the tile's products by `exp(b_i - G_s)`. On the diagonal this is
@@ -16,13 +18,14 @@ and, in one warpgroup, computes with wgmma (bf16 operands, float32 accumulators)
    anchor moved by the constant 7.5 L, which cancels in every product: the factors move by at most
    e^37.5 (far inside bf16's range) and only columns whose true weight is below e^-49 underflow.
    The tiles are computed transposed (`A^T[s, r]`, one [64 x 16] accumulator slice per row tile)
-   so that wgmma's fixed M = 64 runs over the columns and no product is wasted.
-4. Masks (causal, packed documents) and `N = beta Akk`, then `(I + N)^-1` by recursive doubling
-   on the diagonal blocks: with `X_b` the inverse of the block-diagonal part of blocks of size b,
-   `X_2b = X_b - X_b C_b X_b`, where `C_b` holds the entries of N that link two neighbouring
-   b-blocks. Like block forward substitution, every intermediate is a block of the true inverse,
-   so nothing grows the way powers of N would (a Neumann-series product is not stable here).
-5. `W = (I + N)^-1 (beta k exp(G))` and `U = (I + N)^-1 (beta v)`, and the state factors.
+   so that wgmma's fixed M = 64 runs over the columns and no product is wasted
+   (`row_anchors`, `transposed_scores`).
+4. Masks (causal, packed documents: `state_masks`, `same_document`) and `N = beta Akk`, then
+   `(I + N)^-1` by recursive doubling on the diagonal blocks (`unit_lower_inverse`): every
+   intermediate is a block of the true inverse, so nothing grows the way powers of N would (a
+   Neumann-series product is not stable here).
+5. `W = (I + N)^-1 (beta k exp(G))` and `U = (I + N)^-1 (beta v)` (`matmul_of_splits`), and the
+   state factors.
 
 Numerics: matmul operands are bfloat16, accumulators and everything elementwise float32 (exp and
 rsqrt approximate, to a few float32 ulp); U and chunk_decay are written in float32, the other
@@ -34,12 +37,11 @@ and 128), against fla's bars of 5e-3.
 Shared memory: 201 KiB a program at K = V = 128 and 121 KiB at 64, so one program per SM; its
 TMA loads and stores do not overlap another program's math (a persistent, pipelined grid would).
 
-Its backward is `kda.kernels.mosaic_gpu_prepare_backward`; `kda.kernels.mosaic_gpu` composes the two
-under a `jax.custom_vjp`.
+Its backward is `kda.kernels.mosaic_gpu_prepare_backward`; `kda.kernels.mosaic_gpu` composes the
+two under a `jax.custom_vjp`.
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -47,60 +49,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda.chunked import CHUNK_SIZE, TILE_SIZE
-from kda.common import L2_NORM_EPS, document_starts
+from kda.common import L2_NORM_EPS
 from kda.kernels.mosaic_gpu_common import OPERAND_DTYPE, RecurrenceOperands, swizzled_smem
-
-CHUNK = CHUNK_SIZE
-NUM_TILES = CHUNK // TILE_SIZE
-WGMMA = plgpu.Layout.WGMMA
-ROW_VECTOR = WGMMA.reduce(1)  # a [rows] vector of a WGMMA-layout matrix
-COLUMN_VECTOR = WGMMA.reduce(0)  # a [columns] vector of a WGMMA-layout matrix
-
-
-def _rows(vector, shape):
-    """Repeats a ROW_VECTOR [shape[0]] along the columns: [shape[0], shape[1]]."""
-    return lax.broadcast_in_dim(vector, shape, (0,))
-
-
-def _columns(vector, shape):
-    """Repeats a COLUMN_VECTOR [shape[1]] down the rows: [shape[0], shape[1]]."""
-    return lax.broadcast_in_dim(vector, shape, (1,))
-
-
-def _iota(shape, dimension):
-    return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=WGMMA)
-
-
-def _matmul(a_smem, b_smem, shape):
-    """`a @ b` by one wgmma: float32 [shape] in registers."""
-
-    def product(acc):
-        plgpu.wgmma(acc, a_smem, b_smem)
-        return acc[...]
-
-    return pl.run_scoped(product, plgpu.ACC(shape))
-
-
-def _matmul_of_splits(a_parts, b_parts, shape):
-    """`(a_hi + a_lo) @ (b_hi + b_lo)` without the negligible `a_lo @ b_lo`: float32 [shape]."""
-    (a_hi, a_lo), (b_hi, b_lo) = a_parts, b_parts
-
-    def product(acc):
-        for a, b in ((a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi)):
-            plgpu.wgmma(acc, a, b)
-        return acc[...]
-
-    return pl.run_scoped(product, plgpu.ACC(shape))
-
-
-def _split(x, parts):
-    """float32 x -> `parts` bf16 arrays that sum to x (to float32 precision for three)."""
-    pieces = []
-    for _ in range(parts - 1):
-        pieces.append(x.astype(OPERAND_DTYPE))
-        x = x - pieces[-1].astype(jnp.float32)
-    return (*pieces, x.astype(OPERAND_DTYPE))
+from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, COMPILER_PARAMS, ROW_VECTOR,
+                                          WGMMA, cumulative_sum, documents_in_chunk, iota,
+                                          load_plain, matmul_of_splits, pad_to_chunks,
+                                          per_column, per_row, row_anchors, same_document,
+                                          state_masks, store_lower_ones, store_split,
+                                          transposed_scores, unit_lower_inverse)
 
 
 def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
@@ -109,15 +65,14 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
     """The body of one (batch row, value head, chunk) program; see the module docstring.
 
     GMEM inputs: q, k [B, T, H, K] and v [B, T, HV, V] in bf16; g [B, T, HV, K], beta [B, HV, T]
-    and document [B, T] (documents started inside the token's chunk up to the token) in float32;
-    T is a multiple of 64. Outputs: the fields of `RecurrenceOperands`, [B, HV, N, ...].
+    and document [B, T] (`documents_in_chunk`) in float32; T is a multiple of 64. Outputs: the
+    fields of `RecurrenceOperands`, [B, HV, N, ...].
     """
     key_dim, value_dim = q_gmem.shape[-1], v_gmem.shape[-1]
     batch, head, chunk = (lax.axis_index(axis) for axis in ("batch", "heads", "chunks"))
     tokens = pl.ds(chunk * CHUNK, CHUNK)
     out = (batch, head, chunk)
     keys_shape, scores_shape = (CHUNK, key_dim), (CHUNK, CHUNK)
-    anchor_shift = 0.5 * (TILE_SIZE - 1) * lower_bound
 
     def body(q_smem, k_smem, v_smem, g_smem, beta_smem, document_smem, decay_smem, tiles,
              k_state_t_smem, matrices, barriers):
@@ -136,132 +91,70 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
         def normalized(smem):
             x = plgpu.load(smem, layout=WGMMA).astype(jnp.float32)
             if use_qk_l2norm:
-                x = x * _rows(lax.rsqrt(jnp.sum(x * x, axis=1) + L2_NORM_EPS), x.shape)
+                x = x * per_row(lax.rsqrt(jnp.sum(x * x, axis=1) + L2_NORM_EPS), x.shape)
             return x
 
-        def load_rows(plain_smem):
-            # The plain (untiled) row-major layout lets single rows be read, at the price of
-            # bank conflicts on whole-tile loads.
-            return plgpu.load(plain_smem, layout=WGMMA, optimized=False)
-
-        rows, columns = _iota(scores_shape, 0), _iota(scores_shape, 1)
-        key_rows = _iota(keys_shape, 0)
-        document_of_row = plgpu.load(document_smem, layout=ROW_VECTOR)
-        document_of_column = plgpu.load(document_smem, layout=COLUMN_VECTOR)
-        last_document = document_smem[CHUNK - 1]
-        # Rows of a document that began inside the chunk neither read the entering state nor
-        # (unless it is the chunk's last document) write the leaving one.
-        reads_state = _rows(jnp.where(document_of_row == 0.0, 1.0, 0.0), keys_shape)
-        writes_state = _rows(jnp.where(document_of_row == last_document, 1.0, 0.0), keys_shape)
+        masks = state_masks(document_smem, keys_shape)
 
         # 1-2. G = tril(1) @ (hi + mid + lo), then stored over g for row reads.
-        cumulative_sum, g_parts = matrices.at[0], (tiles.at[0], tiles.at[1], tiles.at[2])
-        for part, value in zip(g_parts, _split(load_rows(g_smem), 3)):
-            part[...] = value
-        cumulative_sum[...] = jnp.where(columns <= rows, 1.0, 0.0).astype(OPERAND_DTYPE)
-        plgpu.commit_smem()
-
-        def chunk_cumsum(acc):
-            for part in g_parts:
-                plgpu.wgmma(acc, cumulative_sum, part)
-            return acc[...]
-
-        G = pl.run_scoped(chunk_cumsum, plgpu.ACC(keys_shape))
+        ones = matrices.at[0]
+        store_lower_ones(ones)
+        G = cumulative_sum(load_plain(g_smem), (tiles.at[0], tiles.at[1], tiles.at[2]), ones)
         g_smem[...] = G
         plgpu.commit_smem()
-
-        def anchor(tile):
-            """b_tile [K] (a COLUMN_VECTOR), read when needed: each one costs K / 4 registers."""
-            return plgpu.load(g_smem.at[TILE_SIZE * tile], layout=COLUMN_VECTOR) + anchor_shift
-
         last_G = plgpu.load(g_smem.at[CHUNK - 1], layout=COLUMN_VECTOR)
-        keeps_state = jnp.where(last_document == 0.0, 1.0, 0.0)
-        decay_smem[...] = jnp.exp(last_G) * keeps_state
+        decay_smem[...] = jnp.exp(last_G) * masks.keeps_state
 
         # 3a. Row factors exp(G_r - b_tile(r)), and the outputs that need q and k once.
-        row_anchor = _columns(anchor(NUM_TILES - 1), keys_shape)
-        for i in reversed(range(NUM_TILES - 1)):
-            row_anchor = jnp.where(key_rows < TILE_SIZE * (i + 1),
-                                   _columns(anchor(i), keys_shape), row_anchor)
-        row_factor = jnp.exp(G - row_anchor)
+        row_factor = jnp.exp(G - row_anchors(g_smem, keys_shape, lower_bound))
         q_rows, k_rows = tiles.at[0], tiles.at[1]  # the g parts are no longer read
         q = normalized(q_smem) * scale
         q_rows[...] = (q * row_factor).astype(OPERAND_DTYPE)
-        q_smem[...] = (q * jnp.exp(G) * reads_state).astype(OPERAND_DTYPE)  # q_from_state
+        q_smem[...] = (q * jnp.exp(G) * masks.reads_state).astype(OPERAND_DTYPE)  # q_from_state
         k = normalized(k_smem)
         k_rows[...] = (k * row_factor).astype(OPERAND_DTYPE)
-        k_to_state = k * jnp.exp(_columns(last_G, keys_shape) - G) * writes_state
+        k_to_state = k * jnp.exp(per_column(last_G, keys_shape) - G) * masks.writes_state
         k_state_t_smem.transpose((1, 0))[...] = k_to_state.astype(OPERAND_DTYPE)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, q_state_gmem.at[out])
         plgpu.copy_smem_to_gmem(k_state_t_smem, k_state_t_gmem.at[out])
         plgpu.copy_smem_to_gmem(decay_smem, decay_gmem.at[out])
 
-        # 3b. Transposed scores: column tile i of A^T is k exp(b_i - G) (rows s < 16 (i + 1))
-        # times the row-scaled q or k of row tile i.
+        # 3b. Transposed scores ([s, r] layout: the column index is the row r of A), then masked.
         column_buffers = (tiles.at[2], tiles.at[3])
-
-        def scores(qk_acc, kk_acc):
-            for i in range(NUM_TILES):
-                if i >= 2:  # the two products of tile i - 2 read this buffer: let them finish
-                    plgpu.wgmma_wait(2)
-                exponent = jnp.where(key_rows < TILE_SIZE * (i + 1),
-                                     _columns(anchor(i), keys_shape) - G, -jnp.inf)
-                column_factor = column_buffers[i % 2]
-                column_factor[...] = (k * jnp.exp(exponent)).astype(OPERAND_DTYPE)
-                plgpu.commit_smem()
-                tile_rows = slice(TILE_SIZE * i, TILE_SIZE * (i + 1))
-                for acc, scaled_rows in ((qk_acc, q_rows), (kk_acc, k_rows)):
-                    plgpu.wgmma(acc.at[:, tile_rows], column_factor,
-                                scaled_rows.at[tile_rows].transpose((1, 0)))
-            return qk_acc[...], kk_acc[...]
-
-        qk_t, kk_t = pl.run_scoped(scores, plgpu.ACC(scores_shape), plgpu.ACC(scores_shape))
-        # [s, r] layout: the column index is the row r of A.
-        same_document = (_rows(document_of_row, scores_shape)
-                         == _columns(document_of_column, scores_shape))
+        qk_t, kk_t = transposed_scores(k, G, g_smem, (q_rows, k_rows), column_buffers,
+                                       lower_bound)
+        rows, columns = iota(scores_shape, 0), iota(scores_shape, 1)
+        in_document = same_document(document_smem)
         aqk, unit_lower = matrices.at[1], matrices.at[0]
-        aqk.transpose((1, 0))[...] = jnp.where((columns >= rows) & same_document, qk_t,
+        aqk.transpose((1, 0))[...] = jnp.where((columns >= rows) & in_document, qk_t,
                                                0.0).astype(OPERAND_DTYPE)
         beta_of_column = plgpu.load(beta_smem, layout=COLUMN_VECTOR)
-        n_t = jnp.where((columns > rows) & same_document,
-                        kk_t * _columns(beta_of_column, scores_shape), 0.0)
+        n_t = jnp.where((columns > rows) & in_document,
+                        kk_t * per_column(beta_of_column, scores_shape), 0.0)
         unit_lower.transpose((1, 0))[...] = n_t.astype(OPERAND_DTYPE)  # N: strictly lower
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(aqk, aqk_gmem.at[out])
 
         # 4. (I + N)^-1 by recursive doubling of the inverted diagonal blocks.
-        N = plgpu.load(unit_lower, layout=WGMMA).astype(jnp.float32)
-        distance = rows ^ columns  # b <= distance < 2b: neighbouring b-blocks of one 2b-block
-        inverse = jnp.where(rows == columns, 1.0, 0.0) - jnp.where(distance < 2, N, 0.0)
-        link, product, inverse_smem = matrices.at[2], matrices.at[3], matrices.at[4]
-        for block in (2 ** e for e in range(1, int(math.log2(CHUNK)))):
-            link[...] = jnp.where((distance >= block) & (distance < 2 * block), N,
-                                  0.0).astype(OPERAND_DTYPE)
-            inverse_smem[...] = inverse.astype(OPERAND_DTYPE)
-            plgpu.commit_smem()
-            product[...] = _matmul(inverse_smem, link, scores_shape).astype(OPERAND_DTYPE)
-            plgpu.commit_smem()
-            inverse = inverse - _matmul(product, inverse_smem, scores_shape)
+        inverse = unit_lower_inverse(unit_lower, (matrices.at[2], matrices.at[3], matrices.at[4]))
 
         # 5. W = (I + N)^-1 (beta k exp(G) reads), U = (I + N)^-1 (beta v), each from the bf16
         # hi and lo parts of both factors: U is read in float32, and W is rounded only once.
-        inverse_parts = (inverse_smem, link)
-        for part, value in zip(inverse_parts, _split(inverse, 2)):
-            part[...] = value
-        beta = _rows(plgpu.load(beta_smem, layout=ROW_VECTOR), keys_shape)
+        inverse_parts = (matrices.at[4], matrices.at[2])
+        store_split(inverse_parts, inverse)
+        beta = per_row(plgpu.load(beta_smem, layout=ROW_VECTOR), keys_shape)
         k_rhs_parts, v_rhs_parts = column_buffers, (v_smem, k_rows)
         # k and G are read again rather than kept in registers through the solve.
-        k_rhs = normalized(k_smem) * jnp.exp(load_rows(g_smem)) * beta * reads_state
+        k_rhs = normalized(k_smem) * jnp.exp(load_plain(g_smem)) * beta * masks.reads_state
         v_rhs = plgpu.load(v_smem, layout=WGMMA).astype(jnp.float32) * beta
-        for parts, value in ((k_rhs_parts, k_rhs), (v_rhs_parts, v_rhs)):
-            for part, piece in zip(parts, _split(value, 2)):
-                part[...] = piece
+        store_split(k_rhs_parts, k_rhs)
+        store_split(v_rhs_parts, v_rhs)
         plgpu.commit_smem()
         w_smem = q_rows
-        w_smem[...] = _matmul_of_splits(inverse_parts, k_rhs_parts, keys_shape).astype(
+        w_smem[...] = matmul_of_splits(inverse_parts, k_rhs_parts, keys_shape).astype(
             OPERAND_DTYPE)
-        g_smem[...] = _matmul_of_splits(inverse_parts, v_rhs_parts, (CHUNK, value_dim))  # U
+        g_smem[...] = matmul_of_splits(inverse_parts, v_rhs_parts, (CHUNK, value_dim))  # U
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(w_smem, w_gmem.at[out])
         plgpu.copy_smem_to_gmem(g_smem, u_gmem.at[out])
@@ -283,16 +176,6 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
     )
 
 
-def _documents_in_chunk(segment_ids, batch, padded_length):
-    """float32 [B, T']: how many documents began inside the token's chunk up to the token."""
-    if segment_ids is None:
-        return jnp.zeros((batch, padded_length), jnp.float32)
-    starts = document_starts(segment_ids)
-    starts = jnp.pad(starts, ((0, 0), (0, padded_length - starts.shape[1])))
-    per_chunk = starts.reshape(batch, -1, CHUNK).astype(jnp.int32)
-    return jnp.cumsum(per_chunk, axis=-1).reshape(batch, padded_length).astype(jnp.float32)
-
-
 def prepare_chunks_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm,
                           gate_lower_bound) -> RecurrenceOperands:
     """`kda.chunked.prepare_chunks` (chunk 64, bounded gates) by the Mosaic GPU kernel.
@@ -310,11 +193,7 @@ def prepare_chunks_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm
     num_chunks = -(-length // CHUNK)
     padded_length = num_chunks * CHUNK
 
-    def padded(x, dtype):
-        """Zero tokens up to a whole chunk: they leave the state untouched (k = v = g = 0)."""
-        x = x.astype(dtype)
-        return jnp.pad(x, [(0, 0), (0, padded_length - length)] + [(0, 0)] * (x.ndim - 2))
-
+    padded = functools.partial(pad_to_chunks, padded_length=padded_length)
     chunked = lambda *tail: (batch, num_value_heads, num_chunks, *tail)  # noqa: E731
     run = plgpu.kernel(
         functools.partial(_prepare_kernel, scale=float(scale), use_qk_l2norm=use_qk_l2norm,
@@ -329,11 +208,9 @@ def prepare_chunks_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm
             chunk_decay=jax.ShapeDtypeStruct(chunked(key_dim), jnp.float32)),
         grid=(batch, num_value_heads, num_chunks),
         grid_names=("batch", "heads", "chunks"),
-        # approx_math: exp and rsqrt on the MUFU unit (a few float32 ulp), fine ahead of bf16.
-        compiler_params=plgpu.CompilerParams(approx_math=True,
-                                             lowering_semantics=plgpu.LoweringSemantics.Lane),
+        compiler_params=COMPILER_PARAMS,
     )
     outputs = run(padded(q, OPERAND_DTYPE), padded(k, OPERAND_DTYPE), padded(v, OPERAND_DTYPE),
                   padded(g, jnp.float32), jnp.moveaxis(padded(beta, jnp.float32), 1, 2),
-                  _documents_in_chunk(segment_ids, batch, padded_length))
+                  documents_in_chunk(segment_ids, batch, padded_length))
     return RecurrenceOperands(*outputs)

@@ -28,14 +28,15 @@ is below e^-49, as in the forward (`kda.kernels.mosaic_gpu_prepare`).
 Two kernels, like peers' "WY" and "intra" backward kernels:
 
 1. `_wy_backward_kernel`, one program per (batch row, value head, chunk), all of K: recomputes G,
-   Akk and T (as the forward kernel), then the gradients through the UT transform: dv, dbeta, dAkk
-   (written in bf16, a matmul operand of kernel 2) and `beta E reads d rhs_k` (float32).
+   Akk and T with the forward kernel's building blocks (`kda.kernels.mosaic_gpu_tiles`, the same
+   arithmetic), then the gradients through the UT transform: dv, dbeta, dAkk (written in bf16, a
+   matmul operand of kernel 2) and `beta E reads d rhs_k` (float32).
 2. `_score_backward_kernel`, one program per (batch row, value head, chunk, 64 key columns): the
    score terms of both score matrices, computed transposed (`[key column, token]`: wgmma's M = 64
    runs over key columns, N = 16 over the tokens of one tile, so no product is wasted) and turned
    back through shared memory as bf16 hi/lo pairs (Mosaic GPU transposes only 16-bit data), then
    the direct terms, dG and its reverse cumulative sum as a triangular matmul of an exact 3-way
-   bf16 split.
+   bf16 split (`cumulative_sum` with `reverse`).
 
 Around the kernels, plain JAX computes the q/k inverse norms, and applies the VJP of
 `kda.common.prepare_qk` (the scale, the L2 norm's backward and the sum over the value heads of a
@@ -54,7 +55,6 @@ overlap another program's math yet.
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -62,131 +62,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda.chunked import CHUNK_SIZE, TILE_SIZE, ChunkedInputs
+from kda.chunked import TILE_SIZE, ChunkedInputs
 from kda.common import L2_NORM_EPS, prepare_qk
 from kda.kernels.mosaic_gpu_common import OPERAND_DTYPE, swizzled_smem
-from kda.kernels.mosaic_gpu_prepare import (COLUMN_VECTOR, ROW_VECTOR, WGMMA, _columns,
-                                            _documents_in_chunk, _iota, _matmul, _rows, _split)
+from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, COMPILER_PARAMS, NUM_TILES,
+                                          ROW_VECTOR, WGMMA, cumulative_sum, documents_in_chunk,
+                                          exponent_from_tile, exponent_up_to_tile, iota,
+                                          load_plain, matmul, matmul_of_splits, pad_to_chunks,
+                                          per_column, per_row, row_anchors, same_document,
+                                          state_masks, store_lower_ones, store_split,
+                                          transposed_scores, unit_lower_inverse)
 
-CHUNK = CHUNK_SIZE
-NUM_TILES = CHUNK // TILE_SIZE
 KEY_SLICE = 64  # key columns per program of the score kernel (wgmma's M)
 SUPPORTED_DIMS = (64, 128)
-_COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True,
-                                        lowering_semantics=plgpu.LoweringSemantics.Lane)
-
-
-# Pieces shared by both kernels (called inside a kernel body).
-
-
-def _cumulative_sum(x, parts, ones, *, reverse=False):
-    """`tril(1) @ x` (or `triu(1) @ x`, the sum from each row to the end) within the chunk.
-
-    x is split exactly into three bf16 parts, so the sum is float32-accurate.
-
-    Args:
-      x: float32 [C, n] (WGMMA layout).
-      parts: three bf16 [C, n] SMEM operands (overwritten).
-      ones: bf16 [C, C] SMEM holding tril(1) (`_store_lower_ones`).
-    Returns:
-      float32 [C, n].
-    """
-    for part, value in zip(parts, _split(x, 3)):
-        part[...] = value
-    plgpu.commit_smem()
-    triangle = ones.transpose((1, 0)) if reverse else ones
-
-    def product(acc):
-        for part in parts:
-            plgpu.wgmma(acc, triangle, part)
-        return acc[...]
-
-    return pl.run_scoped(product, plgpu.ACC(x.shape))
-
-
-def _store_lower_ones(ones):
-    """ones[r, s] = 1 for s <= r (bf16 [C, C] SMEM)."""
-    shape = ones.shape
-    ones[...] = jnp.where(_iota(shape, 1) <= _iota(shape, 0), 1.0, 0.0).astype(OPERAND_DTYPE)
-
-
-def _anchor(G_smem, tile, lower_bound):
-    """The causal anchor `b_tile = G[16 tile] + 7.5 L` [n] (a COLUMN_VECTOR), read from SMEM."""
-    return (plgpu.load(G_smem.at[TILE_SIZE * tile], layout=COLUMN_VECTOR)
-            + 0.5 * (TILE_SIZE - 1) * lower_bound)
-
-
-def _row_anchors(G_smem, shape, lower_bound):
-    """[C, n]: row r holds the anchor of its own tile, `b_(r // 16)`."""
-    key_rows = _iota(shape, 0)
-    anchors = _columns(_anchor(G_smem, NUM_TILES - 1, lower_bound), shape)
-    for tile in reversed(range(NUM_TILES - 1)):
-        anchors = jnp.where(key_rows < TILE_SIZE * (tile + 1),
-                            _columns(_anchor(G_smem, tile, lower_bound), shape), anchors)
-    return anchors
-
-
-def _load_plain(smem):
-    """A float32 [C, n] operand kept in plain row-major SMEM (so that single rows can be read)."""
-    return plgpu.load(smem, layout=WGMMA, optimized=False)
-
-
-def _document_masks(document_smem, shape):
-    """(reads_state [C, n], writes_state [C, n], same_document [C, C], keeps_state scalar).
-
-    document_smem holds, per token, how many documents began inside the chunk up to the token
-    (`_documents_in_chunk`): rows of a document that began inside the chunk do not read the
-    entering state, and only the chunk's last document writes the leaving one.
-    """
-    document_of_row = plgpu.load(document_smem, layout=ROW_VECTOR)
-    document_of_column = plgpu.load(document_smem, layout=COLUMN_VECTOR)
-    last_document = document_smem[CHUNK - 1]
-    reads_state = _rows(jnp.where(document_of_row == 0.0, 1.0, 0.0), shape)
-    writes_state = _rows(jnp.where(document_of_row == last_document, 1.0, 0.0), shape)
-    scores_shape = (CHUNK, CHUNK)
-    same_document = (_rows(document_of_row, scores_shape)
-                     == _columns(document_of_column, scores_shape))
-    keeps_state = jnp.where(last_document == 0.0, 1.0, 0.0)
-    return reads_state, writes_state, same_document, keeps_state
-
-
-def _unit_lower_inverse(N, scratch):
-    """`(I + N)^-1` for strictly lower-triangular N [C, C] by recursive doubling (as the forward).
-
-    With `X_b` the inverse of the block-diagonal part of blocks of size b, `X_2b = X_b - X_b C_b
-    X_b`, `C_b` the entries of N linking two neighbouring b-blocks: every intermediate is a block
-    of the true inverse, so nothing grows the way powers of N would.
-
-    Args:
-      N: float32 [C, C] (WGMMA layout).
-      scratch: three bf16 [C, C] SMEM operands (link, product, inverse), overwritten.
-    Returns:
-      float32 [C, C].
-    """
-    link, product, inverse_smem = scratch
-    rows, columns = _iota(N.shape, 0), _iota(N.shape, 1)
-    distance = rows ^ columns  # b <= distance < 2b: neighbouring b-blocks of one 2b-block
-    inverse = jnp.where(rows == columns, 1.0, 0.0) - jnp.where(distance < 2, N, 0.0)
-    for block in (2 ** e for e in range(1, int(math.log2(CHUNK)))):
-        link[...] = jnp.where((distance >= block) & (distance < 2 * block), N,
-                              0.0).astype(OPERAND_DTYPE)
-        inverse_smem[...] = inverse.astype(OPERAND_DTYPE)
-        plgpu.commit_smem()
-        product[...] = _matmul(inverse_smem, link, N.shape).astype(OPERAND_DTYPE)
-        plgpu.commit_smem()
-        inverse = inverse - _matmul(product, inverse_smem, N.shape)
-    return inverse
-
-
-def _matmul_split_lhs(a_parts, b, shape):
-    """`(a_hi + a_lo) @ b`: float32 [shape]."""
-
-    def product(acc):
-        for a in a_parts:
-            plgpu.wgmma(acc, a, b)
-        return acc[...]
-
-    return pl.run_scoped(product, plgpu.ACC(shape))
 
 
 # Kernel 1: gradients through the UT transform.
@@ -225,61 +113,43 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
             plgpu.barrier_wait(barriers.at[index])
         du_barrier, dw_barrier = barriers.at[len(inputs) - 1], barriers.at[len(inputs)]
 
-        reads_state, _, same_document, _ = _document_masks(document_smem, keys_shape)
+        reads_state = state_masks(document_smem, keys_shape).reads_state
         beta_of_row = plgpu.load(beta_smem, layout=ROW_VECTOR)
-        rows, columns = _iota(scores_shape, 0), _iota(scores_shape, 1)
-        key_rows = _iota(keys_shape, 0)
+        rows, columns = iota(scores_shape, 0), iota(scores_shape, 1)
 
         def normalized_k():
             k = plgpu.load(k_smem, layout=WGMMA).astype(jnp.float32)
-            return k * _rows(plgpu.load(k_factor_smem, layout=ROW_VECTOR), keys_shape)
+            return k * per_row(plgpu.load(k_factor_smem, layout=ROW_VECTOR), keys_shape)
 
         # G = cumsum(g), stored over g for row reads.
         ones = matrices.at[0]
-        _store_lower_ones(ones)
-        g_smem[...] = _cumulative_sum(_load_plain(g_smem), (tiles.at[0], tiles.at[1],
-                                                            tiles.at[2]), ones)
+        store_lower_ones(ones)
+        g_smem[...] = cumulative_sum(load_plain(g_smem), (tiles.at[0], tiles.at[1], tiles.at[2]),
+                                     ones)
         plgpu.commit_smem()
 
         # Akk as the forward computes it: transposed tiles (rows s, columns r), each row tile i of
         # k scaled by exp(G_r - b_i) times the columns k exp(b_i - G_s), s < 16 (i + 1).
         k = normalized_k()
-        G = _load_plain(g_smem)
+        G = load_plain(g_smem)
         k_rows, column_buffers = tiles.at[0], (tiles.at[1], tiles.at[2])
-        k_rows[...] = (k * jnp.exp(G - _row_anchors(g_smem, keys_shape, lower_bound))).astype(
+        k_rows[...] = (k * jnp.exp(G - row_anchors(g_smem, keys_shape, lower_bound))).astype(
             OPERAND_DTYPE)
-
-        def scores(kk_acc):
-            for i in range(NUM_TILES):
-                if i >= 2:  # the product of tile i - 2 reads this buffer: let it finish
-                    plgpu.wgmma_wait(1)
-                exponent = jnp.where(key_rows < TILE_SIZE * (i + 1),
-                                     _columns(_anchor(g_smem, i, lower_bound), keys_shape) - G,
-                                     -jnp.inf)
-                column_factor = column_buffers[i % 2]
-                column_factor[...] = (k * jnp.exp(exponent)).astype(OPERAND_DTYPE)
-                plgpu.commit_smem()
-                tile_rows = slice(TILE_SIZE * i, TILE_SIZE * (i + 1))
-                plgpu.wgmma(kk_acc.at[:, tile_rows], column_factor,
-                            k_rows.at[tile_rows].transpose((1, 0)))
-            return kk_acc[...]
-
-        kk_t = pl.run_scoped(scores, plgpu.ACC(scores_shape))
+        (kk_t,) = transposed_scores(k, G, g_smem, (k_rows,), column_buffers, lower_bound)
         # [s, r] layout: the column index is the row r of Akk.
-        akk_t = jnp.where((columns > rows) & same_document, kk_t, 0.0)  # symmetric mask
+        in_document = same_document(document_smem)
+        akk_t = jnp.where((columns > rows) & in_document, kk_t, 0.0)  # symmetric mask
         akk, unit_lower = matrices.at[1], matrices.at[0]
         akk.transpose((1, 0))[...] = akk_t.astype(OPERAND_DTYPE)
         beta_of_column = plgpu.load(beta_smem, layout=COLUMN_VECTOR)
         unit_lower.transpose((1, 0))[...] = (
-            akk_t * _columns(beta_of_column, scores_shape)).astype(OPERAND_DTYPE)
+            akk_t * per_column(beta_of_column, scores_shape)).astype(OPERAND_DTYPE)
         plgpu.commit_smem()
 
         # T = (I + N)^-1, kept as bf16 hi and lo parts; T^T is their transposed view.
-        N = plgpu.load(unit_lower, layout=WGMMA).astype(jnp.float32)
-        inverse = _unit_lower_inverse(N, (matrices.at[2], matrices.at[3], matrices.at[4]))
+        inverse = unit_lower_inverse(unit_lower, (matrices.at[2], matrices.at[3], matrices.at[4]))
         inverse_parts = (matrices.at[4], matrices.at[2])
-        for part, value in zip(inverse_parts, _split(inverse, 2)):
-            part[...] = value
+        store_split(inverse_parts, inverse)
         inverse_t = tuple(part.transpose((1, 0)) for part in inverse_parts)
 
         # The cotangents of W and U in bf16; the right-hand sides of the UT transform.
@@ -288,10 +158,10 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
         du[...] = plgpu.load(staging, layout=WGMMA).astype(OPERAND_DTYPE)
         plgpu.commit_smem()  # the load is done before TMA reuses the staging buffer
         plgpu.copy_gmem_to_smem(dw_gmem.at[out], staging, dw_barrier)
-        beta = _rows(beta_of_row, keys_shape)
+        beta = per_row(beta_of_row, keys_shape)
 
         def decay_read():  # E reads, recomputed where needed rather than held in registers
-            return jnp.exp(_load_plain(g_smem)) * reads_state
+            return jnp.exp(load_plain(g_smem)) * reads_state
 
         def load_v():
             return plgpu.load(v_smem, layout=WGMMA).astype(jnp.float32)
@@ -312,12 +182,12 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
         dT_smem[...] = pl.run_scoped(d_inverse, plgpu.ACC(scores_shape)).astype(OPERAND_DTYPE)
 
         # dv = beta T^T dU (written over rhs_v, whose product is done), dbeta's v term.
-        d_rhs_v = _matmul_split_lhs(inverse_t, du, (CHUNK, value_dim))
+        d_rhs_v = matmul_of_splits(inverse_t, (du,), (CHUNK, value_dim))
         dbeta = jnp.sum(d_rhs_v * load_v(), axis=1)
         dv = rhs_v
-        dv[...] = (_rows(beta_of_row, d_rhs_v.shape) * d_rhs_v).astype(dv.dtype)
+        dv[...] = (per_row(beta_of_row, d_rhs_v.shape) * d_rhs_v).astype(dv.dtype)
         # dk's UT term, beta E reads T^T dW (written over the staged dW), dbeta's k term.
-        d_rhs_k = _matmul_split_lhs(inverse_t, dw, keys_shape)
+        d_rhs_k = matmul_of_splits(inverse_t, (dw,), keys_shape)
         dbeta += jnp.sum(d_rhs_k * normalized_k() * decay_read(), axis=1)
         staging[...] = beta * decay_read() * d_rhs_k
         plgpu.commit_smem()
@@ -326,13 +196,13 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
 
         # dN = -T^T dT T^T on the entries N has (strict lower, same document); dAkk = beta dN.
         product = matrices.at[3]
-        product[...] = _matmul(inverse_t[0], dT_smem, scores_shape).astype(OPERAND_DTYPE)
+        product[...] = matmul(inverse_t[0], dT_smem, scores_shape).astype(OPERAND_DTYPE)
         plgpu.commit_smem()
-        dN = -_matmul(product, inverse_t[0], scores_shape)
-        dN = jnp.where((columns < rows) & same_document, dN, 0.0)
+        dN = -matmul(product, inverse_t[0], scores_shape)
+        dN = jnp.where((columns < rows) & in_document, dN, 0.0)
         dbeta += jnp.sum(dN * plgpu.load(akk, layout=WGMMA).astype(jnp.float32), axis=1)
         dakk = dT_smem  # dT's product is done
-        dakk[...] = (_rows(beta_of_row, scores_shape) * dN).astype(OPERAND_DTYPE)
+        dakk[...] = (per_row(beta_of_row, scores_shape) * dN).astype(OPERAND_DTYPE)
         dbeta_smem[...] = dbeta
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dakk, dakk_gmem.at[out])
@@ -401,20 +271,18 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
         for index in range(len(inputs)):
             plgpu.barrier_wait(barriers.at[index])
 
-        reads_state, writes_state, same_document, keeps_state = _document_masks(document_smem,
-                                                                                keys_shape)
-        rows, columns = _iota(scores_shape, 0), _iota(scores_shape, 1)
-        key_rows = _iota(keys_shape, 0)
+        masks = state_masks(document_smem, keys_shape)
+        rows, columns = iota(scores_shape, 0), iota(scores_shape, 1)
 
         # G = cumsum(g), stored over g for row reads.
         ones = tiles.at[8]  # [C, C] = [C, 64]: the same shape
-        _store_lower_ones(ones)
+        store_lower_ones(ones)
         cumsum_parts = (tiles.at[0], tiles.at[1], tiles.at[2])
-        g_smem[...] = _cumulative_sum(_load_plain(g_smem), cumsum_parts, ones)
+        g_smem[...] = cumulative_sum(load_plain(g_smem), cumsum_parts, ones)
 
         # Score cotangents in bf16, as [r, s] and transposed: dAqk masked like Aqk (causal
         # including the diagonal, same document); dAkk comes masked from kernel 1.
-        daqk = jnp.where((columns <= rows) & same_document,
+        daqk = jnp.where((columns <= rows) & same_document(document_smem),
                          plgpu.load(daqk_staging, layout=WGMMA), 0.0).astype(OPERAND_DTYPE)
         daq[...] = daqk
         daq_t.transpose((1, 0))[...] = daqk
@@ -423,9 +291,9 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
 
         def normalized(smem, factor_smem):
             x = plgpu.load(smem, layout=WGMMA).astype(jnp.float32)
-            return x * _rows(plgpu.load(factor_smem, layout=ROW_VECTOR), keys_shape)
+            return x * per_row(plgpu.load(factor_smem, layout=ROW_VECTOR), keys_shape)
 
-        G = _load_plain(g_smem)
+        G = load_plain(g_smem)
         k = normalized(k_smem, k_factor_smem)
 
         # Row terms, transposed ([key column c, token r]), the factor exp(G_r - b_i) left out:
@@ -438,12 +306,8 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
             for i in range(NUM_TILES):
                 if i >= 2:  # the four products of tile i - 2 read these buffers
                     plgpu.wgmma_wait(4)
-                exponent = jnp.where(key_rows < TILE_SIZE * (i + 1),
-                                     _columns(_anchor(g_smem, i, lower_bound), keys_shape) - G,
-                                     -jnp.inf)
                 parts = row_buffers[i % 2]
-                for part, value in zip(parts, _split(k * jnp.exp(exponent), 2)):
-                    part[...] = value
+                store_split(parts, k * jnp.exp(exponent_up_to_tile(G, g_smem, i, lower_bound)))
                 plgpu.commit_smem()
                 tile_rows = slice(TILE_SIZE * i, TILE_SIZE * (i + 1))
                 for acc, cotangent in ((q_acc, daq), (k_acc, dak)):
@@ -465,13 +329,9 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
             for j in range(NUM_TILES):
                 if j >= 2:
                     plgpu.wgmma_wait(4)
-                exponent = jnp.where(key_rows >= TILE_SIZE * j,
-                                     G - _columns(_anchor(g_smem, j, lower_bound), keys_shape),
-                                     -jnp.inf)
-                row_factor = jnp.exp(exponent)
+                row_factor = jnp.exp(exponent_from_tile(G, g_smem, j, lower_bound))
                 for parts, x in zip(column_buffers[j % 2], (q, k)):
-                    for part, value in zip(parts, _split(x * row_factor, 2)):
-                        part[...] = value
+                    store_split(parts, x * row_factor)
                 plgpu.commit_smem()
                 tile_columns = slice(TILE_SIZE * j, TILE_SIZE * (j + 1))
                 for parts, cotangent_t in zip(column_buffers[j % 2], (daq_t, dak_t)):
@@ -484,8 +344,7 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
 
         # Back to [token, key column] through SMEM: bf16 hi and lo parts, stored transposed.
         def untransposed(values_t, parts):
-            for part, value in zip(parts, _split(values_t, 2)):
-                part.transpose((1, 0))[...] = value
+            store_split(tuple(part.transpose((1, 0)) for part in parts), values_t)
             plgpu.commit_smem()
             return sum(plgpu.load(part, layout=WGMMA).astype(jnp.float32) for part in parts)
 
@@ -494,22 +353,24 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
         k_columns = untransposed(k_columns_t, (tiles.at[4], tiles.at[5]))
 
         # The anchor factors, the direct terms, and dG.
-        anchor_exponent = G - _row_anchors(g_smem, keys_shape, lower_bound)
+        anchor_exponent = G - row_anchors(g_smem, keys_shape, lower_bound)
         last_G = plgpu.load(g_smem.at[CHUNK - 1], layout=COLUMN_VECTOR)
-        dq = _load_plain(dq_smem) * jnp.exp(G) * reads_state + jnp.exp(anchor_exponent) * q_rows
-        dk_rows = _load_plain(dg_smem) + jnp.exp(anchor_exponent) * k_rows
-        dk_to_state = (_load_plain(dk_smem) * jnp.exp(_columns(last_G, keys_shape) - G)
-                       * writes_state)
+        dq = (load_plain(dq_smem) * jnp.exp(G) * masks.reads_state
+              + jnp.exp(anchor_exponent) * q_rows)
+        dk_rows = load_plain(dg_smem) + jnp.exp(anchor_exponent) * k_rows
+        dk_to_state = (load_plain(dk_smem) * jnp.exp(per_column(last_G, keys_shape) - G)
+                       * masks.writes_state)
         dk_columns = dk_to_state + jnp.exp(-anchor_exponent) * k_columns
         dG = q * dq + k * (dk_rows - dk_columns)
         last_row = (jnp.sum(k * dk_to_state, axis=0)
                     + plgpu.load(ddecay_smem, layout=COLUMN_VECTOR) * jnp.exp(last_G)
-                    * keeps_state)
-        dG = dG + jnp.where(key_rows == CHUNK - 1, _columns(last_row, keys_shape), 0.0)
+                    * masks.keeps_state)
+        dG = dG + jnp.where(iota(keys_shape, 0) == CHUNK - 1, per_column(last_row, keys_shape),
+                            0.0)
         dq_smem[...] = dq
         dk_smem[...] = dk_rows + dk_columns
         # dg = the sum of dG from each row to the chunk's end.
-        dg_smem[...] = _cumulative_sum(dG, cumsum_parts, ones, reverse=True)
+        dg_smem[...] = cumulative_sum(dG, cumsum_parts, ones, reverse=True)
         plgpu.commit_smem()
         target = (batch, tokens, head, keys)
         for smem, gmem in ((dq_smem, dq_gmem), (dk_smem, dk_gmem), (dg_smem, dg_gmem)):
@@ -571,14 +432,11 @@ def prepare_chunks_vjp_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2
     num_chunks = -(-length // CHUNK)
     padded_length = num_chunks * CHUNK
 
-    def padded(x, dtype):
-        x = x.astype(dtype)
-        return jnp.pad(x, [(0, 0), (0, padded_length - length)] + [(0, 0)] * (x.ndim - 2))
-
+    padded = functools.partial(pad_to_chunks, padded_length=padded_length)
     group = num_value_heads // num_heads
     q_bf16, k_bf16 = padded(q, OPERAND_DTYPE), padded(k, OPERAND_DTYPE)
     g_padded = padded(g, jnp.float32)
-    document = _documents_in_chunk(segment_ids, batch, padded_length)
+    document = documents_in_chunk(segment_ids, batch, padded_length)
     k_factor = _inverse_norms(k, use_qk_l2norm, padded_length)
     q_factor = _inverse_norms(q, use_qk_l2norm, padded_length) * scale
     cotangents = ChunkedInputs(*(x.astype(jnp.float32) for x in cotangents))
@@ -594,7 +452,7 @@ def prepare_chunks_vjp_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2
                   jax.ShapeDtypeStruct(chunked(CHUNK, key_dim), jnp.float32)),
         grid=(batch, num_value_heads, num_chunks),
         grid_names=("batch", "heads", "chunks"),
-        compiler_params=_COMPILER_PARAMS,
+        compiler_params=COMPILER_PARAMS,
     )
     dv, dbeta, dakk, dk_wy = wy_backward(
         k_bf16, padded(v, OPERAND_DTYPE), g_padded, jnp.moveaxis(padded(beta, jnp.float32), 1, 2),
@@ -608,7 +466,7 @@ def prepare_chunks_vjp_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2
         out_type=(keyed, keyed, keyed),
         grid=(batch, num_value_heads, num_chunks * slices),
         grid_names=("batch", "heads", "chunks"),
-        compiler_params=_COMPILER_PARAMS,
+        compiler_params=COMPILER_PARAMS,
     )
     dq, dk, dg = score_backward(
         q_bf16, k_bf16, g_padded, document, q_factor, k_factor, cotangents.Aqk, dakk,
