@@ -3,7 +3,8 @@
 Implementations share one signature (that of `kda.reference.kda_reference`). "reference" and
 "chunked" always exist; kernels register themselves with a `supports(call)` predicate that accepts
 only the calls their tests cover. `impl="auto"` takes the first registered kernel that supports
-the call and otherwise falls back to the chunked op: slower, never wrong.
+the call and otherwise falls back to the chunked op: slower, never wrong. A kernel registered with
+`auto=False` runs only when asked for by name (one whose GPU tests have not all run yet).
 """
 
 import dataclasses
@@ -41,6 +42,7 @@ class Implementation:
     name: str
     fn: Callable
     supports: Callable[[KDACall], bool]
+    auto: bool = True  # whether `impl="auto"` may choose it
 
 
 _BUILTIN = {
@@ -50,12 +52,14 @@ _BUILTIN = {
 _KERNELS: list[Implementation] = []
 
 
-def register_kernel(name: str, fn: Callable, supports: Callable[[KDACall], bool]) -> None:
-    """Adds a kernel to the front of the `impl="auto"` search order (re-registering replaces)."""
+def register_kernel(name: str, fn: Callable, supports: Callable[[KDACall], bool], *,
+                    auto: bool = True) -> None:
+    """Adds a kernel to the front of the `impl="auto"` search order (re-registering replaces);
+    with `auto=False` it is left out of that search and runs only when asked for by name."""
     if name in _BUILTIN or name == "auto":
         raise ValueError(f"name {name!r} is reserved; choose another kernel name")
     _KERNELS[:] = [impl for impl in _KERNELS if impl.name != name]
-    _KERNELS.insert(0, Implementation(name, fn, supports))
+    _KERNELS.insert(0, Implementation(name, fn, supports, auto))
 
 
 def available_implementations() -> list[str]:
@@ -161,7 +165,7 @@ def kda_attention(
 
 def _choose(impl: str, call: KDACall) -> Implementation:
     if impl == "auto":
-        supported = (kernel for kernel in _KERNELS if kernel.supports(call))
+        supported = (kernel for kernel in _KERNELS if kernel.auto and kernel.supports(call))
         return next(supported, _BUILTIN["chunked"])
     by_name = {**_BUILTIN, **{kernel.name: kernel for kernel in _KERNELS}}
     if impl not in by_name:

@@ -41,9 +41,12 @@ def test_import_kda_needs_neither_triton_nor_jax_triton():
     assert "triton" not in sys.modules and "jax_triton" not in sys.modules
 
 
-def test_auto_tries_mosaic_gpu_before_triton():
-    names = kda.available_implementations()
-    assert names.index("mosaic_gpu") < names.index(triton_path.NAME)
+def test_auto_never_chooses_triton_until_its_gpu_tests_have_run(monkeypatch):
+    monkeypatch.setattr(triton_path, "_on_ampere_or_later", lambda: True)
+    monkeypatch.setattr(triton_path, "_jax_triton_importable", lambda: True)
+    assert triton_path.supports(SUPPORTED_CALL)
+    assert kda.api._choose("auto", SUPPORTED_CALL).name != triton_path.NAME
+    assert kda.api._choose(triton_path.NAME, SUPPORTED_CALL).name == triton_path.NAME
 
 
 def test_dispatcher_uses_triton_only_for_bf16_heads_of_64_or_128_on_ampere_or_later(monkeypatch):

@@ -12,14 +12,11 @@
 * `kda.kernels.mosaic_gpu_tiles`: the in-kernel building blocks of both preparation kernels
   (chunk cumsum, causal anchors and score tiles, document masks, `(I + N)^-1`, split matmuls).
 * `kda.kernels.mosaic_gpu_common`: what they share (SMEM layouts, `RecurrenceOperands`).
-* `kda.kernels.triton`: the same two kernels in Triton through jax-triton (NVIDIA GPUs from Ampere
-  on; `kda.kernels.triton_kernels` holds the kernels), the `impl="triton"` path (registered behind
-  `mosaic_gpu`).
+* `kda.kernels.triton`: the forward kernels in Triton through jax-triton (NVIDIA GPUs from Ampere
+  on; `kda.kernels.triton_kernels` holds the kernels), the `impl="triton"` path (by name only:
+  `impl="auto"` does not choose it until its GPU tests have all passed).
 """
 
-# `register_kernel` puts the newest kernel first in `impl="auto"`'s search: the Mosaic GPU path is
-# imported last so that it is tried before the portable Triton path.
-from kda.kernels import triton  # isort: skip
-from kda.kernels import mosaic_gpu  # isort: skip
+from kda.kernels import mosaic_gpu, triton
 
 __all__ = ["mosaic_gpu", "triton"]
