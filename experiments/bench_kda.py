@@ -94,9 +94,15 @@ def _time(fn: Callable[[], object], sync: Callable[[object], None], repeats: int
     return statistics.median(samples)
 
 
-def _jax_peak_mib(jitted, *args) -> float:
+def _compiled(fn: Callable, *args) -> jax.stages.Compiled:
+    """`fn` compiled once for `args`: timed and memory-analysed from the same executable. Every
+    array is an argument, never a closed-over constant (XLA would fold it into the program)."""
+    return jax.jit(fn).lower(*args).compile()
+
+
+def _peak_mib(compiled: jax.stages.Compiled) -> float:
     """Arguments + outputs + temporaries of one compiled call, from XLA's memory analysis."""
-    stats = jitted.lower(*args).compile().memory_analysis()
+    stats = compiled.memory_analysis()
     total = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
     return total / 2**20
 
@@ -105,16 +111,16 @@ def bench_jax(attention: Callable, inputs, repeats: int):
     """Times `attention(q, k, v, g, beta) -> o` and the gradient of `sum(o * do)`."""
     args = [jnp.asarray(inputs[name]) for name in ("q", "k", "v", "g", "beta")]
     d_o = jnp.asarray(inputs["do"])
-    forward = jax.jit(attention)
 
-    def loss(*xs):
+    def loss(xs, d_o):
         return jnp.sum(attention(*xs).astype(jnp.float32) * d_o.astype(jnp.float32))
 
-    backward = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    forward = _compiled(attention, *args)
+    backward = _compiled(jax.grad(loss), args, d_o)
     sync = jax.block_until_ready
     timing = Timing(forward_ms=_time(lambda: forward(*args), sync, repeats),
-                    forward_backward_ms=_time(lambda: backward(*args), sync, repeats),
-                    peak_mib=_jax_peak_mib(backward, *args))
+                    forward_backward_ms=_time(lambda: backward(args, d_o), sync, repeats),
+                    peak_mib=_peak_mib(backward))
     return np.asarray(forward(*args), np.float32), timing
 
 
@@ -151,9 +157,9 @@ def bench_preparation(prepare: Callable, inputs, repeats: int):
     `prepare(q, k, v, g, beta)` returns the recurrence kernel's operands.
     """
     args = [jnp.asarray(inputs[name]) for name in ("q", "k", "v", "g", "beta")]
-    forward = jax.jit(prepare)
+    forward = _compiled(prepare, *args)
     timing = Timing(forward_ms=_time(lambda: forward(*args), jax.block_until_ready, repeats),
-                    peak_mib=_jax_peak_mib(forward, *args),
+                    peak_mib=_peak_mib(forward),
                     note="chunk preparation alone (forward); memory of the forward")
     return None, timing
 
@@ -172,12 +178,12 @@ def bench_recurrence(recurrence: Callable, inputs, repeats: int, with_backward: 
     batch, heads, _, _, key_dim = chunks.W.shape
     state = jnp.zeros((batch, heads, key_dim, chunks.U.shape[-1]), jnp.float32)
     out_dtype = args[2].dtype
-    forward = jax.jit(lambda c, s: recurrence(c, s, out_dtype))
+    forward = _compiled(lambda c, s: recurrence(c, s, out_dtype), chunks, state)
     sync = jax.block_until_ready
     timing = Timing(forward_ms=_time(lambda: forward(chunks, state), sync, repeats),
                     note="recurrence over chunks alone, on prepared inputs")
     if not with_backward:
-        timing.peak_mib = _jax_peak_mib(forward, chunks, state)
+        timing.peak_mib = _peak_mib(forward)
         timing.note += " (forward only; memory of the forward)"
         return None, timing
 
@@ -185,9 +191,9 @@ def bench_recurrence(recurrence: Callable, inputs, repeats: int, with_backward: 
         o, final_state = recurrence(c, s, out_dtype)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final_state)
 
-    backward = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    backward = _compiled(jax.grad(loss, argnums=(0, 1)), chunks, state)
     timing.forward_backward_ms = _time(lambda: backward(chunks, state), sync, repeats)
-    timing.peak_mib = _jax_peak_mib(backward, chunks, state)
+    timing.peak_mib = _peak_mib(backward)
     return None, timing
 
 
