@@ -1,11 +1,13 @@
-"""Sequence parallelism for the KDA recurrence (`kda.kernels.sequence_parallel`).
+"""Sequence parallelism for the KDA recurrence and its reversed (backward) recurrence
+(`kda.kernels.sequence_parallel`).
 
-The scheme in plain JAX (segments run by `chunk_recurrence`, float32) must equal the unsplit
-recurrence to float32 rounding; the combine must equal a sequential loop over segments; the
-kernel on P segments (interpret mode on a simulated Hopper, with race detection) must equal the
-kernel on one and the plain-JAX recurrence within fla's bf16 bars; on a Hopper GPU the whole
-forward (preparation kernel, then the sequence-parallel recurrence) must match the oracle on long
-single sequences.
+The scheme in plain JAX (segments run by `chunk_recurrence`, or by a float32 scan of the reversed
+recurrence) must equal the unsplit recurrence (or its `jax.vjp`) to float32 rounding; the combine
+must equal a sequential loop over segments; the kernels on P segments (interpret mode on a
+simulated Hopper, with race detection) must equal the kernels on one and the plain-JAX recurrence
+within fla's bf16 bars; on a Hopper GPU the whole forward (preparation kernel, then the
+sequence-parallel recurrence) and the recurrence's VJP must match the oracles on long single
+sequences.
 
 Inputs use slow gates (g / 100, in (-0.05, 0)) wherever the combine is under test: with the
 default gates in (-5, 0) the state is forgotten within a chunk or two, so segments started from
@@ -21,14 +23,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kda.chunked import CHUNK_SIZE, chunk_recurrence, prepare_chunks
+from kda.chunked import CHUNK_SIZE, ChunkedInputs, chunk_recurrence, prepare_chunks
+from kda.common import einsum
 from kda.kernels.mosaic_gpu_common import RecurrenceOperands, recurrence_operands
 from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
 from kda.kernels.sequence_parallel import (choose_num_segments, combine_segments,
-                                           recurrence_in_segments, sequence_parallel_recurrence,
+                                           recurrence_in_segments,
+                                           reversed_recurrence_in_segments,
+                                           sequence_parallel_recurrence,
+                                           sequence_parallel_reversed_recurrence,
                                            split_into_segments)
 from kda_inputs import make_inputs, relative_error
 from test_kda_kernels import HOPPER, interpreted_on_simulated_hopper
+from test_kda_kernels_backward import (GRADIENT_TOLERANCE, jitted_vjp, kernel_recurrence,
+                                       plain_recurrence)
 from test_kda_ops import BF16_TOLERANCE, F32_TOLERANCE, run
 
 SLOW_GATE_FACTOR = 0.01
@@ -147,6 +155,62 @@ def test_segments_in_plain_jax_equal_the_whole_recurrence(num_chunks_and_segment
     assert relative_error(final_state, state_whole) <= F32_TOLERANCE
 
 
+def reversed_scan(chunks, d_o, d_final_state):
+    """The reversed recurrence by a float32 scan over chunks, on `ChunkedInputs` (the oracle):
+    `(d_states [B, HV, N, K, V]: dS_{n+1}, d_v_new [B, HV, N, C, V], dS_0 [B, HV, K, V])`."""
+
+    def step(d_state, chunk):
+        w, q_from_state, k_to_state, aqk, decay, d_o = chunk
+        d_v_new = (einsum("...ij,...iv->...jv", aqk, d_o)
+                   + einsum("...ck,...kv->...cv", k_to_state, d_state))
+        d_entering = (decay[..., None] * d_state + einsum("...ck,...cv->...kv", q_from_state, d_o)
+                      - einsum("...ck,...cv->...kv", w, d_v_new))
+        return d_entering, (d_state, d_v_new)
+
+    per_chunk = (chunks.W, chunks.q_from_state, chunks.k_to_state, chunks.Aqk, chunks.chunk_decay,
+                 d_o)
+    d_initial_state, (d_states, d_v_new) = jax.lax.scan(
+        step, d_final_state, tuple(jnp.moveaxis(x, 2, 0) for x in per_chunk), reverse=True)
+    return jnp.moveaxis(d_states, 0, 2), jnp.moveaxis(d_v_new, 0, 2), d_initial_state
+
+
+def random_cotangents(chunks, seed, dtype=jnp.float32):
+    """Random cotangents of the recurrence's outputs: (d_o [B, HV, N, C, V] in dtype,
+    d_final_state float32 [B, HV, K, V])."""
+    keys = jax.random.split(jax.random.PRNGKey(seed), 2)
+    batch, heads, _, _, key_dim = chunks.W.shape
+    return (jax.random.normal(keys[0], chunks.U.shape).astype(dtype),
+            jax.random.normal(keys[1], (batch, heads, key_dim, chunks.U.shape[-1])))
+
+
+@pytest.mark.slow
+@settings(deadline=None, max_examples=10)
+@given(
+    num_chunks_and_segments=st.sampled_from([(1, 1), (3, 2), (4, 4), (8, 3), (8, 2), (7, 5)]),
+    initial_state=st.booleans(),
+    segments=st.booleans(),
+)
+def test_reversed_segments_in_plain_jax_equal_the_whole_vjp(num_chunks_and_segments,
+                                                             initial_state, segments):
+    num_chunks, num_segments = num_chunks_and_segments
+    chunks, state = slow_gate_chunks(segments)
+    chunks = first_chunks(chunks, num_chunks)
+    state = state if initial_state else jnp.zeros_like(state)
+    cotangents = random_cotangents(chunks, num_chunks)
+    d_chunks, d_initial_whole = jitted_vjp(
+        lambda c, s: chunk_recurrence(c, s, jnp.float32))(chunks, state, cotangents)
+    d_states_whole, d_v_new_whole, d_initial_scan = jax.jit(reversed_scan)(chunks, *cotangents)
+    # The oracle is the VJP: dU = dV_new, and dS_0.
+    assert relative_error(d_v_new_whole, d_chunks.U) <= F32_TOLERANCE
+    assert relative_error(d_initial_scan, d_initial_whole) <= F32_TOLERANCE
+    d_states, d_v_new, d_initial = jax.jit(lambda c, d_o, d_s: reversed_recurrence_in_segments(
+        reversed_scan, c, d_o, d_s, num_segments=num_segments))(chunks, *cotangents)
+    assert d_states.shape == d_states_whole.shape and d_v_new.shape == d_v_new_whole.shape
+    assert relative_error(d_states, d_states_whole) <= F32_TOLERANCE
+    assert relative_error(d_v_new, d_v_new_whole) <= F32_TOLERANCE
+    assert relative_error(d_initial, d_initial_whole) <= F32_TOLERANCE
+
+
 # Choosing P: the arithmetic of the module docstring on 132 SMs.
 
 
@@ -229,6 +293,86 @@ def test_interpreted_kernel_on_segments_matches_one_segment_and_plain_jax(
             assert relative_error(x, want) <= BF16_TOLERANCE["state"], name
 
 
+def test_sequence_parallel_reversed_kernel_lowers_for_hopper():
+    """V + K = 256 cotangent columns pass Mosaic GPU's checks at K = V = 128."""
+    batch, heads, num_chunks, dim = 1, 2, 4, 128
+    shapes = dict(W=(CHUNK_SIZE, dim), q_from_state=(CHUNK_SIZE, dim),
+                  k_to_state_t=(dim, CHUNK_SIZE), Aqk=(CHUNK_SIZE, CHUNK_SIZE), chunk_decay=(dim,))
+    operands = RecurrenceOperands(U=None, **{
+        name: jax.ShapeDtypeStruct((batch, heads, num_chunks, *shape),
+                                   jnp.float32 if name == "chunk_decay" else jnp.bfloat16)
+        for name, shape in shapes.items()})
+    d_o = jax.ShapeDtypeStruct((batch, heads, num_chunks, CHUNK_SIZE, dim), jnp.bfloat16)
+    d_final_state = jax.ShapeDtypeStruct((batch, heads, dim, dim), jnp.float32)
+    reversed_recurrence = jax.jit(lambda ops, d_o, d_s: sequence_parallel_reversed_recurrence(
+        ops, d_o, d_s, num_segments=2))
+    with jax.sharding.use_abstract_mesh(HOPPER):
+        lowered = reversed_recurrence.trace(operands, d_o, d_final_state).lower(
+            lowering_platforms=("cuda",))
+    assert "_reversed_recurrence_kernel" in lowered.as_text()
+
+
+def test_recurrence_vjp_splits_the_reversed_recurrence_as_the_forward_splits():
+    """At B * HV = 2, N = 32 both directions of the kernels' VJP take P = 2 on Hopper: both
+    kernels run HV * 2 segment heads of N / 2 chunks with V + K value columns."""
+    batch, heads, num_chunks, dim = 1, 2, 32, 128
+    assert choose_num_segments(batch * heads, num_chunks, dim, dim, num_sms=132) == 2
+    chunks = ChunkedInputs(**{
+        name: jax.ShapeDtypeStruct((batch, heads, num_chunks, *shape), jnp.float32)
+        for name, shape in dict(W=(CHUNK_SIZE, dim), U=(CHUNK_SIZE, dim),
+                                q_from_state=(CHUNK_SIZE, dim), k_to_state=(CHUNK_SIZE, dim),
+                                Aqk=(CHUNK_SIZE, CHUNK_SIZE), chunk_decay=(dim,)).items()})
+    state = jax.ShapeDtypeStruct((batch, heads, dim, dim), jnp.float32)
+    cotangents = (jax.ShapeDtypeStruct(chunks.U.shape, jnp.bfloat16), state)
+    with jax.sharding.use_abstract_mesh(HOPPER):
+        text = jitted_vjp(kernel_recurrence).trace(chunks, state, cotangents).lower(
+            lowering_platforms=("cuda",)).as_text()
+    segment_heads, segment_chunks = f"{batch}x{heads * 2}", num_chunks // 2
+    per_chunk = f"{segment_heads}x{segment_chunks}x{{rows}}x{2 * dim}"
+    ends = f"tensor<{segment_heads}x{dim}x{2 * dim}xf32>"
+    forward_results = f"-> (tensor<{per_chunk.format(rows=CHUNK_SIZE)}xf32>, {ends}"  # o', ends
+    reversed_results = (f"-> (tensor<{per_chunk.format(rows=dim)}xbf16>, "  # dS_{n+1}'
+                        f"tensor<{per_chunk.format(rows=CHUNK_SIZE)}xf32>, {ends})")  # dV_new', dS'
+    assert forward_results in text and reversed_results in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed,num_chunks,num_segments,segments", [
+    # Documents cut at tokens 12, 150 and 161: the last segment has none, so the cotangent of
+    # the final state reaches the first segment's last two chunks only through the combine.
+    (19, 8, 2, True),
+    (5, 7, 4, False),  # N not a multiple of P: one inert chunk
+])
+def test_interpreted_reversed_kernel_on_segments_matches_one_segment_and_plain_jax(
+        seed, num_chunks, num_segments, segments):
+    inputs = slow_gate_inputs(seed, num_chunks * CHUNK_SIZE - 5, 2, 64, 64, dtype=jnp.bfloat16,
+                              initial_state=True, segments=segments)
+    chunks, state = chunks_of(inputs)
+    cotangents = random_cotangents(chunks, num_chunks, jnp.bfloat16)
+    d_chunks, d_initial_vjp = jitted_vjp(lambda c, s: chunk_recurrence(c, s, jnp.bfloat16))(
+        chunks, state, cotangents)
+    d_states_plain, _, _ = jax.jit(reversed_scan)(chunks, *cotangents)
+    operands = recurrence_operands(chunks)._replace(U=None)
+
+    def kernel(p):
+        return jax.jit(lambda ops, d_o, d_s: sequence_parallel_reversed_recurrence(
+            ops, d_o, d_s, num_segments=p))(operands, *cotangents)
+
+    with interpreted_on_simulated_hopper():
+        one = kernel(1)
+    with interpreted_on_simulated_hopper():
+        d_states, d_v_new, d_initial = kernel(num_segments)
+    assert d_states.dtype == jnp.bfloat16
+    assert d_v_new.dtype == d_initial.dtype == jnp.float32
+    for name, x, want in zip(("d_states", "d_v_new", "d_initial"), (d_states, d_v_new, d_initial),
+                             one):
+        assert x.shape == want.shape, name
+        assert relative_error(x, want) <= GRADIENT_TOLERANCE, name
+    assert relative_error(d_states, d_states_plain) <= GRADIENT_TOLERANCE
+    assert relative_error(d_v_new, d_chunks.U) <= GRADIENT_TOLERANCE  # dU = dV_new
+    assert relative_error(d_initial, d_initial_vjp) <= GRADIENT_TOLERANCE
+
+
 # On a Hopper GPU: long single sequences, the whole forward with bounded gates.
 
 
@@ -282,3 +426,30 @@ def test_gpu_long_sequence_saves_what_the_unsplit_kernel_saves():
     _, _, saved = forward(None)
     for name, x, want in zip(expected._fields, saved, expected):
         assert relative_error(x, want) <= BF16_TOLERANCE["state"], name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_factor", [SLOW_GATE_FACTOR, 1.0])
+def test_gpu_long_sequence_recurrence_vjp_matches_plain_jax(gate_factor):
+    """The kernels' VJP at (1, 65536, 16, 128), where both directions split in P = 2 segments,
+    against the plain-JAX VJP; the reversed kernel also at P = 16 and P = 1."""
+    inputs = make_inputs(13, 1, 65536, 16, 16, 128, 128, dtype=jnp.bfloat16, initial_state=True)
+    inputs["g"] = inputs["g"] * gate_factor
+    chunks, state = chunks_of(inputs)
+    cotangents = random_cotangents(chunks, 13, jnp.bfloat16)
+    assert choose_num_segments(16, chunks.W.shape[2], 128, 128) == 2  # on an H100 or H200
+    expected_chunks, expected_initial = jitted_vjp(plain_recurrence)(chunks, state, cotangents)
+    actual_chunks, actual_initial = jitted_vjp(kernel_recurrence)(chunks, state, cotangents)
+    for name, actual, expected in zip(ChunkedInputs._fields, actual_chunks, expected_chunks):
+        assert relative_error(actual, expected) <= GRADIENT_TOLERANCE, name
+    assert relative_error(actual_initial, expected_initial) <= GRADIENT_TOLERANCE
+
+    expected_d_states, _, _ = jax.jit(reversed_scan)(chunks, *cotangents)
+    operands = recurrence_operands(chunks)._replace(U=None)
+    for num_segments in (1, 16):
+        d_states, d_v_new, d_initial = jax.jit(lambda ops, d_o, d_s: (
+            sequence_parallel_reversed_recurrence(ops, d_o, d_s, num_segments=num_segments)))(
+                operands, *cotangents)
+        assert relative_error(d_states, expected_d_states) <= GRADIENT_TOLERANCE, num_segments
+        assert relative_error(d_v_new, expected_chunks.U) <= GRADIENT_TOLERANCE, num_segments
+        assert relative_error(d_initial, expected_initial) <= GRADIENT_TOLERANCE, num_segments

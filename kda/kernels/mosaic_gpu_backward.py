@@ -213,7 +213,9 @@ def recurrence_cotangents(residuals: RecurrenceResiduals, d_o, d_states, d_v_new
 
 def recurrence_vjp(operands: RecurrenceOperands, residuals: RecurrenceResiduals, d_o,
                    d_final_state):
-    """The VJP of the recurrence over chunks: the reversed kernel, then the parallel cotangents.
+    """The VJP of the recurrence over chunks: the reversed kernel (over segments of the sequence
+    side by side where the forward's choice of P splits it, `kda.kernels.sequence_parallel`),
+    then the parallel cotangents.
 
     Args:
       operands: the forward's `RecurrenceOperands` (U is not read and may be None).
@@ -223,5 +225,9 @@ def recurrence_vjp(operands: RecurrenceOperands, residuals: RecurrenceResiduals,
       (`ChunkedInputs` of float32 cotangents, d_initial_state float32 [B, HV, K, V]): what
       `jax.vjp(kda.chunked.chunk_recurrence, chunks, initial_state)` returns.
     """
-    d_states, d_v_new, d_initial_state = run_reversed_recurrence(operands, d_o, d_final_state)
+    # Imported here: that module runs the forward kernel, whose module imports this one.
+    from kda.kernels.sequence_parallel import sequence_parallel_reversed_recurrence  # noqa: PLC0415
+
+    d_states, d_v_new, d_initial_state = sequence_parallel_reversed_recurrence(
+        operands, d_o, d_final_state)
     return recurrence_cotangents(residuals, d_o, d_states, d_v_new), d_initial_state

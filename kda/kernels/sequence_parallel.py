@@ -1,9 +1,10 @@
 """Sequence parallelism for KDA's recurrence over chunks: every SM busy on a few long sequences.
 
-The recurrence kernel (`kda.kernels.mosaic_gpu_recurrence`) runs one program per (batch row, value head,
-64-column V tile), each walking all N chunks in order, one program per SM. At B * HV = 16 and
-V = 128 that is 32 programs on an H200's 132 SMs. Here the N chunks are cut into P segments of
-L = ceil(N / P) chunks that run side by side in ONE launch of the same kernel.
+The recurrence kernel (`kda.kernels.mosaic_gpu_recurrence`) and its reversed twin of the backward
+(`kda.kernels.mosaic_gpu_backward`) run one program per (batch row, value head, 64-column V tile),
+each walking all N chunks in order, one program per SM. At B * HV = 16 and V = 128 that is 32
+programs on an H200's 132 SMs. Here the N chunks are cut into P segments of L = ceil(N / P)
+chunks that run side by side in ONE launch of the same kernel.
 
 Why it is exact. Per chunk the state update is affine in the entering state,
 
@@ -23,11 +24,24 @@ For training, what the kernel saves for the backward (the state entering each ch
 is affine in the entering state as well; its extra columns hold `A_{<n}` and `-W_n A_{<n}`, and
 it is corrected like the outputs.
 
+The backward's reversed recurrence carries the state's cotangent from the last chunk to the first,
+
+    dV_new_n = Aqk_n^T dO_n + Kt_n dS_{n+1},   dS_n = D_n * dS_{n+1} + Qs_n^T dO_n - W_n^T dV_new_n,
+
+affine in the cotangent entering from the right: `dS_n = M_n^T dS_{n+1} + (Qs_n^T - W_n^T Aqk_n^T)
+dO_n`. Its segments run the same way mirrored (`dO' = [dO, 0]`, right-end `dS' = [0, I_K]`), the
+combine chains them from the last to the first (the same scan on the reversed segment order,
+from dS_N), and dS_{n+1} and dV_new_n per chunk are corrected by each segment's true right-end
+cotangent. Both directions pick the same P. The inert padding chunks pass dS unchanged too.
+
 Numerics. The kernel rounds its matmul operands to bf16 as it always does (the carried state,
 here also the transition columns, is float32 and rounded only as a wgmma operand); its outputs
-are float32 here, because `R_n` still multiplies a state. The combine runs in float32 at full
-precision; the output correction `R_n S_p` at the backend's default float32 matmul precision (TF32
-on Hopper: finer than the bf16 rounding the kernel applies to the same state in the unsplit run).
+are float32 here, because `R_n` still multiplies a state. The reversed kernel writes dS_{n+1}
+in bf16, the transition columns included; in interpret mode at K = V = 64 the corrected dS_{n+1}
+are off the float32 oracle by 1.84e-3 (relative RMSE) against 1.79e-3 unsplit, so the rounding
+costs no accuracy that matters. The combine runs in float32 at full precision; the corrections
+(`R_n S_p`) at the backend's default float32 matmul precision (TF32 on Hopper: finer than the
+bf16 rounding the kernel applies to the same state in the unsplit run).
 
 When it pays, counted in sequential chunk steps (the kernel is bound by the latency of its
 per-chunk chain of wgmmas, not by bandwidth: about 7.5 us a step at 1.4 TB/s in the first H200
@@ -54,6 +68,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kda.common import einsum
+from kda.kernels.mosaic_gpu_backward import run_reversed_recurrence
 from kda.kernels.mosaic_gpu_recurrence import BLOCK_V, run_recurrence
 from kda.kernels.mosaic_gpu_common import RecurrenceOperands
 
@@ -69,32 +84,40 @@ MIN_SEGMENT_CHUNKS = 16
 MAX_WAVES = 2
 
 
+def split_chunk_axis(x, num_segments: int, *, pad_value=0.0, extra_columns=0):
+    """[B, HV, N, ..., cols] -> [B, HV * P, L, ..., cols + extra_columns], L = ceil(N / P).
+
+    N is padded with `pad_value` up to P * L and the last axis with `extra_columns` zeros; the
+    result is head-major, segment-minor (a free reshape when N = P * L and nothing is added).
+    """
+    batch, heads, num_chunks = x.shape[:3]
+    segment_chunks = -(-num_chunks // num_segments)
+    widths = [(0, 0)] * x.ndim
+    widths[2] = (0, segment_chunks * num_segments - num_chunks)
+    x = jnp.pad(x, widths, constant_values=pad_value)
+    widths = [(0, 0)] * x.ndim
+    widths[-1] = (0, extra_columns)
+    x = jnp.pad(x, widths)
+    return x.reshape(batch, heads * num_segments, segment_chunks, *x.shape[3:])
+
+
 def split_into_segments(operands, num_segments: int):
     """Cuts the chunk axis into segments, each a separate head, and extends U by K zero columns.
 
     Args:
       operands: `RecurrenceOperands` or `kda.chunked.ChunkedInputs` [B, HV, N, ...] (every field
-        has the chunk axis third; both have `U` [B, HV, N, C, V] and `chunk_decay` [B, HV, N, K]).
-      num_segments: P; N is padded with inert chunks up to P * L, L = ceil(N / P).
+        has the chunk axis third; both have `U` [B, HV, N, C, V], which may be None, and
+        `chunk_decay` [B, HV, N, K]).
+      num_segments: P; N is padded with inert chunks (zeros, and D = 1) up to P * L,
+        L = ceil(N / P).
     Returns:
-      The same type, [B, HV * P, L, ...] (head-major, segment-minor: a free reshape when N = P * L)
-      with U [B, HV * P, L, C, V + K].
+      The same type, [B, HV * P, L, ...] with U [B, HV * P, L, C, V + K].
     """
-    batch, heads, num_chunks = operands.W.shape[:3]
     key_dim = operands.W.shape[-1]
-    segment_chunks = -(-num_chunks // num_segments)
-    pad = segment_chunks * num_segments - num_chunks
-
-    def split(x, pad_value=0.0, extra_columns=0):
-        widths = [(0, 0)] * x.ndim
-        widths[2] = (0, pad)
-        widths[-1] = (0, extra_columns)
-        x = jnp.pad(x, widths, constant_values=pad_value)
-        return x.reshape(batch, heads * num_segments, segment_chunks, *x.shape[3:])
-
     special = {"U": dict(extra_columns=key_dim), "chunk_decay": dict(pad_value=1.0)}
-    return type(operands)(**{name: split(x, **special.get(name, {}))
-                             for name, x in operands._asdict().items()})
+    return type(operands)(**{
+        name: None if x is None else split_chunk_axis(x, num_segments, **special.get(name, {}))
+        for name, x in operands._asdict().items()})
 
 
 def combine_segments(transitions, offsets, initial_state):
@@ -122,6 +145,48 @@ def combine_segments(transitions, offsets, initial_state):
     return entering, leaving[:, :, -1]
 
 
+def segment_starts(batch: int, heads: int, key_dim: int, value_dim: int, dtype):
+    """`[0, I_K]` [B, HV * P, K, V + K], every segment's start: the extra K columns carry how
+    everything the segment computes depends on its true start."""
+    start = jnp.concatenate(
+        [jnp.zeros((key_dim, value_dim), dtype), jnp.eye(key_dim, dtype=dtype)], axis=1)
+    return jnp.broadcast_to(start, (batch, heads, key_dim, value_dim + key_dim))
+
+
+def combine_and_correct(ends, per_chunk, boundary, *, num_chunks: int, reverse: bool,
+                        precision):
+    """Combines segments run from `segment_starts` and corrects what they computed per chunk.
+
+    Args:
+      ends: [B, HV * P, K, V + K], each segment's far end, `[b_p, A_p]` (offset and transition).
+      per_chunk: a pytree of arrays [B, HV * P, L, rows, V + K], each affine in the segment's
+        start (the first V columns from a zero start, the extra K its dependence on the start).
+      boundary: [B, HV, K, V], the start of the whole sequence: S_0, or with `reverse` (segments
+        chained from the last to the first) the final-state cotangent dS_N.
+      num_chunks: N, the chunks kept of the P * L.
+      reverse: whether segment p starts from what segment p + 1 leaves (else p - 1).
+      precision: of the corrections (the combine is always at full precision).
+    Returns:
+      (per_chunk [B, HV, N, rows, V], each in its dtype, from the true segment starts; the far
+      boundary [B, HV, K, V]: S_N, or with `reverse` dS_0).
+    """
+    batch, heads, key_dim, value_dim = boundary.shape
+    ends = ends.reshape(batch, heads, -1, key_dim, value_dim + key_dim)
+    in_order = (lambda x: jnp.flip(x, axis=2)) if reverse else (lambda x: x)
+    starts, far_boundary = combine_segments(in_order(ends[..., value_dim:]),
+                                            in_order(ends[..., :value_dim]), boundary)
+    starts = in_order(starts)
+
+    def corrected(x):
+        """[B, HV * P, L, rows, V + K] from zero starts -> [B, HV, N, rows, V] from the starts."""
+        x = x.reshape(batch, heads, starts.shape[2], -1, *x.shape[-2:])
+        y = x[..., :value_dim] + jnp.einsum("bhplrk,bhpkv->bhplrv", x[..., value_dim:], starts,
+                                            precision=precision)
+        return y.reshape(batch, heads, -1, *y.shape[-2:])[:, :, :num_chunks].astype(x.dtype)
+
+    return jax.tree.map(corrected, per_chunk), far_boundary
+
+
 def recurrence_in_segments(recurrence: Callable, operands, initial_state, out_dtype, *,
                            num_segments: int, precision=lax.Precision.HIGHEST,
                            **recurrence_options):
@@ -131,9 +196,10 @@ def recurrence_in_segments(recurrence: Callable, operands, initial_state, out_dt
       recurrence: `(operands, initial_state, out_dtype, **recurrence_options) ->
         (o [B', HV', N', C, V'], final_state [B', HV', K, V'], *residuals)`, the contract of
         `kda.chunked.chunk_recurrence` (on `ChunkedInputs`) or of
-        `kda.kernels.mosaic_gpu_recurrence.run_recurrence` (on `RecurrenceOperands`). Each residual, if any,
-        is a NamedTuple of per-chunk arrays [B', HV', N', rows, V'] affine in the entering state
-        (the kernel's saved states and V_new), corrected like the outputs and kept in its dtype.
+        `kda.kernels.mosaic_gpu_recurrence.run_recurrence` (on `RecurrenceOperands`). Each
+        residual, if any, is a NamedTuple of per-chunk arrays [B', HV', N', rows, V'] affine in
+        the entering state (the kernel's saved states and V_new), corrected like the outputs and
+        kept in its dtype.
       operands: what `recurrence` takes, [B, HV, N, ...].
       initial_state: [B, HV, K, V].
       out_dtype: dtype of the chunk outputs.
@@ -146,27 +212,48 @@ def recurrence_in_segments(recurrence: Callable, operands, initial_state, out_dt
     batch, heads, num_chunks, _, key_dim = operands.W.shape
     value_dim = operands.U.shape[-1]
     dtype = operands.U.dtype
-    segments = split_into_segments(operands, num_segments)
-    segment_start = jnp.concatenate(
-        [jnp.zeros((key_dim, value_dim), dtype), jnp.eye(key_dim, dtype=dtype)], axis=1)
-    extended_shape = (batch, heads * num_segments, key_dim, value_dim + key_dim)
-    o, ends, *residuals = recurrence(segments, jnp.broadcast_to(segment_start, extended_shape),
-                                     dtype, **recurrence_options)
+    o, ends, *residuals = recurrence(
+        split_into_segments(operands, num_segments),
+        segment_starts(batch, heads * num_segments, key_dim, value_dim, dtype), dtype,
+        **recurrence_options)
+    (o, residuals), final_state = combine_and_correct(
+        ends, (o, residuals), initial_state.astype(dtype), num_chunks=num_chunks, reverse=False,
+        precision=precision)
+    return o.astype(out_dtype), final_state, *residuals
 
-    ends = ends.reshape(batch, heads, num_segments, key_dim, value_dim + key_dim)
-    entering, final_state = combine_segments(ends[..., value_dim:], ends[..., :value_dim],
-                                             initial_state.astype(dtype))
 
-    def from_entering_states(x):
-        """[B, HV * P, L, rows, V + K] from zero starts -> [B, HV, N, rows, V] from S_p."""
-        x = x.reshape(batch, heads, num_segments, -1, *x.shape[-2:])
-        x = x[..., :value_dim] + jnp.einsum("bhplrk,bhpkv->bhplrv", x[..., value_dim:],
-                                            entering, precision=precision)
-        return x.reshape(batch, heads, -1, *x.shape[-2:])[:, :, :num_chunks]
+def reversed_recurrence_in_segments(reversed_recurrence: Callable, operands, d_o, d_final_state,
+                                    *, num_segments: int, precision=lax.Precision.HIGHEST):
+    """Runs the reversed recurrence (the backward's) on P segments side by side, each from a zero
+    right-end cotangent, then combines them from the last to the first.
 
-    residuals = [type(saved)(*(from_entering_states(x).astype(x.dtype) for x in saved))
-                 for saved in residuals]
-    return from_entering_states(o).astype(out_dtype), final_state, *residuals
+    Per chunk, `dS_n = (diag(D_n) - W_n^T Kt_n) dS_{n+1} + (Qs_n^T - W_n^T Aqk_n^T) dO_n` is
+    affine in the cotangent entering from the right, and so are dS_{n+1} and dV_new_n: the
+    segments run with `dO' = [dO, 0]` and `dS_end' = [0, I_K]`, and their results are corrected by
+    the true right-end cotangent of each segment as the forward's are by its entering state.
+
+    Args:
+      reversed_recurrence: `(operands, d_o, d_final_state) -> (d_states [B', HV', N', K, V'],
+        d_v_new [B', HV', N', C, V'], d_initial_state [B', HV', K, V'])`, the contract of
+        `kda.kernels.mosaic_gpu_backward.run_reversed_recurrence`.
+      operands: what it takes, [B, HV, N, ...] (U may be None).
+      d_o: [B, HV, N, C, V]; d_final_state: [B, HV, K, V].
+      num_segments: P >= 1.
+      precision: of the corrections (the combine is always at full precision).
+    Returns:
+      (d_states [B, HV, N, K, V], d_v_new [B, HV, N, C, V], each in the dtype
+      `reversed_recurrence` gives it, d_initial_state float32 [B, HV, K, V]).
+    """
+    batch, heads, num_chunks, _, key_dim = operands.W.shape
+    value_dim = d_o.shape[-1]
+    d_states, d_v_new, d_starts = reversed_recurrence(
+        split_into_segments(operands, num_segments),
+        split_chunk_axis(d_o, num_segments, extra_columns=key_dim),
+        segment_starts(batch, heads * num_segments, key_dim, value_dim, jnp.float32))
+    (d_states, d_v_new), d_initial_state = combine_and_correct(
+        d_starts, (d_states, d_v_new), d_final_state.astype(jnp.float32),
+        num_chunks=num_chunks, reverse=True, precision=precision)
+    return d_states, d_v_new, d_initial_state
 
 
 def _multiprocessor_count() -> int:
@@ -206,9 +293,20 @@ def choose_num_segments(batch_heads: int, num_chunks: int, key_dim: int, value_d
     return best if MIN_STEP_GAIN * sequential_steps(best) <= sequential_steps(1) else 1
 
 
+def _segment_count(num_segments: int | None, operands, value_dim: int) -> int:
+    """P as asked, or chosen (`choose_num_segments`) where None; the same for both directions."""
+    batch, heads, num_chunks, _, key_dim = operands.W.shape
+    if num_segments is None:
+        return choose_num_segments(batch * heads, num_chunks, key_dim, value_dim)
+    if not 1 <= num_segments <= num_chunks:
+        raise ValueError(f"num_segments must be between 1 and the number of chunks N = "
+                         f"{num_chunks}, got {num_segments}; pass None to choose it")
+    return num_segments
+
+
 def sequence_parallel_recurrence(operands: RecurrenceOperands, initial_state, out_dtype, *,
                                  num_segments: int | None = None, save_for_backward=False):
-    """`kda.kernels.mosaic_gpu_recurrence.run_recurrence` over P segments of the sequence, side by side.
+    """`kda.kernels.mosaic_gpu_recurrence.run_recurrence` over P segments, side by side.
 
     Args:
       operands: `RecurrenceOperands` [B, HV, N, 64, ...], K and V in {64, 128}.
@@ -222,13 +320,7 @@ def sequence_parallel_recurrence(operands: RecurrenceOperands, initial_state, ou
     Returns:
       (o [B, HV, N, 64, V] in out_dtype, final_state float32 [B, HV, K, V][, residuals]).
     """
-    batch, heads, num_chunks, _, key_dim = operands.W.shape
-    value_dim = operands.U.shape[-1]
-    if num_segments is None:
-        num_segments = choose_num_segments(batch * heads, num_chunks, key_dim, value_dim)
-    if not 1 <= num_segments <= num_chunks:
-        raise ValueError(f"num_segments must be between 1 and the number of chunks N = "
-                         f"{num_chunks}, got {num_segments}; pass None to choose it")
+    num_segments = _segment_count(num_segments, operands, operands.U.shape[-1])
     if num_segments == 1:
         return run_recurrence(operands, initial_state, out_dtype,
                               save_for_backward=save_for_backward)
@@ -236,3 +328,24 @@ def sequence_parallel_recurrence(operands: RecurrenceOperands, initial_state, ou
     return recurrence_in_segments(run_recurrence, operands, initial_state, out_dtype,
                                   num_segments=num_segments, precision=lax.Precision.DEFAULT,
                                   save_for_backward=save_for_backward)
+
+
+def sequence_parallel_reversed_recurrence(operands: RecurrenceOperands, d_o, d_final_state, *,
+                                          num_segments: int | None = None):
+    """`kda.kernels.mosaic_gpu_backward.run_reversed_recurrence` over P segments, side by side.
+
+    Args:
+      operands: the forward's `RecurrenceOperands` [B, HV, N, 64, ...] (U may be None).
+      d_o: [B, HV, N, 64, V]; d_final_state: [B, HV, K, V].
+      num_segments: P in [1, N]; None chooses it as the forward does. P = 1 is the plain kernel.
+    Returns:
+      (d_states bf16 [B, HV, N, K, V]: dS_{n+1} for chunk n, d_v_new float32 [B, HV, N, 64, V],
+      d_initial_state float32 [B, HV, K, V]).
+    """
+    num_segments = _segment_count(num_segments, operands, d_o.shape[-1])
+    if num_segments == 1:
+        return run_reversed_recurrence(operands, d_o, d_final_state)
+    # As forward: the kernel rounds dS to bf16 where it multiplies it; TF32 here is finer.
+    return reversed_recurrence_in_segments(run_reversed_recurrence, operands, d_o, d_final_state,
+                                           num_segments=num_segments,
+                                           precision=lax.Precision.DEFAULT)
