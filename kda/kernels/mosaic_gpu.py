@@ -27,14 +27,35 @@ import jax.numpy as jnp
 
 from kda.api import KDACall, register_kernel
 from kda.chunked import CHUNK_SIZE, ChunkedInputs, chunk_kda_with_recurrence
-from kda.kernels.mosaic_gpu_backward import recurrence_vjp
-from kda.kernels.mosaic_gpu_common import recurrence_operands
+from kda.kernels.mosaic_gpu_backward import recurrence_cotangents
+from kda.kernels.mosaic_gpu_common import (RecurrenceOperands, RecurrenceResiduals,
+                                           recurrence_operands)
 from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
 from kda.kernels.mosaic_gpu_prepare_backward import prepare_chunks_vjp_kernel
-from kda.kernels.sequence_parallel import sequence_parallel_recurrence
+from kda.kernels.sequence_parallel import (sequence_parallel_recurrence,
+                                          sequence_parallel_reversed_recurrence)
 
 NAME = "mosaic_gpu"
 SUPPORTED_DIMS = (64, 128)  # K and V; K = 256 would not fit two pipeline stages in shared memory
+
+
+def recurrence_vjp(operands: RecurrenceOperands, residuals: RecurrenceResiduals, d_o,
+                   d_final_state):
+    """The VJP of the recurrence over chunks: the reversed kernel (over segments of the sequence
+    side by side where the forward's choice of P splits it, `kda.kernels.sequence_parallel`),
+    then the parallel cotangents.
+
+    Args:
+      operands: the forward's `RecurrenceOperands` (U is not read and may be None).
+      residuals: what the forward kernel saved for the backward.
+      d_o: [B, HV, N, C, V]; d_final_state: [B, HV, K, V].
+    Returns:
+      (`ChunkedInputs` of float32 cotangents, d_initial_state float32 [B, HV, K, V]): what
+      `jax.vjp(kda.chunked.chunk_recurrence, chunks, initial_state)` returns.
+    """
+    d_states, d_v_new, d_initial_state = sequence_parallel_reversed_recurrence(
+        operands, d_o, d_final_state)
+    return recurrence_cotangents(residuals, d_o, d_states, d_v_new), d_initial_state
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

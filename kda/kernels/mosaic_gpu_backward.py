@@ -37,8 +37,6 @@ Numerics: matmul operands bf16 (dO, dS and -dV_new rounded when written to SMEM)
 and the carried dS float32, D read in float32.
 """
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -46,20 +44,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.chunked import ChunkedInputs
-from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands, swizzled,
-                                           swizzled_smem)
+from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands, RecurrenceResiduals,
+                                           swizzled, swizzled_smem)
 
 # The backward's own V tile, chosen as the forward's: dS [K, 64] float32 is 64 registers a thread
 # at K = 128.
 BLOCK_V = 64
 PIPELINE_STAGES = 2
-
-
-class RecurrenceResiduals(NamedTuple):
-    """What the forward kernel writes for the backward, the bf16 wgmma operands it used."""
-
-    states: jax.Array  # bf16 [B, HV, N, K, V]   S_n, the state entering chunk n
-    v_new: jax.Array  # bf16 [B, HV, N, C, V]    V_new_n
 
 
 def _reversed_chunk_block(shape, dtype, num_chunks):
@@ -209,25 +200,3 @@ def recurrence_cotangents(residuals: RecurrenceResiduals, d_o, d_states, d_v_new
         k_to_state=_products("...cv,...kv->...ck", v_new, d_states),
         chunk_decay=jnp.sum(states.astype(jnp.float32) * d_states.astype(jnp.float32), axis=-1),
         Aqk=_products("...iv,...jv->...ij", d_o, v_new))
-
-
-def recurrence_vjp(operands: RecurrenceOperands, residuals: RecurrenceResiduals, d_o,
-                   d_final_state):
-    """The VJP of the recurrence over chunks: the reversed kernel (over segments of the sequence
-    side by side where the forward's choice of P splits it, `kda.kernels.sequence_parallel`),
-    then the parallel cotangents.
-
-    Args:
-      operands: the forward's `RecurrenceOperands` (U is not read and may be None).
-      residuals: what the forward kernel saved for the backward.
-      d_o: [B, HV, N, C, V]; d_final_state: [B, HV, K, V].
-    Returns:
-      (`ChunkedInputs` of float32 cotangents, d_initial_state float32 [B, HV, K, V]): what
-      `jax.vjp(kda.chunked.chunk_recurrence, chunks, initial_state)` returns.
-    """
-    # Imported here: that module runs the forward kernel, whose module imports this one.
-    from kda.kernels.sequence_parallel import sequence_parallel_reversed_recurrence  # noqa: PLC0415
-
-    d_states, d_v_new, d_initial_state = sequence_parallel_reversed_recurrence(
-        operands, d_o, d_final_state)
-    return recurrence_cotangents(residuals, d_o, d_states, d_v_new), d_initial_state

@@ -1,5 +1,6 @@
-"""What the Mosaic GPU KDA kernels share: operand dtype, SMEM tile layouts, and the recurrence
-kernel's operands (the contract between the chunk preparation and the recurrence over chunks)."""
+"""What the Mosaic GPU KDA kernels share: operand dtype, SMEM tile layouts, the recurrence
+kernel's operands (the contract between the chunk preparation and the recurrence over chunks) and
+its residuals (the contract between the forward and the backward recurrence)."""
 
 from typing import NamedTuple
 
@@ -36,6 +37,13 @@ class RecurrenceOperands(NamedTuple):
     k_to_state_t: jax.Array  # bf16 [B, HV, N, K, C]   k_to_state transposed: the wgmma lhs
     Aqk: jax.Array  # bf16 [B, HV, N, C, C]
     chunk_decay: jax.Array  # float32 [B, HV, N, K]
+
+
+class RecurrenceResiduals(NamedTuple):
+    """What the forward kernel writes for the backward, the bf16 wgmma operands it used."""
+
+    states: jax.Array  # bf16 [B, HV, N, K, V]   S_n, the state entering chunk n
+    v_new: jax.Array  # bf16 [B, HV, N, C, V]    V_new_n
 
 
 def recurrence_operands(chunks: ChunkedInputs) -> RecurrenceOperands:

@@ -25,9 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda.kernels.mosaic_gpu_backward import RecurrenceResiduals
-from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands, swizzled,
-                                           swizzled_smem)
+from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands, RecurrenceResiduals,
+                                           swizzled, swizzled_smem)
 
 # State columns per program: S [K, 64] float32 is 64 registers a thread at K = 128. 32 would halve
 # that, but the 64-byte swizzle of a [K, 32] bf16 operand cannot pair with W's 128-byte one.
