@@ -30,7 +30,7 @@ from kda.kernels import triton as triton_path
 from kda.kernels.mosaic_gpu import kernel_recurrence
 from kda.kernels.mosaic_gpu_common import recurrence_operands
 from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
-from kda.kernels.sequence_parallel import choose_num_segments, sequence_parallel_recurrence
+from kda.kernels.sequence_parallel import choose_num_segments
 
 CPU_SHAPES = ["1x1024x4x64", "1x4096x4x64", "1x16384x4x64"]
 GPU_SHAPES = ["8x2048x16x128", "2x8192x16x128", "1x32768x16x128", "1x65536x32x128",
@@ -164,12 +164,11 @@ def bench_preparation(prepare: Callable, inputs, repeats: int):
     return None, timing
 
 
-def bench_recurrence(recurrence: Callable, inputs, repeats: int, with_backward: bool = True):
+def bench_recurrence(recurrence: Callable, inputs, repeats: int):
     """Times only the recurrence over chunks, on inputs prepared once: a kernel's own share.
 
-    `recurrence` has the contract of `kda.chunked.chunk_recurrence`; the backward (unless
-    `with_backward=False`) is timed on the gradient of `sum(o) + sum(final_state)` with respect to
-    the prepared chunks and state.
+    `recurrence` has the contract of `kda.chunked.chunk_recurrence`; the backward is timed on the
+    gradient of `sum(o) + sum(final_state)` with respect to the prepared chunks and state.
     """
     args = [jnp.asarray(inputs[name]) for name in ("q", "k", "v", "g", "beta")]
     chunks = jax.jit(lambda q, k, v, g, beta: prepare_chunks(
@@ -182,10 +181,6 @@ def bench_recurrence(recurrence: Callable, inputs, repeats: int, with_backward: 
     sync = jax.block_until_ready
     timing = Timing(forward_ms=_time(lambda: forward(chunks, state), sync, repeats),
                     note="recurrence over chunks alone, on prepared inputs")
-    if not with_backward:
-        timing.peak_mib = _peak_mib(forward)
-        timing.note += " (forward only; memory of the forward)"
-        return None, timing
 
     def loss(c, s):
         o, final_state = recurrence(c, s, out_dtype)
@@ -197,15 +192,10 @@ def bench_recurrence(recurrence: Callable, inputs, repeats: int, with_backward: 
     return None, timing
 
 
-def sequence_parallel_kernel_recurrence(chunks, initial_state, out_dtype):
-    """The recurrence kernel over segments of the sequence (P chosen for the grid), forward."""
-    return sequence_parallel_recurrence(recurrence_operands(chunks), initial_state, out_dtype)
-
-
-def bench_sequence_parallel_recurrence(inputs, repeats: int):
-    """`bench_recurrence` of the sequence-parallel kernel (no backward of its own yet), with P."""
-    _, timing = bench_recurrence(sequence_parallel_kernel_recurrence, inputs, repeats,
-                                 with_backward=False)
+def bench_kernel_recurrence(inputs, repeats: int):
+    """`bench_recurrence` of the Mosaic GPU recurrence (forward and reversed kernels, each over
+    the P sequence segments `choose_num_segments` picks for this grid), P in the note."""
+    _, timing = bench_recurrence(kernel_recurrence, inputs, repeats)
     batch, length, heads, dim = inputs["v"].shape
     timing.note += f"; P = {choose_num_segments(batch * heads, -(-length // CHUNK_SIZE), dim, dim)}"
     return None, timing
@@ -281,9 +271,7 @@ def contenders(gpu: bool, impls: list[str], peers=PEERS, parts=True) -> dict[str
         table["recurrence: chunked scan"] = lambda inputs, repeats: bench_recurrence(
             chunk_recurrence, inputs, repeats)
         if "mosaic_gpu" in impls:
-            table["recurrence: mosaic_gpu"] = lambda inputs, repeats: bench_recurrence(
-                kernel_recurrence, inputs, repeats)
-            table["recurrence: mosaic_gpu sequence-parallel"] = bench_sequence_parallel_recurrence
+            table["recurrence: mosaic_gpu"] = bench_kernel_recurrence
         if triton_path.NAME in impls:
             table["recurrence: triton"] = lambda inputs, repeats: bench_recurrence(
                 triton_path.kernel_recurrence, inputs, repeats)
