@@ -3,7 +3,8 @@ the token-by-token oracle, and the preparation kernel against the plain-JAX prep
 
 On CPU the kernels run in Mosaic GPU interpret mode (simulated Hopper: TMA, barriers, wgmma, with
 race detection) at small shapes, and are lowered for Hopper to check layouts and shapes at K = 128.
-On a Hopper GPU (`gpu` marker) they run for real at the shapes the dispatcher hands them.
+On a GPU (`gpu` marker) they run for real at the shapes the dispatcher hands them, and so does the
+Triton path (`kda.kernels.triton`), whose GPU tests are these, parametrized over both paths.
 """
 
 import contextlib
@@ -23,6 +24,7 @@ import kda.api
 from kda.chunked import prepare_chunks
 from kda.common import l2_normalize
 from kda.kernels import mosaic_gpu
+from kda.kernels import triton as triton_path
 from kda.kernels.mosaic_gpu_common import recurrence_operands
 from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
 from kda_inputs import make_inputs, relative_error
@@ -91,12 +93,13 @@ def preparation_options(inputs, dim, lower_bound=-5.0):
                 use_qk_l2norm=inputs["use_qk_l2norm"], gate_lower_bound=lower_bound)
 
 
-def assert_preparation_matches_plain_jax(inputs, dim):
-    """Every operand the recurrence kernel reads, from the kernel and from `prepare_chunks`."""
+def assert_preparation_matches_plain_jax(inputs, dim, prepare_kernel=prepare_chunks_kernel):
+    """Every operand the recurrence kernel reads, from a preparation kernel and from
+    `prepare_chunks`."""
     args = [inputs[name] for name in ("q", "k", "v", "g", "beta")]
     options = preparation_options(inputs, dim)
     expected = recurrence_operands(prepare_chunks(*args, chunk_size=64, **options))
-    actual = jax.jit(lambda *xs: prepare_chunks_kernel(*xs, **options))(*args)
+    actual = jax.jit(lambda *xs: prepare_kernel(*xs, **options))(*args)
     for name, got, want in zip(expected._fields, actual, expected):
         assert got.shape == want.shape and got.dtype == want.dtype, name
         if not jnp.any(want):  # chunk_decay when every chunk starts a document
@@ -175,39 +178,50 @@ def test_on_cpu_auto_falls_back_and_asking_by_name_is_refused():
 # scan would be too slow to differentiate).
 
 
+# Both kernel paths: Mosaic GPU (Hopper) and Triton (any NVIDIA GPU from Ampere on, with
+# jax-triton installed; `tests/test_kda_triton.py::test_gpu_triton_path_is_available` says why not).
+KERNEL_PREPARATIONS = {mosaic_gpu.NAME: prepare_chunks_kernel,
+                       triton_path.NAME: triton_path.prepare_chunks_kernel}
+every_kernel = pytest.mark.parametrize("impl", list(KERNEL_PREPARATIONS))
+
+
 @pytest.mark.gpu
+@every_kernel
 @pytest.mark.parametrize("gate,lower_bound", [("lower_bound", -5.0), ("softplus", None)])
-def test_gpu_kernel_matches_reference(gate, lower_bound):
+def test_gpu_kernel_matches_reference(impl, gate, lower_bound):
     inputs = bf16_inputs(5, 2, 8192, 16, 16, 128, gate=gate, initial_state=True)
     expected = _loss_and_grads("reference", inputs, None)
-    actual = _loss_and_grads(mosaic_gpu.NAME, inputs, lower_bound)
+    actual = _loss_and_grads(impl, inputs, lower_bound)
     for name, tolerance in BF16_TOLERANCE.items():
         assert relative_error(actual[name], expected[name]) <= tolerance, name
 
 
 @pytest.mark.gpu
+@every_kernel
 @pytest.mark.parametrize("gate,lower_bound", [("lower_bound", -5.0), ("softplus", None)])
-def test_gpu_kernel_packed_documents_and_grouped_heads(gate, lower_bound):
+def test_gpu_kernel_packed_documents_and_grouped_heads(impl, gate, lower_bound):
     inputs = bf16_inputs(6, 2, 8192, 8, 16, 128, gate=gate, initial_state=True, segments=True)
     expected = _loss_and_grads("reference", inputs, None)
-    actual = _loss_and_grads(mosaic_gpu.NAME, inputs, lower_bound)
+    actual = _loss_and_grads(impl, inputs, lower_bound)
     for name, tolerance in BF16_TOLERANCE.items():
         assert relative_error(actual[name], expected[name]) <= tolerance, name
 
 
 @pytest.mark.gpu
+@every_kernel
 @pytest.mark.parametrize("dim", [64, 128])
-def test_gpu_preparation_matches_plain_jax(dim):
+def test_gpu_preparation_matches_plain_jax(impl, dim):
     inputs = bf16_inputs(10, 2, 4100, 4, 16, dim, segments=True)
-    assert_preparation_matches_plain_jax(inputs, dim)
+    assert_preparation_matches_plain_jax(inputs, dim, KERNEL_PREPARATIONS[impl])
 
 
 @pytest.mark.gpu
+@every_kernel
 @pytest.mark.parametrize("dim", [64, 128])
-def test_gpu_kernel_long_sequence(dim):
+def test_gpu_kernel_long_sequence(impl, dim):
     inputs = bf16_inputs(7, 1, 65536, 2, 2, dim, initial_state=True)
     o_ref, state_ref = run("reference", inputs)
-    o, state = run(mosaic_gpu.NAME, inputs, gate_lower_bound=-5.0)
+    o, state = run(impl, inputs, gate_lower_bound=-5.0)
     assert relative_error(o, o_ref) <= BF16_TOLERANCE["o"]
     assert relative_error(state, state_ref) <= BF16_TOLERANCE["state"]
 

@@ -1,5 +1,5 @@
-"""The Triton path (`impl="triton"`, jax-triton) against the token-by-token oracle on the GPU, and
-its dispatch and launch contracts on CPU.
+"""The Triton path (`impl="triton"`, jax-triton): its dispatch and launch contracts on CPU (its GPU
+tests against the oracle are those of `tests/test_kda_kernels.py`, run for both kernel paths).
 
 Triton kernels run only on a GPU here (jax-triton needs a CUDA jaxlib); on CPU these tests check
 that `import kda` needs neither triton nor jax-triton, that the path is refused with a clear error,
@@ -10,30 +10,19 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import kda
 from kda.chunked import prepare_chunks
 from kda.kernels import triton as triton_path
 from kda.kernels.mosaic_gpu_common import recurrence_operands
-from kda_inputs import make_inputs, relative_error
-from test_kda_ops import BF16_TOLERANCE, _loss_and_grads, run
+from test_kda_kernels import bf16_inputs, preparation_options
+from test_kda_ops import run
 
 SUPPORTED_CALL = kda.KDACall(
     batch=2, seq_len=8192, num_heads=16, num_value_heads=16, key_dim=128, value_dim=128,
     dtype=jnp.bfloat16, has_initial_state=True, output_final_state=True, has_segment_ids=True,
     use_qk_l2norm=True, gate_lower_bound=-5.0, backend="gpu")
-
-
-def bf16_inputs(seed, batch, length, heads, value_heads, dim, **options):
-    return make_inputs(seed, batch, length, heads, value_heads, dim, dim, dtype=jnp.bfloat16,
-                       **options)
-
-
-def preparation_options(inputs, dim):
-    return dict(scale=dim**-0.5, segment_ids=inputs.get("segment_ids"),
-                use_qk_l2norm=inputs["use_qk_l2norm"], gate_lower_bound=-5.0)
 
 
 def test_import_kda_needs_neither_triton_nor_jax_triton():
@@ -107,9 +96,8 @@ def test_kernel_launches_have_the_plain_jax_operands_shapes(dim):
         ((2, 2, 4, 64, dim), jnp.bfloat16), ((2, 2, dim, dim), jnp.float32)]
 
 
-# On the GPU (any NVIDIA GPU from Ampere on, jax-triton installed): real shapes, against the
-# oracle. Gradients are the plain-JAX chunked op's; they are checked so that the custom VJP's
-# wiring is.
+# On the GPU, the Triton path runs the GPU tests of `tests/test_kda_kernels.py` (parametrized over
+# both kernel paths); this one says why they would be refused.
 
 
 @pytest.mark.gpu
@@ -119,49 +107,3 @@ def test_gpu_triton_path_is_available():
     assert triton_path._jax_triton_importable(), (
         "jax-triton is not importable: pip install --no-deps "
         ".whl/jax_triton-0.3.1-py3-none-any.whl")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("gate,lower_bound", [("lower_bound", -5.0), ("softplus", None)])
-def test_gpu_triton_matches_reference(gate, lower_bound):
-    inputs = bf16_inputs(5, 2, 8192, 16, 16, 128, gate=gate, initial_state=True)
-    expected = _loss_and_grads("reference", inputs, None)
-    actual = _loss_and_grads(triton_path.NAME, inputs, lower_bound)
-    for name, tolerance in BF16_TOLERANCE.items():
-        assert relative_error(actual[name], expected[name]) <= tolerance, name
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("gate,lower_bound", [("lower_bound", -5.0), ("softplus", None)])
-def test_gpu_triton_packed_documents_and_grouped_heads(gate, lower_bound):
-    inputs = bf16_inputs(6, 2, 8192, 8, 16, 128, gate=gate, initial_state=True, segments=True)
-    expected = _loss_and_grads("reference", inputs, None)
-    actual = _loss_and_grads(triton_path.NAME, inputs, lower_bound)
-    for name, tolerance in BF16_TOLERANCE.items():
-        assert relative_error(actual[name], expected[name]) <= tolerance, name
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dim", [64, 128])
-def test_gpu_triton_preparation_matches_plain_jax(dim):
-    inputs = bf16_inputs(10, 2, 4100, 4, 16, dim, segments=True)
-    args = [inputs[name] for name in ("q", "k", "v", "g", "beta")]
-    options = preparation_options(inputs, dim)
-    expected = recurrence_operands(prepare_chunks(*args, chunk_size=64, **options))
-    actual = jax.jit(lambda *xs: triton_path.prepare_chunks_kernel(*xs, **options))(*args)
-    for name, got, want in zip(expected._fields, actual, expected):
-        assert got.shape == want.shape and got.dtype == want.dtype, name
-        if not jnp.any(want):  # chunk_decay when every chunk starts a document
-            np.testing.assert_array_equal(got, want, err_msg=name)
-            continue
-        assert relative_error(got, want) <= BF16_TOLERANCE["o"], name
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dim", [64, 128])
-def test_gpu_triton_long_sequence(dim):
-    inputs = bf16_inputs(7, 1, 65536, 2, 2, dim, initial_state=True)
-    o_ref, state_ref = run("reference", inputs)
-    o, state = run(triton_path.NAME, inputs, gate_lower_bound=-5.0)
-    assert relative_error(o, o_ref) <= BF16_TOLERANCE["o"]
-    assert relative_error(state, state_ref) <= BF16_TOLERANCE["state"]
