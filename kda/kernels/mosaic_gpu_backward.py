@@ -45,7 +45,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.chunked import ChunkedInputs
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands, RecurrenceResiduals,
-                                           swizzled, swizzled_smem)
+                                           load_state_tile, swizzled, swizzled_smem)
 
 # The backward's own V tile, chosen as the forward's: dS [K, 64] float32 is 64 registers a thread
 # at K = 128.
@@ -74,15 +74,7 @@ def _reversed_recurrence_kernel(w_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, d_o
     columns = pl.ds(v_tile * BLOCK_V, BLOCK_V)
     state_shape, values_shape = (key_dim, BLOCK_V), (chunk, BLOCK_V)
 
-    def load_final_cotangent(state_smem, barrier):
-        plgpu.copy_gmem_to_smem(d_final_gmem.at[batch, head, :, columns], state_smem, barrier)
-        plgpu.barrier_wait(barrier)
-        d_state = plgpu.load(state_smem, layout=plgpu.Layout.WGMMA)
-        plgpu.commit_smem()  # the load is done before TMA reuses this memory for the pipeline
-        return d_state
-
-    d_final_state = pl.run_scoped(load_final_cotangent, swizzled_smem(state_shape, jnp.float32),
-                                  plgpu.Barrier())
+    d_final_state = load_state_tile(d_final_gmem.at[batch, head, :, columns], state_shape)
 
     def recur(d_state_smem, minus_d_v_new_smem, d_v_new_smem):
         def chunk_step(indices, w, q, kt, a, decay, d_o, d_state):

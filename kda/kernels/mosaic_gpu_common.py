@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.chunked import ChunkedInputs
@@ -22,6 +23,20 @@ def swizzled(shape, dtype):
 
 def swizzled_smem(shape, dtype):
     return plgpu.SMEM(shape, dtype, transforms=swizzled(shape[-2:], dtype))
+
+
+def load_state_tile(gmem_tile, shape):
+    """A float32 state tile [K, 64] from GMEM into WGMMA-layout registers (TMA through SMEM), as
+    the recurrence kernels start: the initial state forward, the final-state cotangent backward."""
+
+    def load(smem, barrier):
+        plgpu.copy_gmem_to_smem(gmem_tile, smem, barrier)
+        plgpu.barrier_wait(barrier)
+        tile = plgpu.load(smem, layout=plgpu.Layout.WGMMA)
+        plgpu.commit_smem()  # the load is done before TMA reuses this memory for the pipeline
+        return tile
+
+    return pl.run_scoped(load, swizzled_smem(shape, jnp.float32), plgpu.Barrier())
 
 
 class RecurrenceOperands(NamedTuple):

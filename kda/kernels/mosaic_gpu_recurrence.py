@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands, RecurrenceResiduals,
-                                           swizzled, swizzled_smem)
+                                           load_state_tile, swizzled, swizzled_smem)
 
 # State columns per program: S [K, 64] float32 is 64 registers a thread at K = 128. 32 would halve
 # that, but the 64-byte swizzle of a [K, 32] bf16 operand cannot pair with W's 128-byte one.
@@ -60,15 +60,7 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, s0_g
     # most m copies are pending frees the buffer of every copy issued before the last m.
     copies_per_step = 3 if saves else 1
 
-    def load_initial_state(state_smem, barrier):
-        plgpu.copy_gmem_to_smem(s0_gmem.at[batch, head, :, columns], state_smem, barrier)
-        plgpu.barrier_wait(barrier)
-        state = plgpu.load(state_smem, layout=plgpu.Layout.WGMMA)
-        plgpu.commit_smem()  # the load is done before TMA reuses this memory for the pipeline
-        return state
-
-    initial_state = pl.run_scoped(load_initial_state, swizzled_smem(state_shape, jnp.float32),
-                                  plgpu.Barrier())
+    initial_state = load_state_tile(s0_gmem.at[batch, head, :, columns], state_shape)
 
     def save(smem, gmem, n):
         """Writes a bf16 operand of chunk n out for the backward."""
