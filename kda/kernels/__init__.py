@@ -11,6 +11,8 @@
 * `kda.kernels.mosaic_gpu_prepare_backward`: backward of the chunk preparation.
 * `kda.kernels.mosaic_gpu_tiles`: the in-kernel building blocks of both preparation kernels
   (chunk cumsum, causal anchors and score tiles, document masks, `(I + N)^-1`, split matmuls).
+* `kda.kernels.path`: what every kernel path does around its kernels (head-size check, bounded
+  or unbounded gates).
 * `kda.kernels.mosaic_gpu_common`: what they share (SMEM layouts, `RecurrenceOperands`).
 * `kda.kernels.triton`: the forward kernels in Triton through jax-triton (NVIDIA GPUs from Ampere
   on; `kda.kernels.triton_kernels` holds the kernels), the `impl="triton"` path (by name only:

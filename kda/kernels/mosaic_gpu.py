@@ -20,23 +20,22 @@ Importing this module registers `impl="mosaic_gpu"` with `kda.api`; it imports o
 """
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from kda.api import KDACall, register_kernel
-from kda.chunked import CHUNK_SIZE, ChunkedInputs, chunk_kda_with_recurrence
+from kda.chunked import CHUNK_SIZE, ChunkedInputs
 from kda.kernels.mosaic_gpu_backward import recurrence_cotangents
-from kda.kernels.mosaic_gpu_common import (RecurrenceOperands, RecurrenceResiduals,
-                                           recurrence_operands)
+from kda.kernels.mosaic_gpu_common import (SUPPORTED_DIMS, RecurrenceOperands,
+                                           RecurrenceResiduals, recurrence_operands)
 from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
 from kda.kernels.mosaic_gpu_prepare_backward import prepare_chunks_vjp_kernel
+from kda.kernels.path import BoundedOptions, KernelPath, kernel_kda
 from kda.kernels.sequence_parallel import (sequence_parallel_recurrence,
                                           sequence_parallel_reversed_recurrence)
 
 NAME = "mosaic_gpu"
-SUPPORTED_DIMS = (64, 128)  # K and V; K = 256 would not fit two pipeline stages in shared memory
 
 
 def recurrence_vjp(operands: RecurrenceOperands, residuals: RecurrenceResiduals, d_o,
@@ -89,14 +88,6 @@ def _kernel_recurrence_bwd(out_dtype, saved, cotangents):
 kernel_recurrence.defvjp(_kernel_recurrence_fwd, _kernel_recurrence_bwd)
 
 
-class _BoundedOptions(NamedTuple):
-    """The static arguments of `_bounded_kda` (hashable, for `nondiff_argnums`)."""
-
-    scale: float
-    use_qk_l2norm: bool
-    gate_lower_bound: float
-
-
 def _bounded_forward(q, k, v, g, beta, initial_state, segment_ids, options, save_for_backward):
     """Both kernels, preparation then recurrence: (o [B, T, HV, V], final_state [B, HV, K, V]),
     then, with `save_for_backward`, (operands, `RecurrenceResiduals`)."""
@@ -110,7 +101,7 @@ def _bounded_forward(q, k, v, g, beta, initial_state, segment_ids, options, save
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _bounded_kda(q, k, v, g, beta, initial_state, segment_ids, options: _BoundedOptions):
+def _bounded_kda(q, k, v, g, beta, initial_state, segment_ids, options: BoundedOptions):
     """Both kernels, preparation then recurrence: (o [B, T, HV, V], final_state [B, HV, K, V])."""
     outputs, _ = _bounded_forward(q, k, v, g, beta, initial_state, segment_ids, options,
                                   save_for_backward=False)
@@ -144,42 +135,20 @@ def _bounded_kda_bwd(options, saved, cotangents):
 _bounded_kda.defvjp(_bounded_kda_fwd, _bounded_kda_bwd)
 
 
-def mosaic_gpu_kda(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    *,
-    scale,
-    initial_state=None,
-    output_final_state=False,
-    segment_ids=None,
-    use_qk_l2norm=False,
-    gate_lower_bound=None,
-):
+_PATH = KernelPath(kernels="the Mosaic GPU kernels", supported_dims=SUPPORTED_DIMS,
+                   recurrence=kernel_recurrence, bounded_kda=_bounded_kda,
+                   bounded_needs_equal_dims=True)
+
+
+def mosaic_gpu_kda(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False,
+                   segment_ids=None, use_qk_l2norm=False, gate_lower_bound=None):
     """KDA by the Mosaic GPU kernels; arguments and results as `kda.reference.kda_reference`, with
-    K and V in {64, 128}. With `gate_lower_bound` set and K = V the chunk preparation is a kernel
-    too; otherwise it is plain JAX. Differentiable (see the module docstring: the recurrence's
-    backward is a kernel, the preparation's is plain JAX)."""
-    key_dim, value_dim = q.shape[-1], v.shape[-1]
-    if key_dim not in SUPPORTED_DIMS or value_dim not in SUPPORTED_DIMS:
-        raise ValueError(
-            f"the Mosaic GPU kernel needs K and V in {SUPPORTED_DIMS}, got K={key_dim}, "
-            f"V={value_dim}; use impl='chunked' for other head sizes")
-    if gate_lower_bound is None or key_dim != value_dim:
-        return chunk_kda_with_recurrence(
-            kernel_recurrence, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, segment_ids=segment_ids,
-            use_qk_l2norm=use_qk_l2norm, gate_lower_bound=gate_lower_bound,
-            chunk_size=CHUNK_SIZE)
-    batch, _, num_value_heads, _ = v.shape
-    if initial_state is None:
-        initial_state = jnp.zeros((batch, num_value_heads, key_dim, value_dim), jnp.float32)
-    o, final_state = _bounded_kda(
-        q, k, v, g, beta, initial_state.astype(jnp.float32), segment_ids,
-        _BoundedOptions(float(scale), bool(use_qk_l2norm), float(gate_lower_bound)))
-    return o, (final_state if output_final_state else None)
+    K and V in {64, 128}. With `gate_lower_bound` set and K = V the chunk preparation and its
+    backward are kernels too; otherwise the preparation is plain JAX. Differentiable (module
+    docstring)."""
+    return kernel_kda(_PATH, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                      output_final_state=output_final_state, segment_ids=segment_ids,
+                      use_qk_l2norm=use_qk_l2norm, gate_lower_bound=gate_lower_bound)
 
 
 def _on_hopper() -> bool:

@@ -12,6 +12,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kda.chunked import ChunkedInputs
 
 OPERAND_DTYPE = jnp.bfloat16  # every wgmma operand; accumulators are float32
+SUPPORTED_DIMS = (64, 128)  # K and V; K = 256 would not fit two pipeline stages in shared memory
 
 
 def swizzled(shape, dtype):

@@ -64,7 +64,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.chunked import TILE_SIZE, ChunkedInputs
 from kda.common import L2_NORM_EPS, prepare_qk
-from kda.kernels.mosaic_gpu_common import OPERAND_DTYPE, swizzled_smem
+from kda.kernels.mosaic_gpu_common import OPERAND_DTYPE, SUPPORTED_DIMS, swizzled_smem
 from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, COMPILER_PARAMS, NUM_TILES,
                                           ROW_VECTOR, WGMMA, cumulative_sum, documents_in_chunk,
                                           exponent_from_tile, exponent_up_to_tile, iota,
@@ -74,7 +74,6 @@ from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, COMPILER_PARAMS,
                                           transposed_scores, unit_lower_inverse)
 
 KEY_SLICE = 64  # key columns per program of the score kernel (wgmma's M)
-SUPPORTED_DIMS = (64, 128)
 
 
 # Kernel 1: gradients through the UT transform.

@@ -35,10 +35,10 @@ import jax
 import jax.numpy as jnp
 
 from kda.api import KDACall, register_kernel
-from kda.chunked import (CHUNK_SIZE, TILE_SIZE, ChunkedInputs, chunk_kda,
-                         chunk_kda_with_recurrence, chunk_recurrence)
+from kda.chunked import CHUNK_SIZE, TILE_SIZE, ChunkedInputs, chunk_kda, chunk_recurrence
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands,
                                            recurrence_operands)
+from kda.kernels.path import BoundedOptions, KernelPath, kernel_kda
 
 NAME = "triton"
 SUPPORTED_DIMS = (64, 128)  # K and V: powers of two (tl.arange), multiples of BLOCK_V
@@ -191,16 +191,8 @@ def _kernel_recurrence_bwd(out_dtype, residuals, cotangents):
 kernel_recurrence.defvjp(_kernel_recurrence_fwd, _kernel_recurrence_bwd)
 
 
-class _BoundedOptions(NamedTuple):
-    """The static arguments of `_bounded_kda` (hashable, for `nondiff_argnums`)."""
-
-    scale: float
-    use_qk_l2norm: bool
-    gate_lower_bound: float
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _bounded_kda(q, k, v, g, beta, initial_state, segment_ids, options: _BoundedOptions):
+def _bounded_kda(q, k, v, g, beta, initial_state, segment_ids, options: BoundedOptions):
     """Both kernels, preparation then recurrence: (o [B, T, HV, V], final_state [B, HV, K, V])."""
     batch, length, num_value_heads, value_dim = v.shape
     operands = prepare_chunks_kernel(q, k, v, g, beta, segment_ids=segment_ids,
@@ -230,40 +222,19 @@ def _bounded_kda_bwd(options, residuals, cotangents):
 _bounded_kda.defvjp(_bounded_kda_fwd, _bounded_kda_bwd)
 
 
-def triton_kda(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    *,
-    scale,
-    initial_state=None,
-    output_final_state=False,
-    segment_ids=None,
-    use_qk_l2norm=False,
-    gate_lower_bound=None,
-):
+_PATH = KernelPath(kernels="the Triton kernels", supported_dims=SUPPORTED_DIMS,
+                   recurrence=kernel_recurrence, bounded_kda=_bounded_kda,
+                   bounded_needs_equal_dims=False)
+
+
+def triton_kda(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False,
+               segment_ids=None, use_qk_l2norm=False, gate_lower_bound=None):
     """KDA by the Triton kernels; arguments and results as `kda.reference.kda_reference`, with
     K and V in {64, 128}. With `gate_lower_bound` set the chunk preparation is a kernel too;
     otherwise it is plain JAX. Differentiable (the backward is plain JAX: module docstring)."""
-    key_dim, value_dim = q.shape[-1], v.shape[-1]
-    if key_dim not in SUPPORTED_DIMS or value_dim not in SUPPORTED_DIMS:
-        raise ValueError(
-            f"the Triton kernels need K and V in {SUPPORTED_DIMS}, got K={key_dim}, "
-            f"V={value_dim}; use impl='chunked' for other head sizes")
-    if gate_lower_bound is None:
-        return chunk_kda_with_recurrence(
-            kernel_recurrence, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, segment_ids=segment_ids,
-            use_qk_l2norm=use_qk_l2norm, gate_lower_bound=None, chunk_size=CHUNK_SIZE)
-    batch, _, num_value_heads, _ = v.shape
-    if initial_state is None:
-        initial_state = jnp.zeros((batch, num_value_heads, key_dim, value_dim), jnp.float32)
-    o, final_state = _bounded_kda(
-        q, k, v, g, beta, initial_state.astype(jnp.float32), segment_ids,
-        _BoundedOptions(float(scale), bool(use_qk_l2norm), float(gate_lower_bound)))
-    return o, (final_state if output_final_state else None)
+    return kernel_kda(_PATH, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                      output_final_state=output_final_state, segment_ids=segment_ids,
+                      use_qk_l2norm=use_qk_l2norm, gate_lower_bound=gate_lower_bound)
 
 
 MIN_COMPUTE_CAPABILITY = 8.0  # bf16 mma: Ampere and later

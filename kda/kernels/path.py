@@ -1,0 +1,59 @@
+"""What every kernel path does around its kernels: check the head sizes, run the chunked op with
+the kernel's recurrence when the gates are unbounded, or the kernel path's whole-op
+`jax.custom_vjp` when they are bounded (`gate_lower_bound`)."""
+
+from typing import Callable, NamedTuple
+
+import jax.numpy as jnp
+
+from kda.chunked import CHUNK_SIZE, chunk_kda_with_recurrence
+
+class BoundedOptions(NamedTuple):
+    """The static arguments of a bounded-gate `custom_vjp` (hashable, for `nondiff_argnums`)."""
+
+    scale: float
+    use_qk_l2norm: bool
+    gate_lower_bound: float
+
+
+class KernelPath(NamedTuple):
+    """A kernel path's pieces.
+
+    kernels: the name in error messages ("the Mosaic GPU kernels").
+    supported_dims: the head sizes K and V the kernels take.
+    recurrence: `(ChunkedInputs, initial_state, out_dtype) -> (o, final_state)`, differentiable,
+      used with the plain-JAX preparation when the gates are unbounded.
+    bounded_kda: `(q, k, v, g, beta, initial_state float32, segment_ids, BoundedOptions) ->
+      (o, final_state)`, the whole op with bounded gates.
+    bounded_needs_equal_dims: the bounded path only for K = V (else the recurrence path).
+    """
+
+    kernels: str
+    supported_dims: tuple[int, ...]
+    recurrence: Callable
+    bounded_kda: Callable
+    bounded_needs_equal_dims: bool
+
+
+def kernel_kda(path: KernelPath, q, k, v, g, beta, *, scale, initial_state, output_final_state,
+               segment_ids, use_qk_l2norm, gate_lower_bound):
+    """KDA by a kernel path; arguments and results as `kda.reference.kda_reference`, with K and V
+    in `path.supported_dims`."""
+    key_dim, value_dim = q.shape[-1], v.shape[-1]
+    if key_dim not in path.supported_dims or value_dim not in path.supported_dims:
+        raise ValueError(
+            f"{path.kernels} need K and V in {path.supported_dims}, got K={key_dim}, "
+            f"V={value_dim}; use impl='chunked' for other head sizes")
+    if gate_lower_bound is None or (path.bounded_needs_equal_dims and key_dim != value_dim):
+        return chunk_kda_with_recurrence(
+            path.recurrence, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, segment_ids=segment_ids,
+            use_qk_l2norm=use_qk_l2norm, gate_lower_bound=gate_lower_bound,
+            chunk_size=CHUNK_SIZE)
+    batch, _, num_value_heads, _ = v.shape
+    if initial_state is None:
+        initial_state = jnp.zeros((batch, num_value_heads, key_dim, value_dim), jnp.float32)
+    o, final_state = path.bounded_kda(
+        q, k, v, g, beta, initial_state.astype(jnp.float32), segment_ids,
+        BoundedOptions(float(scale), bool(use_qk_l2norm), float(gate_lower_bound)))
+    return o, (final_state if output_final_state else None)
