@@ -82,6 +82,24 @@ def _documents(segment_ptr, token_index, tokens, valid):
 
 
 @triton.jit
+def _chunk_positions(T, HV, NUM_CHUNKS: tl.constexpr, CHUNK: tl.constexpr):
+    """Where the program (chunk, batch row x value head) reads and writes: its chunk, batch row and
+    value head, the chunk's rows and tokens, which tokens exist (< T), their offsets into [B, T]
+    and [B, T, HV], and the chunk's offset into [B, HV, N]."""
+    chunk = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    batch = batch_head // HV
+    head = batch_head % HV
+    rows = tl.arange(0, CHUNK)
+    tokens = chunk * CHUNK + rows
+    valid = tokens < T
+    token_index = batch.to(tl.int64) * T + tokens  # into [B, T]
+    head_token = token_index * HV + head  # into [B, T, HV]
+    out_chunk = batch_head.to(tl.int64) * NUM_CHUNKS + chunk  # into [B, HV, N]
+    return chunk, batch, head, rows, tokens, valid, token_index, head_token, out_chunk
+
+
+@triton.jit
 def scores_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, segment_ptr,
                   q_state_ptr, k_state_t_ptr, aqk_ptr, decay_ptr, unit_lower_ptr,
                   T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
@@ -92,19 +110,11 @@ def scores_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, segment_ptr,
     Outputs: q_from_state [C, K] bf16, k_to_state transposed [K, C] bf16, Aqk [C, C] bf16,
     chunk_decay [K] float32, and N = beta Akk [C, C] bf16 (strictly lower) for `solve_kernel`.
     """
-    chunk = tl.program_id(0)
-    batch_head = tl.program_id(1)
-    batch = batch_head // HV
-    head = batch_head % HV
-    rows = tl.arange(0, CHUNK)
-    tokens = chunk * CHUNK + rows
-    valid = tokens < T
-    token_index = batch.to(tl.int64) * T + tokens  # into [B, T]
-    head_token = token_index * HV + head  # into [B, T, HV]
+    chunk, batch, head, rows, tokens, valid, token_index, head_token, out_chunk = (
+        _chunk_positions(T, HV, NUM_CHUNKS, CHUNK))
     document = _documents(segment_ptr, token_index, tokens, valid)
     last_document = tl.max(document, 0)
 
-    out_chunk = batch_head.to(tl.int64) * NUM_CHUNKS + chunk  # into [B, HV, N]
     qk_rows = (token_index * H + head // (HV // H)) * K  # grouped heads share q and k
     q_scale = _inverse_norms(q_ptr, qk_rows, valid, K, USE_QK_L2NORM) * SCALE
     k_scale = _inverse_norms(k_ptr, qk_rows, valid, K, USE_QK_L2NORM)
@@ -176,16 +186,8 @@ def solve_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, segment_ptr, unit_lower_ptr,
                  USE_QK_L2NORM: tl.constexpr):
     """The UT transform, the second half of `prepare_chunks`: with N from `scores_kernel`,
     W = (I + N)^-1 (beta k exp(G)) [C, K] bf16 and U = (I + N)^-1 (beta v) [C, V] float32."""
-    chunk = tl.program_id(0)
-    batch_head = tl.program_id(1)
-    batch = batch_head // HV
-    head = batch_head % HV
-    rows = tl.arange(0, CHUNK)
-    tokens = chunk * CHUNK + rows
-    valid = tokens < T
-    token_index = batch.to(tl.int64) * T + tokens  # into [B, T]
-    head_token = token_index * HV + head  # into [B, T, HV]
-    out_chunk = batch_head.to(tl.int64) * NUM_CHUNKS + chunk  # into [B, HV, N]
+    chunk, batch, head, rows, tokens, valid, token_index, head_token, out_chunk = (
+        _chunk_positions(T, HV, NUM_CHUNKS, CHUNK))
     N = tl.load(unit_lower_ptr + out_chunk * CHUNK * CHUNK + rows[:, None] * CHUNK
                 + rows[None, :]).to(tl.float32)
 
