@@ -125,8 +125,7 @@ def train(method: str, args: argparse.Namespace, shape: ModelShape, progress: tq
         balancing=method,
         gmm_backend="xla",
     )
-    with nnx.use_eager_sharding(False):
-        model = TinyMoELM(shape, cfg, rngs=nnx.Rngs(args.seed))
+    model = TinyMoELM(shape, cfg, rngs=nnx.Rngs(args.seed))
     optimizer = nnx.Optimizer(model, optax.adamw(args.lr, weight_decay=0.01), wrt=nnx.Param)
 
     @nnx.jit

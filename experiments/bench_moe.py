@@ -153,9 +153,8 @@ def run(shape: BenchShape, iters: int, check_backend: bool, profile: bool = Fals
     common = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     cfg = moe_config(shape)
     hidden = matched_dense_hidden(shape)
-    with nnx.use_eager_sharding(False):
-        moe_layer = StableLatentMoE(shape.d_model, cfg, rngs=nnx.Rngs(1), **common)
-        dense_layer = DenseFFN(shape.d_model, hidden, "situ", rngs=nnx.Rngs(2), **common)
+    moe_layer = StableLatentMoE(shape.d_model, cfg, rngs=nnx.Rngs(1), **common)
+    dense_layer = DenseFFN(shape.d_model, hidden, "situ", rngs=nnx.Rngs(2), **common)
 
     expert_rows = jax.ShapeDtypeStruct((shape.tokens * shape.top_k, shape.latent_dim), jnp.bfloat16)
     results = dict(
@@ -360,14 +359,13 @@ def _hlo_descriptions(hlo_text: str) -> dict[str, str]:
 
 def compare_with_xla_backend(moe_layer, cfg, shape, x, cotangent) -> float:
     """Largest relative difference of output and gradients: chosen backend vs XLA ragged_dot."""
-    with nnx.use_eager_sharding(False):
-        reference = StableLatentMoE(
-            shape.d_model,
-            dataclasses.replace(cfg, gmm_backend="xla"),
-            dtype=jnp.bfloat16,
-            param_dtype=jnp.bfloat16,
-            rngs=nnx.Rngs(1),
-        )
+    reference = StableLatentMoE(
+        shape.d_model,
+        dataclasses.replace(cfg, gmm_backend="xla"),
+        dtype=jnp.bfloat16,
+        param_dtype=jnp.bfloat16,
+        rngs=nnx.Rngs(1),
+    )
     nnx.update(reference, nnx.state(moe_layer))
     outputs = []
     for module in (moe_layer, reference):

@@ -247,17 +247,16 @@ def layer_breakdown(cfg: ModelConfig, setup: BenchSetup) -> dict[str, tuple[int,
         cfg.compute_dtype)
     segment_ids = jnp.asarray(synthetic_batch(setup)["segment_ids"])
     rngs = nnx.Rngs(0)
-    with nnx.use_eager_sharding(False):
-        parts = {
-            "kda": (len(cfg.kda_layers), KDA(cfg.d_model, cfg.kda, rngs=rngs, **dtypes),
-                    lambda m, x, s: m(x, segment_ids=s)),
-            "attention": (len(cfg.full_attn_layers), GatedMLA(cfg.d_model, cfg.mla, rngs=rngs,
-                                                              **dtypes),
-                          lambda m, x, s: m(x, segment_ids=s)),
-            "moe": (cfg.num_layers - cfg.first_k_dense,
-                    StableLatentMoE(cfg.d_model, cfg.moe, rngs=rngs, **dtypes),
-                    lambda m, x, s: m(x, s)[0]),
-        }
+    parts = {
+        "kda": (len(cfg.kda_layers), KDA(cfg.d_model, cfg.kda, rngs=rngs, **dtypes),
+                lambda m, x, s: m(x, segment_ids=s)),
+        "attention": (len(cfg.full_attn_layers), GatedMLA(cfg.d_model, cfg.mla, rngs=rngs,
+                                                          **dtypes),
+                      lambda m, x, s: m(x, segment_ids=s)),
+        "moe": (cfg.num_layers - cfg.first_k_dense,
+                StableLatentMoE(cfg.d_model, cfg.moe, rngs=rngs, **dtypes),
+                lambda m, x, s: m(x, s)[0]),
+    }
     return {name: (count, time_layer(layer, call, x, segment_ids, setup))
             for name, (count, layer, call) in parts.items() if count}
 

@@ -30,6 +30,7 @@ from flax import nnx
 
 from models.norms import RMSNorm
 from models.paged_cache import PagedLatentCache
+from models.sharding import logical
 
 AttentionImplementation = Literal["xla", "cudnn"]
 
@@ -166,7 +167,7 @@ def _fan_in_init(in_axis, out_axis, axes: tuple[str | None, ...]):
     init = nnx.initializers.variance_scaling(
         1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis
     )
-    return nnx.with_partitioning(init, axes)
+    return logical(init, axes)
 
 
 class GatedMLA(nnx.Module):
@@ -199,7 +200,7 @@ class GatedMLA(nnx.Module):
                 d_model,
                 cfg.q_lora_rank,
                 use_bias=False,
-                kernel_init=nnx.with_partitioning(linear_init, ("embed", "latent")),
+                kernel_init=logical(linear_init, ("embed", "latent")),
                 **common,
             )
             self.q_norm = RMSNorm(
@@ -217,7 +218,7 @@ class GatedMLA(nnx.Module):
             d_model,
             cfg.latent_dim,
             use_bias=False,
-            kernel_init=nnx.with_partitioning(linear_init, ("embed", "latent")),
+            kernel_init=logical(linear_init, ("embed", "latent")),
             **common,
         )
         self.kv_norm = RMSNorm(

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.norms import rms_normalize
+from models.sharding import logical_param
 
 ResidualMode = Literal["block_attn_res", "full_attn_res", "plain"]
 
@@ -111,8 +112,8 @@ class AttnResRead(nnx.Module):
 
     def __init__(self, d_model: int, *, eps: float, param_dtype: jnp.dtype = jnp.float32):
         self.eps = eps
-        self.gain = nnx.Param(jnp.ones((d_model,), param_dtype), out_sharding=("embed",))
-        self.query = nnx.Param(jnp.zeros((d_model,), param_dtype), out_sharding=("embed",))
+        self.gain = logical_param(jnp.ones((d_model,), param_dtype), ("embed",))
+        self.query = logical_param(jnp.zeros((d_model,), param_dtype), ("embed",))
 
     def __call__(self, stream: ResidualStream) -> jax.Array:
         return attn_res_read(stream, self.gain[...], self.query[...], self.eps)

@@ -39,7 +39,7 @@ from models.attn_res import (
 from models.config import ModelConfig
 from models.norms import RMSNorm
 from models.paged_cache import PagedLatentCache, init_pages
-from models.sharding import constrain
+from models.sharding import constrain, logical
 from moe.experts import DenseFFN, StableLatentMoE, update_router_bias
 from moe.routing import RouterStats
 
@@ -214,34 +214,28 @@ class HybridLM(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        # Variables keep their logical axis names; `models.sharding` places them on a mesh, so
-        # the model builds the same way with or without one.
-        with nnx.use_eager_sharding(False):
-            self.plan = layer_plan(cfg)
-            d, dtypes = cfg.d_model, dict(dtype=cfg.compute_dtype, param_dtype=cfg.parameter_dtype)
-            self.embed = nnx.Embed(
-                cfg.vocab_size, d,
-                embedding_init=nnx.with_partitioning(
-                    nnx.initializers.normal(1.0), ("vocab", "embed")
-                ),
-                rngs=rngs, **dtypes,
-            )
-            self.groups = nnx.List(
-                [
-                    LayerGroup(cfg, p.first, p.size, rngs=rngs)
-                    if p.repeats == 1
-                    else _stacked_group(cfg, p, rngs)
-                    for p in self.plan
-                ]
-            )
-            self.final_read = _attn_res_read(cfg)
-            self.final_norm = RMSNorm(d, eps=cfg.norm_eps, axis_name="embed", **dtypes)
-            self.lm_head = nnx.Linear(
-                d, cfg.vocab_size, use_bias=False,
-                kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(),
-                                                  ("embed", "vocab")),
-                preferred_element_type=jnp.float32, rngs=rngs, **dtypes,
-            )
+        self.plan = layer_plan(cfg)
+        d, dtypes = cfg.d_model, dict(dtype=cfg.compute_dtype, param_dtype=cfg.parameter_dtype)
+        self.embed = nnx.Embed(
+            cfg.vocab_size, d,
+            embedding_init=logical(nnx.initializers.normal(1.0), ("vocab", "embed")),
+            rngs=rngs, **dtypes,
+        )
+        self.groups = nnx.List(
+            [
+                LayerGroup(cfg, p.first, p.size, rngs=rngs)
+                if p.repeats == 1
+                else _stacked_group(cfg, p, rngs)
+                for p in self.plan
+            ]
+        )
+        self.final_read = _attn_res_read(cfg)
+        self.final_norm = RMSNorm(d, eps=cfg.norm_eps, axis_name="embed", **dtypes)
+        self.lm_head = nnx.Linear(
+            d, cfg.vocab_size, use_bias=False,
+            kernel_init=logical(nnx.initializers.lecun_normal(), ("embed", "vocab")),
+            preferred_element_type=jnp.float32, rngs=rngs, **dtypes,
+        )
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         """tokens: [B, T] int32; segment_ids: [B, T] packed-document ids -> [B, T, V] float32."""

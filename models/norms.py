@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.sharding import logical_param
+
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
     """x / rms(x) over the last axis, in float32 whatever the input dtype.
@@ -31,7 +33,7 @@ class RMSNorm(nnx.Module):
     ):
         self.eps = eps
         self.dtype = dtype
-        self.scale = nnx.Param(jnp.ones((num_features,), param_dtype), out_sharding=(axis_name,))
+        self.scale = logical_param(jnp.ones((num_features,), param_dtype), (axis_name,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., D] -> [..., D] in `dtype`."""

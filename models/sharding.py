@@ -1,7 +1,7 @@
 """Sharding by logical axis names: one rules table, a mesh helper, parameter placement.
 
-Every parameter carries logical axis names (`nnx.with_partitioning(init, ("embed", "mlp"))`);
-activations are constrained with the same vocabulary (`constrain`). `LOGICAL_AXIS_RULES` is the
+Every parameter carries logical axis names (`logical(init, ("embed", "mlp"))`, never placed
+eagerly, so every module builds with or without a mesh); activations are constrained with the same vocabulary (`constrain`). `LOGICAL_AXIS_RULES` is the
 single place where those names meet the mesh axes:
 
     mesh axes (outermost first): data, fsdp, expert, tensor
@@ -45,6 +45,17 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("expert", ("expert",)),
 )
 _RULES = dict(LOGICAL_AXIS_RULES)
+
+
+def logical(init: Callable, axes: tuple[str | None, ...]) -> Callable:
+    """`init` whose parameter carries the logical axis names `axes`. Placement on a mesh is left
+    to `init_sharded` / `state_shardings` (never eager), so modules build with or without one."""
+    return nnx.with_partitioning(init, axes, eager_sharding=False)
+
+
+def logical_param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
+    """An `nnx.Param` holding `value` with the logical axis names `axes` (see `logical`)."""
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 AnyMesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
 

@@ -43,9 +43,14 @@ class RouterBias(nnx.Variable):
     """
 
 
+# Variables carry logical axis names only; `models.sharding` places them on a mesh explicitly, so a
+# layer builds with or without one.
+_logical = functools.partial(nnx.with_partitioning, eager_sharding=False)
+
+
 def _fan_in_normal(fan_in: int, axes: tuple[str | None, ...]):
     """Normal(0, 1/fan_in) initializer with logical axis names (variance-preserving)."""
-    return nnx.with_partitioning(nnx.initializers.normal(stddev=fan_in**-0.5), axes)
+    return _logical(nnx.initializers.normal(stddev=fan_in**-0.5), axes)
 
 
 def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
@@ -141,7 +146,7 @@ class StableLatentMoE(nnx.Module):
             if cfg.dynamic_k
             else jnp.zeros((num_experts,), jnp.float32)
         )
-        self.router_bias = RouterBias(initial_bias, out_sharding=("expert",))
+        self.router_bias = RouterBias(initial_bias, out_sharding=("expert",), eager_sharding=False)
         if cfg.latent_dim is not None:
             self.w_down = nnx.Param(
                 _fan_in_normal(d_model, ("embed", "latent"))(
@@ -155,7 +160,7 @@ class StableLatentMoE(nnx.Module):
             )
         if cfg.latent_norm:
             self.latent_gain = nnx.Param(
-                nnx.with_partitioning(nnx.initializers.ones_init(), ("latent",))(
+                _logical(nnx.initializers.ones_init(), ("latent",))(
                     rngs.params(), (width,), param_dtype
                 )
             )

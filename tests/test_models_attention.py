@@ -14,13 +14,6 @@ from models.attention import GatedMLA, MLAConfig, count_mla_params
 from models.paged_cache import NULL_PAGE, PageAllocator, PagedLatentCache, init_pages
 
 
-@pytest.fixture(autouse=True, scope="module")
-def no_eager_sharding():
-    """Modules here are built without a mesh; sharding is placed by models.sharding."""
-    with nnx.use_eager_sharding(False):
-        yield
-
-
 D_MODEL = 32
 CFG = MLAConfig(
     num_heads=4,

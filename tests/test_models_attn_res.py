@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,13 +15,6 @@ from models.attn_res import (
     seal_period,
     sublayer_input,
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def no_eager_sharding():
-    """Modules here are built without a mesh; sharding is placed by models.sharding."""
-    with nnx.use_eager_sharding(False):
-        yield
 
 
 EPS = 1e-5

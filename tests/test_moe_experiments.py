@@ -30,8 +30,7 @@ def test_balance_model_is_causal():
     cfg = MoEConfig(
         num_experts=4, top_k=2, expert_hidden=8, latent_dim=8, latent_norm=True, gmm_backend="xla"
     )
-    with nnx.use_eager_sharding(False):
-        model = balance.TinyMoELM(shape, cfg, rngs=nnx.Rngs(0))
+    model = balance.TinyMoELM(shape, cfg, rngs=nnx.Rngs(0))
     tokens = jnp.arange(12).reshape(1, 12) % 7
     logits, _ = model(tokens)
     changed, _ = model(tokens.at[0, 8].set(3))

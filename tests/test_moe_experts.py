@@ -35,13 +35,6 @@ SMALL = MoEConfig(
 )
 
 
-@pytest.fixture(autouse=True)
-def no_eager_sharding():
-    """Modules are built without a mesh here; the logical axis names stay as metadata."""
-    with nnx.use_eager_sharding(False):
-        yield
-
-
 def make_layer(cfg=SMALL, seed=0):
     return StableLatentMoE(D_MODEL, cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
 

@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from models.attention import GatedMLA, MLAConfig
+from models.sharding import logical
 from moe.config import MoEConfig
 from moe.experts import StableLatentMoE
 from train.optim import OptimConfig, make_optimizer
@@ -27,19 +28,16 @@ MOE = MoEConfig(num_experts=4, top_k=2, expert_hidden=16, latent_dim=8, shared_h
 
 class ToyLM(nnx.Module):
     def __init__(self, d_model: int = 16, *, rngs: nnx.Rngs):
-        with nnx.use_eager_sharding(False):
-            self.embed = nnx.Embed(
-                VOCAB, d_model, rngs=rngs,
-                embedding_init=nnx.with_partitioning(nnx.initializers.normal(1.0),
-                                                     ("vocab", "embed")),
-            )
-            self.attention = GatedMLA(d_model, MLA, rngs=rngs)
-            self.moe = StableLatentMoE(d_model, MOE, dtype=jnp.float32, rngs=rngs)
-            self.head = nnx.Linear(
-                d_model, VOCAB, use_bias=False, rngs=rngs,
-                kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(),
-                                                  ("embed", "vocab")),
-            )
+        self.embed = nnx.Embed(
+            VOCAB, d_model, rngs=rngs,
+            embedding_init=logical(nnx.initializers.normal(1.0), ("vocab", "embed")),
+        )
+        self.attention = GatedMLA(d_model, MLA, rngs=rngs)
+        self.moe = StableLatentMoE(d_model, MOE, dtype=jnp.float32, rngs=rngs)
+        self.head = nnx.Linear(
+            d_model, VOCAB, use_bias=False, rngs=rngs,
+            kernel_init=logical(nnx.initializers.lecun_normal(), ("embed", "vocab")),
+        )
 
     def forward(self, tokens, segment_ids=None):
         x = self.embed(tokens)
