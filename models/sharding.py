@@ -1,8 +1,9 @@
 """Sharding by logical axis names: one rules table, a mesh helper, parameter placement.
 
 Every parameter carries logical axis names (`logical(init, ("embed", "mlp"))`, never placed
-eagerly, so every module builds with or without a mesh); activations are constrained with the same vocabulary (`constrain`). `LOGICAL_AXIS_RULES` is the
-single place where those names meet the mesh axes:
+eagerly, so every module builds with or without a mesh); activations are constrained with the
+same vocabulary (`constrain`). `LOGICAL_AXIS_RULES` is the single place where those names meet
+the mesh axes:
 
     mesh axes (outermost first): data, fsdp, expert, tensor
 
