@@ -2,6 +2,7 @@
 
     python -m experiments.bench_kda              # this backend: chunked vs reference, T = 1K/4K/16K
     python -m experiments.bench_kda --gpu        # H200 shapes: our ops and kernels, fla, jla, cuDNN
+    python -m experiments.bench_kda --gpu --profile   # also the top device ops at the first shape
 
 Every contender gets the same inputs (bf16 q/k/v on GPU, float32 on CPU; lower-bound gates in
 [-5, 0); L2-normalised q and k); forward and forward+backward are timed after a warm-up, the
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kda
+from experiments.profiling import ops_markdown, profile_device_ops
 from kda.chunked import CHUNK_SIZE, chunk_recurrence, prepare_chunks
 from kda.kernels import triton as triton_path
 from kda.kernels.mosaic_gpu import kernel_recurrence
@@ -107,16 +109,24 @@ def _peak_mib(compiled: jax.stages.Compiled) -> float:
     return total / 2**20
 
 
-def bench_jax(attention: Callable, inputs, repeats: int):
-    """Times `attention(q, k, v, g, beta) -> o` and the gradient of `sum(o * do)`."""
-    args = [jnp.asarray(inputs[name]) for name in ("q", "k", "v", "g", "beta")]
-    d_o = jnp.asarray(inputs["do"])
+def _arrays(inputs) -> tuple[list[jax.Array], jax.Array]:
+    """([q, k, v, g, beta], d_o) on the device."""
+    return [jnp.asarray(inputs[name]) for name in ("q", "k", "v", "g", "beta")], jnp.asarray(
+        inputs["do"])
 
+
+def gradient(attention: Callable) -> Callable:
+    """`([q, k, v, g, beta], d_o) -> gradients` of `sum(attention(q, k, v, g, beta) * d_o)`."""
     def loss(xs, d_o):
         return jnp.sum(attention(*xs).astype(jnp.float32) * d_o.astype(jnp.float32))
+    return jax.grad(loss)
 
+
+def bench_jax(attention: Callable, inputs, repeats: int):
+    """Times `attention(q, k, v, g, beta) -> o` and the gradient of `sum(o * do)`."""
+    args, d_o = _arrays(inputs)
     forward = _compiled(attention, *args)
-    backward = _compiled(jax.grad(loss), args, d_o)
+    backward = _compiled(gradient(attention), args, d_o)
     sync = jax.block_until_ready
     timing = Timing(forward_ms=_time(lambda: forward(*args), sync, repeats),
                     forward_backward_ms=_time(lambda: backward(args, d_o), sync, repeats),
@@ -326,6 +336,23 @@ def run(shapes: list[Shape], table: dict[str, Callable], dtype, repeats: int,
     return results
 
 
+def profile_markdown(shape: Shape, dtype, impls: list[str], peers) -> list[str]:
+    """The top device ops of each JAX contender's forward+backward at `shape` (`--profile`)."""
+    attentions = {impl: ours(impl) for impl in impls}
+    if "jla" in peers:
+        attentions["jla mosaic_gpu"] = jla_attention()
+    args, d_o = _arrays(make_inputs(shape, dtype))
+    lines = ["", f"## Where the forward+backward time goes at {shape} (`--profile`)", ""]
+    for name, attention in attentions.items():
+        try:
+            ops = profile_device_ops(jax.jit(gradient(attention)), (args, d_o), steps=3)
+        except Exception as error:  # a failing contender is already in the table above
+            lines += [f"{name}: not profiled ({type(error).__name__}).", ""]
+            continue
+        lines += ops_markdown(ops, f"Device ops of {name}'s forward+backward")
+    return lines
+
+
 def _fill_errors(results, shape, outputs):
     """Relative error of every KDA output against our chunked op, once that has run."""
     anchor = outputs.get("chunked")
@@ -397,6 +424,9 @@ def main(argv=None):
     parser.add_argument("--no-parts", dest="parts", action="store_false",
                         help="with --gpu, skip the rows that time the recurrence and the "
                              "preparation alone (each costs its own compilations)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also trace the forward+backward of our implementations and jla at "
+                             "the first shape and list their costliest device ops")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, help="markdown file (default benchmarks/kda_<backend>.md)")
     args = parser.parse_args(argv)
@@ -425,6 +455,10 @@ def main(argv=None):
     dtype = jnp.bfloat16 if args.gpu else np.float32
     run(shapes, table, dtype, args.repeats, lambda results: write_table(
         out, results, shapes, names, baseline, command.strip(), args.gpu))
+    if args.profile:
+        peers = args.peers if args.gpu else ()
+        with out.open("a") as table_file:
+            table_file.write("\n".join(profile_markdown(shapes[0], dtype, impls, peers)) + "\n")
     print(f"wrote {out}")
 
 

@@ -19,3 +19,14 @@ def test_malformed_shapes_are_refused(capsys):
     with pytest.raises(SystemExit):
         bench_kda.main(["--shapes", "1x80x2"])
     assert "BxTxHxD" in capsys.readouterr().err
+
+
+def test_profile_lists_device_ops_of_each_implementation(tmp_path):
+    out = tmp_path / "kda.md"
+    bench_kda.main(["--shapes", "1x80x2x16", "--impls", "chunked", "--repeats", "1", "--profile",
+                    "--out", str(out)])
+    text = out.read_text()
+    assert "## Where the forward+backward time goes at 1x80x2x16" in text
+    assert "Device ops of chunked's forward+backward" in text
+    # Either op rows with a positive time, or the stated fallback; never silence.
+    assert "| op | calls/step |" in text or "cost analysis of the compiled step" in text

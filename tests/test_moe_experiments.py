@@ -56,17 +56,6 @@ def test_bench_moe_smoke_writes_its_table_and_profile(tmp_path):
     assert "| un-sort and combine |" in table and "Device ops of the MoE layer" in table
 
 
-def test_hlo_descriptions_name_opcode_shape_kind_and_source():
-    hlo = (
-        '  %multiply_fusion.3 = bf16[8,4]{1,0} fusion(%p0), kind=kLoop, calls=%fc, '
-        'metadata={op_name="jit(step)/transpose(jvp())/mul" source_file="x.py"}\n'
-        '  ROOT %custom-call.1 = (f32[2], s32[2]) custom-call(%a), custom_call_target="TopK"\n'
-    )
-    described = bench_moe._hlo_descriptions(hlo)
-    assert described["multiply_fusion.3"] == "fusion bf16[8,4] kLoop transpose(jvp())/mul"
-    assert described["custom-call.1"] == "custom-call (f32[2], s32[2]) TopK"
-
-
 def test_split_bf16_matmul_is_float32_accurate():
     x = jax.random.normal(jax.random.key(0), (64, 96))
     w = jax.random.normal(jax.random.key(1), (96, 8))
