@@ -49,9 +49,16 @@ preparation (float32, random normal cotangents, interpret mode, K = 64, document
 included), relative errors are dq 2.4-2.8e-3, dk 0.7-1.9e-3, dv 2.8e-3, dg 1.9-2.5e-3 and dbeta
 1.7-1.8e-3 (fla's bf16 bars: 8e-3 and 2e-2).
 
-Shared memory per program: 201 KiB for kernel 1 at K = V = 128 (121 KiB at 64) and 201 KiB for
-kernel 2 (any K: it sees 64 key columns), so one program per SM each; TMA loads and stores do not
-overlap another program's math yet.
+Shared memory per program (the launch's dynamic SMEM: buffers, 1 KiB alignment, barriers and
+the 2 KiB reduction scratch): 206 KiB for kernel 1 at K = V = 128 (126 KiB at 64), so one program
+per SM; 101 KiB for kernel 2 at any K (it sees 64 key columns; 206 KiB before), so two programs
+share an SM (228 KiB) and hide each other's latencies. Kernel 2 gets there by giving buffers with
+disjoint lifetimes one memory (`plgpu.RefUnion`): g and the staged float32 dAqk, then the four
+bf16 operands of the cumulative sums, row terms, column terms and untransposes (q's and k's
+column factors take turns in two hi/lo pairs rather than holding four); q and k, then d k_to_state
+(loaded while dq and the column terms are computed) and dg. The anchors and G's last row are kept
+apart from G (`StoredAnchors`, 3 KiB instead of G's 16), the score cotangents are transposed in
+place after the row terms, and dq is stored as soon as it is done.
 """
 
 import functools
@@ -70,8 +77,8 @@ from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, COMPILER_PARAMS,
                                           exponent_from_tile, exponent_up_to_tile, iota,
                                           load_plain, matmul, matmul_of_splits, pad_to_chunks,
                                           per_column, per_row, row_anchors, same_document,
-                                          state_masks, store_lower_ones, store_split,
-                                          transposed_scores, unit_lower_inverse)
+                                          state_masks, store_anchors, store_lower_ones,
+                                          store_split, transposed_scores, unit_lower_inverse)
 
 KEY_SLICE = 64  # key columns per program of the score kernel (wgmma's M)
 
@@ -226,6 +233,9 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
 
 # Kernel 2: gradients through the score tiles, the direct terms, dG and dg.
 
+# Rows of the score kernel's table of float32 vectors (C = 64 tokens or 64 key columns each).
+DOCUMENT, Q_FACTOR, K_FACTOR, D_CHUNK_DECAY, LAST_G = range(5)
+
 
 def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem, k_factor_gmem,
                            daqk_gmem, dakk_gmem, dq_state_gmem, dk_state_gmem, dk_wy_gmem,
@@ -247,53 +257,59 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
     keys_shape, scores_shape = (CHUNK, KEY_SLICE), (CHUNK, CHUNK)
     transposed_shape = (KEY_SLICE, CHUNK)
 
-    def body(q_smem, k_smem, g_smem, document_smem, q_factor_smem, k_factor_smem, ddecay_smem,
-             daqk_staging, dq_smem, dk_smem, dg_smem, scores_cotangents, tiles, barriers):
-        # scores_cotangents: dAqk, dAqk^T, dAkk, dAkk^T (bf16 [C, C]); tiles: nine bf16 [C, 64]
-        # operands (roles below); dq/dk/dg_smem first hold d q_from_state, d k_to_state and
-        # kernel 1's dk term.
-        daq, daq_t, dak, dak_t = (scores_cotangents.at[i] for i in range(4))
+    def body(vectors, anchors_smem, scores_cotangents, work, inputs_qk, dq_smem, dk_smem,
+             barriers):
+        # scores_cotangents: dAqk and dAkk (bf16 [C, C]), transposed in place for the column
+        # terms. work: first g (then G) and the staged dAqk, then four bf16 [C, 64] operands.
+        # inputs_qk: q and k (bf16), then d k_to_state (float32; then dg). dq_smem and dk_smem
+        # hold d q_from_state and kernel 1's dk term, then dq and dk.
+        daq, dak = scores_cotangents.at[0], scores_cotangents.at[1]
+        (g_smem, daqk_staging), tiles = work
+        (q_smem, k_smem), dk_state_smem = inputs_qk
+        document_smem = vectors.at[DOCUMENT]
         inputs = ((q_gmem.at[batch, tokens, head // group, keys], q_smem),
                   (k_gmem.at[batch, tokens, head // group, keys], k_smem),
                   (g_gmem.at[batch, tokens, head, keys], g_smem),
                   (document_gmem.at[batch, tokens], document_smem),
-                  (q_factor_gmem.at[batch, head // group, tokens], q_factor_smem),
-                  (k_factor_gmem.at[batch, head // group, tokens], k_factor_smem),
-                  (ddecay_gmem.at[(*out, keys)], ddecay_smem),
+                  (q_factor_gmem.at[batch, head // group, tokens], vectors.at[Q_FACTOR]),
+                  (k_factor_gmem.at[batch, head // group, tokens], vectors.at[K_FACTOR]),
+                  (ddecay_gmem.at[(*out, keys)], vectors.at[D_CHUNK_DECAY]),
                   (daqk_gmem.at[out], daqk_staging),
                   (dakk_gmem.at[out], dak),
                   (dq_state_gmem.at[(*out, slice(None), keys)], dq_smem),
-                  (dk_state_gmem.at[(*out, slice(None), keys)], dk_smem),
-                  (dk_wy_gmem.at[(*out, slice(None), keys)], dg_smem))
+                  (dk_wy_gmem.at[(*out, slice(None), keys)], dk_smem))
         for index, (source, target) in enumerate(inputs):
             plgpu.copy_gmem_to_smem(source, target, barriers.at[index])
-        for index in range(len(inputs)):
+        for index in range(9):  # all but dq_smem and dk_smem, awaited where first read
             plgpu.barrier_wait(barriers.at[index])
+        dq_barrier, dk_barrier, dk_state_barrier = (barriers.at[i] for i in (9, 10, 11))
 
-        masks = state_masks(document_smem, keys_shape)
         rows, columns = iota(scores_shape, 0), iota(scores_shape, 1)
 
-        # G = cumsum(g), stored over g for row reads.
-        ones = tiles.at[8]  # [C, C] = [C, 64]: the same shape
+        # dAqk in bf16, masked like Aqk (causal including the diagonal, same document); dAkk comes
+        # masked from kernel 1.
+        daq[...] = jnp.where((columns <= rows) & same_document(document_smem),
+                             plgpu.load(daqk_staging, layout=WGMMA), 0.0).astype(OPERAND_DTYPE)
+
+        # G = cumsum(g) (over g and the staged dAqk, both read), back in g's place for the anchors
+        # and the last row, kept apart before the work space takes four operands.
+        g = load_plain(g_smem)
+        plgpu.commit_smem()
+        ones = tiles.at[3]  # [C, C] = [C, 64]: the same shape
         store_lower_ones(ones)
         cumsum_parts = (tiles.at[0], tiles.at[1], tiles.at[2])
-        g_smem[...] = cumulative_sum(load_plain(g_smem), cumsum_parts, ones)
-
-        # Score cotangents in bf16, as [r, s] and transposed: dAqk masked like Aqk (causal
-        # including the diagonal, same document); dAkk comes masked from kernel 1.
-        daqk = jnp.where((columns <= rows) & same_document(document_smem),
-                         plgpu.load(daqk_staging, layout=WGMMA), 0.0).astype(OPERAND_DTYPE)
-        daq[...] = daqk
-        daq_t.transpose((1, 0))[...] = daqk
-        dak_t.transpose((1, 0))[...] = plgpu.load(dak, layout=WGMMA)
+        G = cumulative_sum(g, cumsum_parts, ones)
+        g_smem[...] = G
+        plgpu.commit_smem()
+        anchors = store_anchors(anchors_smem, g_smem, lower_bound)
+        vectors[LAST_G] = plgpu.load(g_smem.at[CHUNK - 1], layout=COLUMN_VECTOR)
         plgpu.commit_smem()
 
         def normalized(smem, factor_smem):
             x = plgpu.load(smem, layout=WGMMA).astype(jnp.float32)
             return x * per_row(plgpu.load(factor_smem, layout=ROW_VECTOR), keys_shape)
 
-        G = load_plain(g_smem)
-        k = normalized(k_smem, k_factor_smem)
+        k = normalized(k_smem, vectors.at[K_FACTOR])
 
         # Row terms, transposed ([key column c, token r]), the factor exp(G_r - b_i) left out:
         # tile i's columns are (k exp(b_i - G))^T dA[tile i, :]^T for both score matrices. The
@@ -306,7 +322,7 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
                 if i >= 2:  # the four products of tile i - 2 read these buffers
                     plgpu.wgmma_wait(4)
                 parts = row_buffers[i % 2]
-                store_split(parts, k * jnp.exp(exponent_up_to_tile(G, g_smem, i, lower_bound)))
+                store_split(parts, k * jnp.exp(exponent_up_to_tile(G, anchors, i, lower_bound)))
                 plgpu.commit_smem()
                 tile_rows = slice(TILE_SIZE * i, TILE_SIZE * (i + 1))
                 for acc, cotangent in ((q_acc, daq), (k_acc, dak)):
@@ -318,28 +334,13 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
         q_rows_t, k_rows_t = pl.run_scoped(row_terms, plgpu.ACC(transposed_shape),
                                            plgpu.ACC(transposed_shape))
 
-        # Column terms, transposed, the factor exp(b_j - G_s) left out: tile j's columns are
-        # (q exp(G - b_j))^T dAqk[:, tile j] + (k exp(G - b_j))^T dAkk[:, tile j], rows r >= 16 j.
-        q = normalized(q_smem, q_factor_smem)
-        column_buffers = (((tiles.at[0], tiles.at[1]), (tiles.at[2], tiles.at[3])),
-                          ((tiles.at[4], tiles.at[5]), (tiles.at[6], tiles.at[7])))
-
-        def column_terms(acc):
-            for j in range(NUM_TILES):
-                if j >= 2:
-                    plgpu.wgmma_wait(4)
-                row_factor = jnp.exp(exponent_from_tile(G, g_smem, j, lower_bound))
-                for parts, x in zip(column_buffers[j % 2], (q, k)):
-                    store_split(parts, x * row_factor)
-                plgpu.commit_smem()
-                tile_columns = slice(TILE_SIZE * j, TILE_SIZE * (j + 1))
-                for parts, cotangent_t in zip(column_buffers[j % 2], (daq_t, dak_t)):
-                    for part in parts:
-                        plgpu.wgmma(acc.at[:, tile_columns], part.transpose((1, 0)),
-                                    cotangent_t.at[tile_columns].transpose((1, 0)))
-            return acc[...]
-
-        k_columns_t = pl.run_scoped(column_terms, plgpu.ACC(transposed_shape))
+        # The column terms read the score cotangents transposed: in place, all loads before any
+        # store.
+        cotangents = [plgpu.load(x, layout=WGMMA) for x in (daq, dak)]
+        plgpu.commit_smem()
+        for x, value in zip((daq, dak), cotangents):
+            x.transpose((1, 0))[...] = value
+        daq_t, dak_t = daq, dak
 
         # Back to [token, key column] through SMEM: bf16 hi and lo parts, stored transposed.
         def untransposed(values_t, parts):
@@ -347,50 +348,85 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
             plgpu.commit_smem()
             return sum(plgpu.load(part, layout=WGMMA).astype(jnp.float32) for part in parts)
 
+        # dq (stored now, its TMA overlapping the column terms) and dk's row terms.
         q_rows = untransposed(q_rows_t, (tiles.at[0], tiles.at[1]))
-        k_rows = untransposed(k_rows_t, (tiles.at[2], tiles.at[3]))
-        k_columns = untransposed(k_columns_t, (tiles.at[4], tiles.at[5]))
-
-        # The anchor factors, the direct terms, and dG.
-        anchor_exponent = G - row_anchors(g_smem, keys_shape, lower_bound)
-        last_G = plgpu.load(g_smem.at[CHUNK - 1], layout=COLUMN_VECTOR)
+        q = normalized(q_smem, vectors.at[Q_FACTOR])
+        plgpu.commit_smem()  # q and k are read before TMA reuses their SMEM
+        plgpu.copy_gmem_to_smem(dk_state_gmem.at[(*out, slice(None), keys)], dk_state_smem,
+                                dk_state_barrier)
+        masks = state_masks(document_smem, keys_shape)
+        anchor_exponent = G - row_anchors(anchors, keys_shape, lower_bound)
+        plgpu.barrier_wait(dq_barrier)
         dq = (load_plain(dq_smem) * jnp.exp(G) * masks.reads_state
               + jnp.exp(anchor_exponent) * q_rows)
-        dk_rows = load_plain(dg_smem) + jnp.exp(anchor_exponent) * k_rows
-        dk_to_state = (load_plain(dk_smem) * jnp.exp(per_column(last_G, keys_shape) - G)
-                       * masks.writes_state)
-        dk_columns = dk_to_state + jnp.exp(-anchor_exponent) * k_columns
-        dG = q * dq + k * (dk_rows - dk_columns)
-        last_row = (jnp.sum(k * dk_to_state, axis=0)
-                    + plgpu.load(ddecay_smem, layout=COLUMN_VECTOR) * jnp.exp(last_G)
-                    * masks.keeps_state)
-        dG = dG + jnp.where(iota(keys_shape, 0) == CHUNK - 1, per_column(last_row, keys_shape),
-                            0.0)
         dq_smem[...] = dq
-        dk_smem[...] = dk_rows + dk_columns
-        # dg = the sum of dG from each row to the chunk's end.
-        dg_smem[...] = cumulative_sum(dG, cumsum_parts, ones, reverse=True)
+        q_dq = q * dq
         plgpu.commit_smem()
         target = (batch, tokens, head, keys)
-        for smem, gmem in ((dq_smem, dq_gmem), (dk_smem, dk_gmem), (dg_smem, dg_gmem)):
-            plgpu.copy_smem_to_gmem(smem, gmem.at[target])
+        plgpu.copy_smem_to_gmem(dq_smem, dq_gmem.at[target])
+        k_rows = untransposed(k_rows_t, (tiles.at[2], tiles.at[3]))
+        plgpu.barrier_wait(dk_barrier)
+        dk_smem[...] = load_plain(dk_smem) + jnp.exp(anchor_exponent) * k_rows
+
+        # Column terms, transposed, the factor exp(b_j - G_s) left out: tile j's columns are
+        # (q exp(G - b_j))^T dAqk[:, tile j] + (k exp(G - b_j))^T dAkk[:, tile j], rows r >= 16 j.
+        # q's and k's factors take turns in two buffer pairs.
+        column_buffers = row_buffers
+
+        def column_terms(acc):
+            for j in range(NUM_TILES):
+                row_factor = jnp.exp(exponent_from_tile(G, anchors, j, lower_bound))
+                tile_columns = slice(TILE_SIZE * j, TILE_SIZE * (j + 1))
+                for x_index, (x, cotangent_t) in enumerate(((q, daq_t), (k, dak_t))):
+                    if j >= 1:  # the two products two turns back read these buffers
+                        plgpu.wgmma_wait(2)
+                    parts = column_buffers[x_index]
+                    store_split(parts, x * row_factor)
+                    plgpu.commit_smem()
+                    for part in parts:
+                        plgpu.wgmma(acc.at[:, tile_columns], part.transpose((1, 0)),
+                                    cotangent_t.at[tile_columns].transpose((1, 0)))
+            return acc[...]
+
+        k_columns_t = pl.run_scoped(column_terms, plgpu.ACC(transposed_shape))
+        k_columns = untransposed(k_columns_t, (tiles.at[0], tiles.at[1]))
+
+        # The anchor factors, the direct terms, and dG.
+        last_G = plgpu.load(vectors.at[LAST_G], layout=COLUMN_VECTOR)
+        plgpu.barrier_wait(dk_state_barrier)
+        dk_to_state = (load_plain(dk_state_smem) * jnp.exp(per_column(last_G, keys_shape) - G)
+                       * masks.writes_state)
+        dk_columns = dk_to_state + jnp.exp(-anchor_exponent) * k_columns
+        dk_rows = load_plain(dk_smem)
+        dG = q_dq + k * (dk_rows - dk_columns)
+        last_row = (jnp.sum(k * dk_to_state, axis=0)
+                    + plgpu.load(vectors.at[D_CHUNK_DECAY], layout=COLUMN_VECTOR)
+                    * jnp.exp(last_G) * masks.keeps_state)
+        dG = dG + jnp.where(iota(keys_shape, 0) == CHUNK - 1, per_column(last_row, keys_shape),
+                            0.0)
+        dk_smem[...] = dk_rows + dk_columns
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dk_smem, dk_gmem.at[target])
+        # dg = the sum of dG from each row to the chunk's end, over d k_to_state (read).
+        store_lower_ones(ones)
+        dg_smem = dk_state_smem
+        dg_smem[...] = cumulative_sum(dG, cumsum_parts, ones, reverse=True)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dg_smem, dg_gmem.at[target])
         plgpu.wait_smem_to_gmem(0)
 
+    tile = swizzled_smem(keys_shape, OPERAND_DTYPE)
+    plain = plgpu.SMEM(keys_shape, jnp.float32)
     pl.run_scoped(
         body,
-        swizzled_smem(keys_shape, OPERAND_DTYPE),  # q
-        swizzled_smem(keys_shape, OPERAND_DTYPE),  # k
-        plgpu.SMEM(keys_shape, jnp.float32),  # g, then G (plain rows: read one by one)
-        plgpu.SMEM((CHUNK,), jnp.float32),  # document
-        plgpu.SMEM((CHUNK,), jnp.float32),  # q's inverse norm times the scale
-        plgpu.SMEM((CHUNK,), jnp.float32),  # k's inverse norm
-        plgpu.SMEM((KEY_SLICE,), jnp.float32),  # d chunk_decay
-        swizzled_smem(scores_shape, jnp.float32),  # dAqk
-        plgpu.SMEM(keys_shape, jnp.float32),  # d q_from_state, then dq
-        plgpu.SMEM(keys_shape, jnp.float32),  # d k_to_state, then dk
-        plgpu.SMEM(keys_shape, jnp.float32),  # kernel 1's dk term, then dg
-        swizzled_smem((4, *scores_shape), OPERAND_DTYPE),
-        swizzled_smem((9, *keys_shape), OPERAND_DTYPE),
+        plgpu.SMEM((LAST_G + 1, CHUNK), jnp.float32),  # the vectors (rows above)
+        plgpu.SMEM((NUM_TILES, KEY_SLICE), jnp.float32),  # the anchors
+        swizzled_smem((2, *scores_shape), OPERAND_DTYPE),  # dAqk, dAkk
+        plgpu.RefUnion((plain, swizzled_smem(scores_shape, jnp.float32)),
+                       swizzled_smem((4, *keys_shape), OPERAND_DTYPE)),
+        plgpu.RefUnion((tile, tile), plain),
+        plain,  # d q_from_state, then dq
+        plain,  # kernel 1's dk term, then dk's row terms, then dk
         plgpu.Barrier(num_barriers=12),
     )
 

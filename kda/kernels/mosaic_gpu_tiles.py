@@ -12,7 +12,8 @@ warpgroup under `COMPILER_PARAMS` (Lane semantics), register values float32 in t
 * The chunk cumulative sum as a triangular wgmma: `store_lower_ones`, `cumulative_sum`.
 * The causal anchors `b_i = G[16 i] + 7.5 L` of the score tiles: `anchor`, `row_anchors`,
   `exponent_up_to_tile`, `exponent_from_tile`, and the transposed score tiles `transposed_scores`
-  (the module docstring of `kda.kernels.mosaic_gpu_prepare` explains the anchors).
+  (the module docstring of `kda.kernels.mosaic_gpu_prepare` explains the anchors); they read the
+  anchors from G's SMEM, or from `StoredAnchors` (`store_anchors`) once G's SMEM holds other data.
 * Packed documents: `state_masks` and `same_document` in the kernel, from the index
   `documents_in_chunk` makes.
 * The UT transform's inverse `(I + N)^-1`: `unit_lower_inverse`.
@@ -136,17 +137,39 @@ def cumulative_sum(x, parts, ones, *, reverse=False):
     return pl.run_scoped(product, plgpu.ACC(x.shape))
 
 
+class StoredAnchors(NamedTuple):
+    """The anchors kept apart from G (`store_anchors`), so that G's SMEM can be reused.
+
+    Every function below that reads anchors from `G_smem` reads them from one of these instead.
+    """
+
+    smem: jax.Array  # float32 [NUM_TILES, n] SMEM: row i holds b_i
+
+
 def anchor(G_smem, tile, lower_bound):
     """The causal anchor `b_tile = G[16 tile] + 7.5 L`: float32 [n] (a COLUMN_VECTOR).
 
     Read from SMEM when needed rather than kept: each one costs n / 4 registers a thread.
 
     Args:
-      G_smem: float32 [C, n] plain SMEM holding G = cumsum(g) (`load_plain` reads it whole).
+      G_smem: float32 [C, n] plain SMEM holding G = cumsum(g) (`load_plain` reads it whole), or
+        `StoredAnchors`.
       tile: the 16-row tile, a Python int; lower_bound: L, the gates' lower bound.
     """
+    if isinstance(G_smem, StoredAnchors):
+        return plgpu.load(G_smem.smem.at[tile], layout=COLUMN_VECTOR)
     return (plgpu.load(G_smem.at[TILE_SIZE * tile], layout=COLUMN_VECTOR)
             + 0.5 * (TILE_SIZE - 1) * lower_bound)
+
+
+def store_anchors(anchors_smem, G_smem, lower_bound) -> StoredAnchors:
+    """Copies the anchors out of G's SMEM (float32 [C, n]) into anchors_smem [NUM_TILES, n].
+
+    The copy holds the same float32 values `anchor` computes from G_smem.
+    """
+    for tile in range(NUM_TILES):
+        anchors_smem[tile] = anchor(G_smem, tile, lower_bound)
+    return StoredAnchors(anchors_smem)
 
 
 def row_anchors(G_smem, shape, lower_bound):
