@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh
 
@@ -141,6 +142,23 @@ def test_kernel_lowers_for_hopper(dim, gate_lower_bound):
         lowered = kernel_path.trace(inputs).lower(lowering_platforms=("cuda",))
     # Bounded gates: the preparation kernel and the recurrence kernel.
     assert lowered.as_text().count("mosaic_gpu") >= (1 if gate_lower_bound is None else 2)
+
+
+# An H100/H200 SM has 228 KiB of shared memory and reserves 1 KiB a program.
+TWO_PROGRAMS_PER_SM = 113 * 1024
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_preparation_kernel_fits_two_programs_per_sm(dim):
+    """Two programs an SM overlap one's TMA traffic and waits with the other's math; Mosaic GPU
+    checks the kernel's shared memory (scratch, reduction scratch, alignment) as it lowers."""
+    inputs = bf16_inputs(2, 1, 128, 1, 1, dim, segments=True)
+    args = [inputs[name] for name in ("q", "k", "v", "g", "beta")]
+    options = preparation_options(inputs, dim)
+    preparation = jax.jit(lambda *xs: prepare_chunks_kernel(*xs, **options))
+    with (jax.sharding.use_abstract_mesh(HOPPER),
+          mosaic_gpu_core.artificial_shared_memory_limit(TWO_PROGRAMS_PER_SM)):
+        preparation.trace(*args).lower(lowering_platforms=("cuda",))
 
 
 def test_unsupported_head_sizes_are_refused():

@@ -34,8 +34,18 @@ factors; the scores and the inverse use plain bf16 operands. Against the oracle,
 give o within 3.2e-3 and the final state within 2.1e-3 relative error (interpret mode, K = 64
 and 128), against fla's bars of 5e-3.
 
-Shared memory: 201 KiB a program at K = V = 128 and 121 KiB at 64, so one program per SM; its
-TMA loads and stores do not overlap another program's math (a persistent, pipelined grid would).
+Shared memory: 101 KiB a program at K = V = 128 (was 205) and 69 KiB at 64 (was 125), as Mosaic
+GPU allocates it (with its 2 KiB reduction scratch and 1 KiB alignment), so two programs share an
+SM at K = 128 (an SM has 228 KiB and reserves 1 KiB a program) and three at 64: one program's TMA
+traffic and waits overlap another's math. Buffers whose lifetimes do not overlap share memory
+(`plgpu.RefUnion`, whose groups are used one after another): q's tile holds q_from_state, a
+column factor, k again, (beta v)_lo and W; k's holds k_to_state^T, the other column factor, v and
+(beta v)_hi; g's float32 tile holds two bf16 parts of g, then G, then the parts of beta k exp(G),
+then U; a fourth region holds g's third part and the triangle, then the scaled score rows, then
+Aqk, N and the inverse's buffers. So k is read from GMEM twice (its second TMA load and v's run
+during the inverse), an output's buffer is reused only after its TMA store has read it, and a
+buffer read into registers in one layout is overwritten in another only after a warpgroup barrier
+(`commit_smem`).
 
 Its backward is `kda.kernels.mosaic_gpu_prepare_backward`; `kda.kernels.mosaic_gpu` composes the
 two under a `jax.custom_vjp`.
@@ -65,8 +75,8 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
     """The body of one (batch row, value head, chunk) program; see the module docstring.
 
     GMEM inputs: q, k [B, T, H, K] and v [B, T, HV, V] in bf16; g [B, T, HV, K], beta [B, HV, T]
-    and document [B, T] (`documents_in_chunk`) in float32; T is a multiple of 64. Outputs: the
-    fields of `RecurrenceOperands`, [B, HV, N, ...].
+    and document [B, T] (`documents_in_chunk`) in float32; T is a multiple of 64 and K = V.
+    Outputs: the fields of `RecurrenceOperands`, [B, HV, N, ...].
     """
     key_dim, value_dim = q_gmem.shape[-1], v_gmem.shape[-1]
     batch, head, chunk = (lax.axis_index(axis) for axis in ("batch", "heads", "chunks"))
@@ -74,19 +84,20 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
     out = (batch, head, chunk)
     keys_shape, scores_shape = (CHUNK, key_dim), (CHUNK, CHUNK)
 
-    def body(q_smem, k_smem, v_smem, g_smem, beta_smem, document_smem, decay_smem, tiles,
-             k_state_t_smem, matrices, barriers):
-        # tiles: four bf16 [C, K] operands; matrices: five bf16 [C, C] operands (roles below).
-        inputs = ((q_gmem.at[batch, tokens, head // group], q_smem),
+    def body(q_smem, k_union, g_union, rows_union, beta_smem, document_smem, decay_smem,
+             barriers):
+        # Each union's groups are used one after another (module docstring, "Shared memory").
+        k_smem, k_state_t_smem, v_smem = k_union
+        g_smem, g_parts = g_union
+        (g_part, ones), (q_rows, k_rows), (aqk, unit_lower, product, inverse_smem) = rows_union
+        # g first: the cumulative sum runs while the other inputs arrive.
+        inputs = ((g_gmem.at[batch, tokens, head], g_smem),
+                  (q_gmem.at[batch, tokens, head // group], q_smem),
                   (k_gmem.at[batch, tokens, head // group], k_smem),
-                  (v_gmem.at[batch, tokens, head], v_smem),
-                  (g_gmem.at[batch, tokens, head], g_smem),
                   (beta_gmem.at[batch, head, tokens], beta_smem),
                   (document_gmem.at[batch, tokens], document_smem))
         for index, (source, target) in enumerate(inputs):
             plgpu.copy_gmem_to_smem(source, target, barriers.at[index])
-        for index in range(len(inputs)):
-            plgpu.barrier_wait(barriers.at[index])
 
         def normalized(smem):
             x = plgpu.load(smem, layout=WGMMA).astype(jnp.float32)
@@ -94,12 +105,15 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
                 x = x * per_row(lax.rsqrt(jnp.sum(x * x, axis=1) + L2_NORM_EPS), x.shape)
             return x
 
-        masks = state_masks(document_smem, keys_shape)
-
         # 1-2. G = tril(1) @ (hi + mid + lo), then stored over g for row reads.
-        ones = matrices.at[0]
         store_lower_ones(ones)
-        G = cumulative_sum(load_plain(g_smem), (tiles.at[0], tiles.at[1], tiles.at[2]), ones)
+        plgpu.barrier_wait(barriers.at[0])
+        g = load_plain(g_smem)
+        plgpu.commit_smem()  # every thread has read g before the parts overwrite it
+        G = cumulative_sum(g, (*g_parts, g_part), ones)
+        for index in range(1, len(inputs)):
+            plgpu.barrier_wait(barriers.at[index])
+        masks = state_masks(document_smem, keys_shape)
         g_smem[...] = G
         plgpu.commit_smem()
         last_G = plgpu.load(g_smem.at[CHUNK - 1], layout=COLUMN_VECTOR)
@@ -107,13 +121,13 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
 
         # 3a. Row factors exp(G_r - b_tile(r)), and the outputs that need q and k once.
         row_factor = jnp.exp(G - row_anchors(g_smem, keys_shape, lower_bound))
-        q_rows, k_rows = tiles.at[0], tiles.at[1]  # the g parts are no longer read
         q = normalized(q_smem) * scale
         q_rows[...] = (q * row_factor).astype(OPERAND_DTYPE)
         q_smem[...] = (q * jnp.exp(G) * masks.reads_state).astype(OPERAND_DTYPE)  # q_from_state
         k = normalized(k_smem)
         k_rows[...] = (k * row_factor).astype(OPERAND_DTYPE)
         k_to_state = k * jnp.exp(per_column(last_G, keys_shape) - G) * masks.writes_state
+        plgpu.commit_smem()  # every thread has read k before k_to_state^T overwrites it
         k_state_t_smem.transpose((1, 0))[...] = k_to_state.astype(OPERAND_DTYPE)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, q_state_gmem.at[out])
@@ -121,12 +135,17 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
         plgpu.copy_smem_to_gmem(decay_smem, decay_gmem.at[out])
 
         # 3b. Transposed scores ([s, r] layout: the column index is the row r of A), then masked.
-        column_buffers = (tiles.at[2], tiles.at[3])
-        qk_t, kk_t = transposed_scores(k, G, g_smem, (q_rows, k_rows), column_buffers,
+        # The column factors reuse q's and k's buffers once their stores have read them.
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # all but chunk_decay's, issued last
+        qk_t, kk_t = transposed_scores(k, G, g_smem, (q_rows, k_rows), (q_smem, k_smem),
                                        lower_bound)
+        # k again and v, for step 5, load into the free buffers while the inverse is computed.
+        reloads = ((k_gmem.at[batch, tokens, head // group], q_smem),
+                   (v_gmem.at[batch, tokens, head], v_smem))
+        for index, (source, target) in enumerate(reloads, start=len(inputs)):
+            plgpu.copy_gmem_to_smem(source, target, barriers.at[index])
         rows, columns = iota(scores_shape, 0), iota(scores_shape, 1)
         in_document = same_document(document_smem)
-        aqk, unit_lower = matrices.at[1], matrices.at[0]
         aqk.transpose((1, 0))[...] = jnp.where((columns >= rows) & in_document, qk_t,
                                                0.0).astype(OPERAND_DTYPE)
         beta_of_column = plgpu.load(beta_smem, layout=COLUMN_VECTOR)
@@ -137,42 +156,54 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
         plgpu.copy_smem_to_gmem(aqk, aqk_gmem.at[out])
 
         # 4. (I + N)^-1 by recursive doubling of the inverted diagonal blocks.
-        inverse = unit_lower_inverse(unit_lower, (matrices.at[2], matrices.at[3], matrices.at[4]))
+        inverse = unit_lower_inverse(unit_lower, (unit_lower, product, inverse_smem))  # N's
+        # buffer serves as the link: the inverse reads N into registers before writing a link.
 
         # 5. W = (I + N)^-1 (beta k exp(G) reads), U = (I + N)^-1 (beta v), each from the bf16
         # hi and lo parts of both factors: U is read in float32, and W is rounded only once.
-        inverse_parts = (matrices.at[4], matrices.at[2])
+        inverse_parts = (inverse_smem, unit_lower)
         store_split(inverse_parts, inverse)
         beta = per_row(plgpu.load(beta_smem, layout=ROW_VECTOR), keys_shape)
-        k_rhs_parts, v_rhs_parts = column_buffers, (v_smem, k_rows)
-        # k and G are read again rather than kept in registers through the solve.
-        k_rhs = normalized(k_smem) * jnp.exp(load_plain(g_smem)) * beta * masks.reads_state
+        for index in range(len(inputs), len(inputs) + len(reloads)):
+            plgpu.barrier_wait(barriers.at[index])
+        # k (loaded again) and G are read again rather than kept in registers through the solve.
+        k_rhs = normalized(q_smem) * jnp.exp(load_plain(g_smem)) * beta * masks.reads_state
         v_rhs = plgpu.load(v_smem, layout=WGMMA).astype(jnp.float32) * beta
+        plgpu.commit_smem()  # every thread has read G before the parts overwrite it
+        k_rhs_parts, v_rhs_parts = g_parts, (v_smem, q_smem)
         store_split(k_rhs_parts, k_rhs)
         store_split(v_rhs_parts, v_rhs)
         plgpu.commit_smem()
-        w_smem = q_rows
-        w_smem[...] = matmul_of_splits(inverse_parts, k_rhs_parts, keys_shape).astype(
-            OPERAND_DTYPE)
-        g_smem[...] = matmul_of_splits(inverse_parts, v_rhs_parts, (CHUNK, value_dim))  # U
+        w = matmul_of_splits(inverse_parts, k_rhs_parts, keys_shape).astype(OPERAND_DTYPE)
+        u = matmul_of_splits(inverse_parts, v_rhs_parts, (CHUNK, value_dim))
+        q_smem[...] = w  # over (beta v)_lo, and U over the parts: both products are done
+        g_smem[...] = u
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(w_smem, w_gmem.at[out])
+        plgpu.copy_smem_to_gmem(q_smem, w_gmem.at[out])
         plgpu.copy_smem_to_gmem(g_smem, u_gmem.at[out])
         plgpu.wait_smem_to_gmem(0)
 
+    operand = lambda shape: swizzled_smem(shape, OPERAND_DTYPE)  # noqa: E731
     pl.run_scoped(
         body,
-        swizzled_smem(keys_shape, OPERAND_DTYPE),  # q, then q_from_state
-        swizzled_smem(keys_shape, OPERAND_DTYPE),  # k
-        swizzled_smem((CHUNK, value_dim), OPERAND_DTYPE),  # v, then (beta v)_hi
-        plgpu.SMEM(keys_shape, jnp.float32),  # g, then G, then U (plain rows: read one by one)
+        # q, then q_from_state, a column factor, k again, (beta v)_lo and W.
+        operand(keys_shape),
+        # k, then k_to_state^T, a column factor, v and (beta v)_hi.
+        plgpu.RefUnion(operand(keys_shape), operand((key_dim, CHUNK)),
+                       operand((CHUNK, value_dim))),
+        # g, then G, then U (plain rows: read one by one); the float32 bits hold two bf16
+        # operands in between: parts of g, then of beta k exp(G).
+        plgpu.RefUnion(plgpu.SMEM(keys_shape, jnp.float32),
+                       (operand(keys_shape), operand(keys_shape))),
+        # The cumulative sum's third part and its triangle, then the scores' scaled rows, then
+        # Aqk, N, and the inverse's scratch and parts.
+        plgpu.RefUnion((operand(keys_shape), operand(scores_shape)),
+                       (operand(keys_shape), operand(keys_shape)),
+                       tuple(operand(scores_shape) for _ in range(4))),
         plgpu.SMEM((CHUNK,), jnp.float32),  # beta
         plgpu.SMEM((CHUNK,), jnp.float32),  # document
         plgpu.SMEM((key_dim,), jnp.float32),  # chunk_decay
-        swizzled_smem((4, *keys_shape), OPERAND_DTYPE),
-        swizzled_smem((key_dim, CHUNK), OPERAND_DTYPE),  # k_to_state^T
-        swizzled_smem((5, *scores_shape), OPERAND_DTYPE),
-        plgpu.Barrier(num_barriers=6),
+        plgpu.Barrier(num_barriers=7),
     )
 
 
