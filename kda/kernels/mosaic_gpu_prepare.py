@@ -34,18 +34,18 @@ factors; the scores and the inverse use plain bf16 operands. Against the oracle,
 give o within 3.2e-3 and the final state within 2.1e-3 relative error (interpret mode, K = 64
 and 128), against fla's bars of 5e-3.
 
-Shared memory: 101 KiB a program at K = V = 128 (was 205) and 69 KiB at 64 (was 125), as Mosaic
-GPU allocates it (with its 2 KiB reduction scratch and 1 KiB alignment), so two programs share an
-SM at K = 128 (an SM has 228 KiB and reserves 1 KiB a program) and three at 64: one program's TMA
+Shared memory: 101 KiB a program at K = V = 128 (was 205) and 69 KiB at 64 (was 125), as Mosaic GPU
+allocates it (with its 2 KiB reduction scratch and 1 KiB alignment), so two programs share an SM at
+K = 128 (an SM has 228 KiB and reserves 1 KiB a program; 64K registers allow two warpgroups at up to
+255 registers a thread) and, if at most 168 registers a thread, three at 64: one program's TMA
 traffic and waits overlap another's math. Buffers whose lifetimes do not overlap share memory
-(`plgpu.RefUnion`, whose groups are used one after another): q's tile holds q_from_state, a
-column factor, k again, (beta v)_lo and W; k's holds k_to_state^T, the other column factor, v and
-(beta v)_hi; g's float32 tile holds two bf16 parts of g, then G, then the parts of beta k exp(G),
-then U; a fourth region holds g's third part and the triangle, then the scaled score rows, then
-Aqk, N and the inverse's buffers. So k is read from GMEM twice (its second TMA load and v's run
-during the inverse), an output's buffer is reused only after its TMA store has read it, and a
-buffer read into registers in one layout is overwritten in another only after a warpgroup barrier
-(`commit_smem`).
+(`plgpu.RefUnion`, whose groups are used one after another): q's tile holds q_from_state, a column
+factor, k again, (beta v)_lo and W; k's holds k_to_state^T, the other column factor, v and (beta
+v)_hi; g's float32 tile holds two bf16 parts of g, then G, then the parts of beta k exp(G), then U;
+a fourth region holds g's third part and the triangle, then the scaled score rows, then Aqk, N and
+the inverse's buffers. So k is read from GMEM twice (its second TMA load and v's run during the
+inverse), an output's buffer is reused only after its TMA store has read it, and a buffer read into
+registers in one layout is overwritten in another only after a warpgroup barrier (`commit_smem`).
 
 Its backward is `kda.kernels.mosaic_gpu_prepare_backward`; `kda.kernels.mosaic_gpu` composes the
 two under a `jax.custom_vjp`.
