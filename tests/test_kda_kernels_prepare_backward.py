@@ -50,13 +50,17 @@ def assert_vjp_matches_plain_jax(args, options, cotangents):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("length,heads,segments,use_qk_l2norm,saturated", [
-    (64, (1, 1), False, False, False),
-    (150, (1, 2), True, True, False),  # three chunks, a padded tail, grouped value heads
-    (128, (1, 1), True, False, True),  # g = L: the row and column terms of dG nearly cancel
+@pytest.mark.parametrize("length,heads,dim,segments,use_qk_l2norm,saturated", [
+    (64, (1, 1), 64, False, False, False),
+    (150, (1, 2), 64, True, True, False),  # three chunks, a padded tail, grouped value heads
+    (128, (1, 1), 64, True, False, True),  # g = L: the row and column terms of dG nearly cancel
+    # K = 128: kernel 1 takes its right-hand sides in two 64-column halves, kernel 2 runs two
+    # programs a chunk.
+    (150, (1, 2), 128, True, True, False),
 ])
-def test_interpreted_vjp_matches_plain_jax(length, heads, segments, use_qk_l2norm, saturated):
-    case = preparation_case(11, 1, length, heads, 64, segments=segments,
+def test_interpreted_vjp_matches_plain_jax(length, heads, dim, segments, use_qk_l2norm,
+                                           saturated):
+    case = preparation_case(11, 1, length, heads, dim, segments=segments,
                             use_qk_l2norm=use_qk_l2norm, saturated=saturated)
     with interpreted_on_simulated_hopper():
         assert_vjp_matches_plain_jax(*case)

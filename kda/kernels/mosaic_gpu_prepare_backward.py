@@ -30,7 +30,8 @@ Two kernels, like peers' "WY" and "intra" backward kernels:
 1. `_wy_backward_kernel`, one program per (batch row, value head, chunk), all of K: recomputes G,
    Akk and T with the forward kernel's building blocks (`kda.kernels.mosaic_gpu_tiles`, the same
    arithmetic), then the gradients through the UT transform: dv, dbeta, dAkk (written in bf16, a
-   matmul operand of kernel 2) and `beta E reads d rhs_k` (float32).
+   matmul operand of kernel 2) and `beta E reads d rhs_k` (float32), the right-hand sides of the
+   UT transform (v, then k) in steps of 64 columns, dT accumulating over the steps.
 2. `_score_backward_kernel`, one program per (batch row, value head, chunk, 64 key columns): the
    score terms of both score matrices, computed transposed (`[key column, token]`: wgmma's M = 64
    runs over key columns, N = 16 over the tokens of one tile, so no product is wasted) and turned
@@ -50,15 +51,19 @@ included), relative errors are dq 2.4-2.8e-3, dk 0.7-1.9e-3, dv 2.8e-3, dg 1.9-2
 1.7-1.8e-3 (fla's bf16 bars: 8e-3 and 2e-2).
 
 Shared memory per program (the launch's dynamic SMEM: buffers, 1 KiB alignment, barriers and
-the 2 KiB reduction scratch): 206 KiB for kernel 1 at K = V = 128 (126 KiB at 64), so one program
-per SM; 101 KiB for kernel 2 at any K (it sees 64 key columns; 206 KiB before), so two programs
-share an SM (228 KiB) and hide each other's latencies. Kernel 2 gets there by giving buffers with
-disjoint lifetimes one memory (`plgpu.RefUnion`): g and the staged float32 dAqk, then the four
-bf16 operands of the cumulative sums, row terms, column terms and untransposes (q's and k's
-column factors take turns in two hi/lo pairs rather than holding four); q and k, then d k_to_state
-(loaded while dq and the column terms are computed) and dg. The anchors and G's last row are kept
-apart from G (`StoredAnchors`, 3 KiB instead of G's 16), the score cotangents are transposed in
-place after the row terms, and dq is stored as soon as it is done.
+the 2 KiB reduction scratch): kernel 1 99 KiB at K = V = 128 (83 KiB at 64; 206 and 126 KiB
+before), kernel 2 101 KiB at any K (it sees 64 key columns; 206 KiB before), so two programs share
+an SM (228 KiB) and hide each other's latencies. Both give buffers with disjoint lifetimes one
+memory (`plgpu.RefUnion`, so interpret mode's race detection checks the reuse). Kernel 1: k with
+the cumulative sum's operands, then Akk's operands, then Akk, T and one step's inputs; a step's
+bf16 operands, then its float32 output; the cumulative sum runs 64 columns at a time and the
+right-hand sides in 64-column steps (one dU or dW slice staged at a time, the next loading while a
+step computes), so only G and Akk's operands span all of K. Kernel 2: g and the staged float32
+dAqk, then the four bf16 operands of the cumulative sums, row terms, column terms and untransposes
+(q's and k's column factors take turns in two hi/lo pairs rather than holding four); q and k, then
+d k_to_state (loaded while dq and the column terms are computed) and dg. Its anchors and G's last
+row are kept apart from G (`StoredAnchors`, 3 KiB instead of G's 16), the score cotangents are
+transposed in place after the row terms, and dq is stored as soon as it is done.
 """
 
 import functools
@@ -85,6 +90,10 @@ KEY_SLICE = 64  # key columns per program of the score kernel (wgmma's M)
 
 # Kernel 1: gradients through the UT transform.
 
+HALF = 64  # key or value columns a step of kernel 1's right-hand sides covers
+# Rows of kernel 1's table of float32 [C] vectors.
+BETA, WY_DOCUMENT, WY_K_FACTOR, D_BETA = range(4)
+
 
 def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_factor_gmem,
                         dw_gmem, du_gmem, dv_gmem, dbeta_gmem, dakk_gmem, dk_wy_gmem,
@@ -97,115 +106,150 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
     Outputs: dv [B, T, HV, V] bf16, dbeta [B, HV, T] float32, dAkk [B, HV, N, C, C] bf16 (masked,
     beta included), `beta E reads d rhs_k` [B, HV, N, C, K] float32.
     """
-    key_dim, value_dim = k_gmem.shape[-1], v_gmem.shape[-1]
+    key_dim = k_gmem.shape[-1]
     batch, head, chunk = (lax.axis_index(axis) for axis in ("batch", "heads", "chunks"))
     tokens = pl.ds(chunk * CHUNK, CHUNK)
     out = (batch, head, chunk)
-    keys_shape, scores_shape = (CHUNK, key_dim), (CHUNK, CHUNK)
+    keys_shape, half_shape, scores_shape = (CHUNK, key_dim), (CHUNK, HALF), (CHUNK, CHUNK)
+    # The right-hand sides' steps: (v or k, 64-column half), the v steps first.
+    steps = [(part, half) for part in "vk" for half in range(key_dim // HALF)]
 
-    def body(k_smem, v_smem, g_smem, beta_smem, document_smem, k_factor_smem, dbeta_smem,
-             staging, tiles, matrices, barriers):
-        # tiles: four bf16 [C, K] operands; matrices: five bf16 [C, C] operands (roles below).
+    def body(vectors, G_smem, work, products, barriers):
+        # work: k, the ones and the cumulative sum's parts; then Akk's operands; then Akk, T's
+        # bf16 hi/lo parts, and a step's k or v columns and float32 cotangent. products: a step's
+        # bf16 cotangent and right-hand side (first N and a scratch of the inverse), then its
+        # float32 output.
+        ((k_smem, ones, cumsum_parts), (k_rows, *column_buffers),
+         (akk, *inverse_parts, x_smem, staging)) = work
+        (cotangent, rhs), out_staging = products
+        beta_smem, document_smem, k_factor_smem, dbeta_smem = (
+            vectors.at[row] for row in (BETA, WY_DOCUMENT, WY_K_FACTOR, D_BETA))
         inputs = ((k_gmem.at[batch, tokens, head // group], k_smem),
-                  (v_gmem.at[batch, tokens, head], v_smem),
-                  (g_gmem.at[batch, tokens, head], g_smem),
+                  (g_gmem.at[batch, tokens, head], G_smem),
                   (beta_gmem.at[batch, head, tokens], beta_smem),
                   (document_gmem.at[batch, tokens], document_smem),
-                  (k_factor_gmem.at[batch, head // group, tokens], k_factor_smem),
-                  (du_gmem.at[out], staging))
+                  (k_factor_gmem.at[batch, head // group, tokens], k_factor_smem))
         for index, (source, target) in enumerate(inputs):
             plgpu.copy_gmem_to_smem(source, target, barriers.at[index])
-        for index in range(len(inputs) - 1):
+        for index in range(len(inputs)):
             plgpu.barrier_wait(barriers.at[index])
-        du_barrier, dw_barrier = barriers.at[len(inputs) - 1], barriers.at[len(inputs)]
+        x_barrier, staging_barrier = barriers.at[len(inputs)], barriers.at[len(inputs) + 1]
 
-        reads_state = state_masks(document_smem, keys_shape).reads_state
         beta_of_row = plgpu.load(beta_smem, layout=ROW_VECTOR)
         rows, columns = iota(scores_shape, 0), iota(scores_shape, 1)
 
-        def normalized_k():
-            k = plgpu.load(k_smem, layout=WGMMA).astype(jnp.float32)
-            return k * per_row(plgpu.load(k_factor_smem, layout=ROW_VECTOR), keys_shape)
+        def normalized_k(smem, shape):
+            k = plgpu.load(smem, layout=WGMMA).astype(jnp.float32)
+            return k * per_row(plgpu.load(k_factor_smem, layout=ROW_VECTOR), shape)
 
-        # G = cumsum(g), stored over g for row reads.
-        ones = matrices.at[0]
+        # G = cumsum(g), stored over g, 64 columns at a time (each column's sum is its own).
         store_lower_ones(ones)
-        g_smem[...] = cumulative_sum(load_plain(g_smem), (tiles.at[0], tiles.at[1], tiles.at[2]),
-                                     ones)
+        for half in range(key_dim // HALF):
+            G_half = G_smem.at[:, pl.ds(HALF * half, HALF)]
+            G_half[...] = cumulative_sum(load_plain(G_half), cumsum_parts, ones)
         plgpu.commit_smem()
 
         # Akk as the forward computes it: transposed tiles (rows s, columns r), each row tile i of
         # k scaled by exp(G_r - b_i) times the columns k exp(b_i - G_s), s < 16 (i + 1).
-        k = normalized_k()
-        G = load_plain(g_smem)
-        k_rows, column_buffers = tiles.at[0], (tiles.at[1], tiles.at[2])
-        k_rows[...] = (k * jnp.exp(G - row_anchors(g_smem, keys_shape, lower_bound))).astype(
+        k = normalized_k(k_smem, keys_shape)
+        G = load_plain(G_smem)
+        plgpu.commit_smem()  # k is read before its memory takes Akk's operands
+        k_rows[...] = (k * jnp.exp(G - row_anchors(G_smem, keys_shape, lower_bound))).astype(
             OPERAND_DTYPE)
-        (kk_t,) = transposed_scores(k, G, g_smem, (k_rows,), column_buffers, lower_bound)
+        (kk_t,) = transposed_scores(k, G, G_smem, (k_rows,), column_buffers, lower_bound)
+
+        def load_columns(step):  # a step's 64 columns of v or k, into x_smem
+            part, half = step
+            keys = pl.ds(HALF * half, HALF)
+            source = (v_gmem.at[batch, tokens, head, keys] if part == "v"
+                      else k_gmem.at[batch, tokens, head // group, keys])
+            plgpu.copy_gmem_to_smem(source, x_smem, x_barrier)
+
+        def load_cotangent(step):  # a step's 64 columns of dU or dW, into the staging buffer
+            part, half = step
+            source = du_gmem if part == "v" else dw_gmem
+            plgpu.copy_gmem_to_smem(source.at[(*out, slice(None), pl.ds(HALF * half, HALF))],
+                                    staging, staging_barrier)
+
+        # The first step's inputs load while T is computed.
+        load_columns(steps[0])
+        load_cotangent(steps[0])
+
         # [s, r] layout: the column index is the row r of Akk.
-        in_document = same_document(document_smem)
-        akk_t = jnp.where((columns > rows) & in_document, kk_t, 0.0)  # symmetric mask
-        akk, unit_lower = matrices.at[1], matrices.at[0]
+        akk_t = jnp.where((columns > rows) & same_document(document_smem), kk_t, 0.0)  # symmetric
         akk.transpose((1, 0))[...] = akk_t.astype(OPERAND_DTYPE)
+        unit_lower = cotangent  # N, until the steps
         beta_of_column = plgpu.load(beta_smem, layout=COLUMN_VECTOR)
         unit_lower.transpose((1, 0))[...] = (
             akk_t * per_column(beta_of_column, scores_shape)).astype(OPERAND_DTYPE)
         plgpu.commit_smem()
 
         # T = (I + N)^-1, kept as bf16 hi and lo parts; T^T is their transposed view.
-        inverse = unit_lower_inverse(unit_lower, (matrices.at[2], matrices.at[3], matrices.at[4]))
-        inverse_parts = (matrices.at[4], matrices.at[2])
+        inverse = unit_lower_inverse(unit_lower, (rhs, *inverse_parts))
         store_split(inverse_parts, inverse)
         inverse_t = tuple(part.transpose((1, 0)) for part in inverse_parts)
 
-        # The cotangents of W and U in bf16; the right-hand sides of the UT transform.
-        du, dw, rhs_k, rhs_v = (tiles.at[i] for i in range(4))
-        plgpu.barrier_wait(du_barrier)
-        du[...] = plgpu.load(staging, layout=WGMMA).astype(OPERAND_DTYPE)
-        plgpu.commit_smem()  # the load is done before TMA reuses the staging buffer
-        plgpu.copy_gmem_to_smem(dw_gmem.at[out], staging, dw_barrier)
-        beta = per_row(beta_of_row, keys_shape)
+        # Step by step: the cotangent (of U or W) in bf16 and the right-hand side (rhs_v = beta v
+        # or rhs_k = beta k E reads) of 64 columns; dT accumulates dU rhs_v^T + dW rhs_k^T; then
+        # dv = beta T^T dU (over rhs_v) or dk's UT term beta E reads T^T dW, and dbeta's v or k
+        # term. The next step's inputs load while this one computes.
+        reads_state = state_masks(document_smem, half_shape).reads_state
+        beta = per_row(beta_of_row, half_shape)
 
-        def decay_read():  # E reads, recomputed where needed rather than held in registers
-            return jnp.exp(load_plain(g_smem)) * reads_state
+        def decay_read(keys):  # E reads, recomputed where needed rather than held in registers
+            return jnp.exp(load_plain(G_smem.at[:, keys])) * reads_state
 
         def load_v():
-            return plgpu.load(v_smem, layout=WGMMA).astype(jnp.float32)
+            return plgpu.load(x_smem, layout=WGMMA).astype(jnp.float32)
 
-        rhs_k[...] = (beta * normalized_k() * decay_read()).astype(OPERAND_DTYPE)
-        rhs_v[...] = (beta * load_v()).astype(OPERAND_DTYPE)
-        plgpu.barrier_wait(dw_barrier)
-        dw[...] = plgpu.load(staging, layout=WGMMA).astype(OPERAND_DTYPE)
-        plgpu.commit_smem()
+        def load_k():
+            return normalized_k(x_smem, half_shape)
 
-        # dT = dW rhs_k^T + dU rhs_v^T.
-        def d_inverse(acc):
-            plgpu.wgmma(acc, dw, rhs_k.transpose((1, 0)))
-            plgpu.wgmma(acc, du, rhs_v.transpose((1, 0)))
-            return acc[...]
+        def gradients(d_inverse):
+            dbeta = None
+            for index, (part, half) in enumerate(steps):
+                keys = pl.ds(HALF * half, HALF)
+                last_step = index + 1 == len(steps)
+                plgpu.barrier_wait(staging_barrier)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's output is read
+                cotangent[...] = plgpu.load(staging, layout=WGMMA).astype(OPERAND_DTYPE)
+                plgpu.commit_smem()  # the load is done before TMA reuses the staging buffer
+                if not last_step:
+                    load_cotangent(steps[index + 1])
+                plgpu.barrier_wait(x_barrier)
+                if part == "v":
+                    rhs[...] = (beta * load_v()).astype(OPERAND_DTYPE)
+                else:
+                    rhs[...] = (beta * load_k() * decay_read(keys)).astype(OPERAND_DTYPE)
+                plgpu.commit_smem()
+                plgpu.wgmma(d_inverse, cotangent, rhs.transpose((1, 0)))
+                d_rhs = matmul_of_splits(inverse_t, (cotangent,), half_shape)
+                if part == "v":  # dv, over rhs_v (its product is done)
+                    term = jnp.sum(d_rhs * load_v(), axis=1)
+                    output, target = rhs, dv_gmem.at[batch, tokens, head, keys]
+                    output[...] = (beta * d_rhs).astype(output.dtype)
+                else:
+                    term = jnp.sum(d_rhs * load_k() * decay_read(keys), axis=1)
+                    output, target = out_staging, dk_wy_gmem.at[(*out, slice(None), keys)]
+                    output[...] = beta * decay_read(keys) * d_rhs
+                dbeta = term if dbeta is None else dbeta + term
+                plgpu.commit_smem()  # also: x is read before TMA reuses its buffer
+                if not last_step:
+                    load_columns(steps[index + 1])
+                plgpu.copy_smem_to_gmem(output, target)
+            return d_inverse[...], dbeta
 
-        dT_smem = matrices.at[0]  # N is no longer read
-        dT_smem[...] = pl.run_scoped(d_inverse, plgpu.ACC(scores_shape)).astype(OPERAND_DTYPE)
-
-        # dv = beta T^T dU (written over rhs_v, whose product is done), dbeta's v term.
-        d_rhs_v = matmul_of_splits(inverse_t, (du,), (CHUNK, value_dim))
-        dbeta = jnp.sum(d_rhs_v * load_v(), axis=1)
-        dv = rhs_v
-        dv[...] = (per_row(beta_of_row, d_rhs_v.shape) * d_rhs_v).astype(dv.dtype)
-        # dk's UT term, beta E reads T^T dW (written over the staged dW), dbeta's k term.
-        d_rhs_k = matmul_of_splits(inverse_t, (dw,), keys_shape)
-        dbeta += jnp.sum(d_rhs_k * normalized_k() * decay_read(), axis=1)
-        staging[...] = beta * decay_read() * d_rhs_k
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dv, dv_gmem.at[batch, tokens, head])
-        plgpu.copy_smem_to_gmem(staging, dk_wy_gmem.at[out])
+        dT, dbeta = pl.run_scoped(gradients, plgpu.ACC(scores_shape))
 
         # dN = -T^T dT T^T on the entries N has (strict lower, same document); dAkk = beta dN.
-        product = matrices.at[3]
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's output is read
+        dT_smem, product = cotangent, rhs
+        dT_smem[...] = dT.astype(OPERAND_DTYPE)
+        plgpu.commit_smem()
         product[...] = matmul(inverse_t[0], dT_smem, scores_shape).astype(OPERAND_DTYPE)
         plgpu.commit_smem()
         dN = -matmul(product, inverse_t[0], scores_shape)
-        dN = jnp.where((columns < rows) & in_document, dN, 0.0)
+        dN = jnp.where((columns < rows) & same_document(document_smem), dN, 0.0)
         dbeta += jnp.sum(dN * plgpu.load(akk, layout=WGMMA).astype(jnp.float32), axis=1)
         dakk = dT_smem  # dT's product is done
         dakk[...] = (per_row(beta_of_row, scores_shape) * dN).astype(OPERAND_DTYPE)
@@ -215,19 +259,18 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
         plgpu.copy_smem_to_gmem(dbeta_smem, dbeta_gmem.at[batch, head, tokens])
         plgpu.wait_smem_to_gmem(0)
 
+    tile = swizzled_smem(half_shape, OPERAND_DTYPE)  # [C, 64] = [C, C] bf16
+    keys_tile = swizzled_smem(keys_shape, OPERAND_DTYPE)
+    staging_tile = swizzled_smem(half_shape, jnp.float32)
     pl.run_scoped(
         body,
-        swizzled_smem(keys_shape, OPERAND_DTYPE),  # k
-        swizzled_smem((CHUNK, value_dim), OPERAND_DTYPE),  # v
+        plgpu.SMEM((D_BETA + 1, CHUNK), jnp.float32),  # the vectors (rows above)
         plgpu.SMEM(keys_shape, jnp.float32),  # g, then G (plain rows: read one by one)
-        plgpu.SMEM((CHUNK,), jnp.float32),  # beta
-        plgpu.SMEM((CHUNK,), jnp.float32),  # document
-        plgpu.SMEM((CHUNK,), jnp.float32),  # k's inverse norm
-        plgpu.SMEM((CHUNK,), jnp.float32),  # dbeta
-        swizzled_smem(keys_shape, jnp.float32),  # dU, then dW, then dk's UT term
-        swizzled_smem((4, *keys_shape), OPERAND_DTYPE),
-        swizzled_smem((5, *scores_shape), OPERAND_DTYPE),
-        plgpu.Barrier(num_barriers=8),
+        plgpu.RefUnion((keys_tile, tile, (tile, tile, tile)),
+                       (keys_tile, keys_tile, keys_tile),
+                       (tile, tile, tile, tile, staging_tile)),
+        plgpu.RefUnion((tile, tile), staging_tile),
+        plgpu.Barrier(num_barriers=7),
     )
 
 
