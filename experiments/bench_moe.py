@@ -229,7 +229,7 @@ def time_moe_parts(layer: StableLatentMoE, x: jax.Array, iters: int) -> list[dic
         return grouped_matmul(lhs, rhs, group_sizes, backend=backend), None
 
     def activation(gate_up):
-        return fused_glu(layer.activation, gate_up), None
+        return fused_glu(layer.activation, gate_up.reshape(gate_up.shape[0], 2, -1)), None
 
     def combine(y_sorted, weights, order, inverse):
         return unsort_combine(y_sorted, weights, order, inverse), None

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from moe import glu_kernel
 from moe.config import ACTIVATIONS
 
 
@@ -73,7 +74,8 @@ class GLUActivation:
 def fused_glu(activation: Callable[[jax.Array, jax.Array], jax.Array], gate_up: jax.Array):
     """`activation(gate, up)` of a fused pre-activation, in its dtype; the backward recomputes.
 
-    gate_up: [..., 2M], gate in the first M columns and up in the last M -> [..., M].
+    gate_up: [..., 2, M], gate at index 0 and up at index 1 -> [..., M]. (Keeping the pair on its
+    own axis means a sharded M is never merged with it.)
 
     Plain autodiff of the float32 activation keeps its intermediates (SiTU-GLU: tanh(g/b1),
     sigmoid(g), tanh(u/b2) and their products, seven [..., M] arrays) as float32 residuals; XLA
@@ -82,13 +84,34 @@ def fused_glu(activation: Callable[[jax.Array, jax.Array], jax.Array], gate_up: 
     rows, M = 1024) each is 512 MiB written and read back. Here the only residual is gate_up,
     which the grouped matmul wrote anyway, and the backward recomputes the intermediates in its
     elementwise pass over gate_up.
+
+    On GPUs, for shapes that `moe.glu_kernel.supports` and arrays not sharded by `jit` over a
+    mesh, both passes are Pallas kernels that read their operands and write their results once
+    (XLA's backward writes and re-reads float32 intermediates); elsewhere they are the XLA
+    computation below.
     """
     return _fused_glu(activation, gate_up)
 
 
+def _on_kernel_path(gate_up) -> bool:
+    return (jax.default_backend() == "gpu" and glu_kernel.supports(gate_up)
+            and _arrays_are_whole_on_each_device())
+
+
+def _arrays_are_whole_on_each_device() -> bool:
+    """No mesh, a one-device mesh, or inside `shard_map` over all of its axes.
+
+    A `pallas_call` has no partitioning rule: on arrays that `jit` shards over a mesh, XLA would
+    gather them whole onto every device, so there the XLA computation is used instead.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or mesh.size == 1 or set(mesh.manual_axes) == set(mesh.axis_names)
+
+
 def _fused_glu(activation, gate_up):
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    return activation(gate, up).astype(gate_up.dtype)
+    if _on_kernel_path(gate_up):
+        return glu_kernel.glu_forward(activation, gate_up)
+    return activation(gate_up[..., 0, :], gate_up[..., 1, :]).astype(gate_up.dtype)
 
 
 def _fused_glu_forward(activation, gate_up):
@@ -96,6 +119,8 @@ def _fused_glu_forward(activation, gate_up):
 
 
 def _fused_glu_backward(activation, gate_up, out_grad):
+    if _on_kernel_path(gate_up):
+        return (glu_kernel.glu_backward(activation, gate_up, out_grad),)
     # Forward and backward share one XLA program: without the barrier, common-subexpression
     # elimination merges the recomputed intermediates with the forward's and the float32
     # residuals come back. Taking out_grad through it too keeps the recomputation from being

@@ -87,7 +87,7 @@ def expert_mlp(
     gate_up = grouped_matmul(
         x_sorted, w_in.reshape(num_experts, width, 2 * hidden), group_sizes, backend=backend
     )
-    hidden_act = fused_glu(activation, gate_up)
+    hidden_act = fused_glu(activation, gate_up.reshape(-1, 2, hidden))
     return grouped_matmul(hidden_act, w_out, group_sizes, backend=backend)
 
 

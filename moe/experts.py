@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moe.activations import GLUActivation
+from moe.activations import GLUActivation, fused_glu
 from moe.config import MoEConfig
 from moe.dispatch import EXPERT_AXIS, dropless_moe, expert_parallel_moe
 from moe.routing import (
@@ -100,7 +100,7 @@ class DenseFFN(nnx.Module):
             raise ValueError(f"x must be [..., D={self.w_in.shape[0]}], got shape {x.shape}.")
         w_in = self.w_in[...].astype(self.dtype)
         gate_up = jnp.einsum("...d,dch->...ch", x.astype(self.dtype), w_in)
-        hidden = self.activation(gate_up[..., 0, :], gate_up[..., 1, :]).astype(self.dtype)
+        hidden = fused_glu(self.activation, gate_up)
         return hidden @ self.w_out[...].astype(self.dtype)
 
 

@@ -1,0 +1,104 @@
+"""moe.glu_kernel: the Pallas GLU kernels (interpret mode on CPU, Triton lowering for CUDA, and
+on GPU through fused_glu) equal the XLA activation and its gradient."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from moe import glu_kernel
+from moe.activations import GLUActivation, fused_glu
+
+A100 = AbstractMesh((), (), abstract_device=AbstractDevice(
+    device_kind="NVIDIA A100-SXM4-80GB", platform="gpu", num_cores=108))
+
+
+def _problem(shape, seed=0):
+    """bf16 gate_up [..., 2, M] spanning both soft caps, and a bf16 cotangent [..., M]."""
+    gate_up = (12 * jax.random.normal(jax.random.key(seed), shape)).astype(jnp.bfloat16)
+    cotangent = jax.random.normal(jax.random.key(seed + 1), shape[:-2] + shape[-1:], jnp.bfloat16)
+    return gate_up, cotangent
+
+
+def _xla(act, gate_up, cotangent):
+    def plain(a):
+        return act(a[..., 0, :], a[..., 1, :]).astype(a.dtype)
+    out, pullback = jax.vjp(plain, gate_up)
+    return out, pullback(cotangent)[0]
+
+
+def _assert_close(ours, ref):
+    """Both paths compute in float32 and round once to bf16: at most one bf16 ulp apart."""
+    ours, ref = np.asarray(ours, np.float32), np.asarray(ref, np.float32)
+    np.testing.assert_allclose(ours, ref, rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["situ", "swiglu", "clamped_swiglu"])
+@pytest.mark.parametrize("shape", [(16, 2, 128), (2, 8, 2, 384)])
+def test_kernels_equal_xla_in_interpret_mode(kind, shape):
+    act = GLUActivation(kind)
+    gate_up, cotangent = _problem(shape)
+    out = glu_kernel.glu_forward(act, gate_up, interpret=True)
+    grad = glu_kernel.glu_backward(act, gate_up, cotangent, interpret=True)
+    ref_out, ref_grad = _xla(act, gate_up, cotangent)
+    assert out.shape == ref_out.shape and grad.shape == gate_up.shape
+    _assert_close(out, ref_out)
+    _assert_close(grad, ref_grad)
+
+
+def test_blocks_tile_widths_that_are_not_powers_of_two():
+    assert glu_kernel.block_columns(1024) == 1024
+    assert glu_kernel.block_columns(4864) == 256  # 19 x 256: the dense FFN of bench_moe
+    assert glu_kernel.block_columns(8192) == 1024
+
+
+@pytest.mark.parametrize("shape, supported", [
+    ((16, 2, 128), True), ((12, 2, 128), False), ((16, 2, 96), False), ((16, 256), False)])
+def test_supports_and_refuses_clearly(shape, supported):
+    gate_up = jnp.zeros(shape, jnp.bfloat16)
+    assert glu_kernel.supports(gate_up) == supported
+    if not supported:
+        with pytest.raises(ValueError, match=r"gate_up must be \[\.\.\., 2, M\]"):
+            glu_kernel.glu_forward(GLUActivation(), gate_up, interpret=True)
+
+
+def test_kernels_lower_to_triton_for_cuda():
+    act = GLUActivation()
+    gate_up = jax.ShapeDtypeStruct((131072, 2, 1024), jnp.bfloat16)
+    cotangent = jax.ShapeDtypeStruct((131072, 1024), jnp.bfloat16)
+    with jax.sharding.use_abstract_mesh(A100):
+        for fn, args in ((functools.partial(glu_kernel.glu_forward, act), (gate_up,)),
+                         (functools.partial(glu_kernel.glu_backward, act), (gate_up, cotangent))):
+            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("xla.gpu.triton") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(131072, 2, 1024), (16384, 2, 4864)])
+def test_gpu_fused_glu_runs_the_kernels_and_equals_xla(shape):
+    act = GLUActivation()
+    gate_up, cotangent = _problem(shape)
+    step = jax.jit(lambda a, c: jax.vjp(functools.partial(fused_glu, act), a)[1](c)[0])
+    assert "triton" in step.lower(gate_up, cotangent).as_text()
+    ours, pullback = jax.vjp(functools.partial(fused_glu, act), gate_up)
+    ref_out, ref_grad = _xla(act, gate_up, cotangent)
+    _assert_close(ours, ref_out)
+    _assert_close(pullback(cotangent)[0], ref_grad)
+
+
+def test_kernels_only_where_arrays_are_whole_on_each_device(monkeypatch):
+    from moe import activations  # noqa: PLC0415 (the dispatch rule is private)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    gate_up = jnp.zeros((16, 2, 128), jnp.bfloat16)
+    assert activations._on_kernel_path(gate_up)
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        assert not activations._on_kernel_path(gate_up)  # jit would gather sharded operands
+        seen = []
+        jax.shard_map(lambda x: (seen.append(activations._on_kernel_path(x)), x)[1],
+                      in_specs=jax.P("data"), out_specs=jax.P("data"))(gate_up)
+        assert seen == [True]  # inside shard_map the arrays are local
