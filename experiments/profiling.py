@@ -21,8 +21,11 @@ def profile_device_ops(step: Callable, args: tuple, steps: int, top: int = 25) -
     `hlo` = opcode, shape and JAX source op of the op in the compiled module. Falls back to the
     compiled module's `cost_analysis()` totals (rows empty) if the trace holds no op events.
     """
-    compiled = step.lower(*args).compile()
-    jax.block_until_ready(step(*args))
+    # GPU command buffers (CUDA graphs) would show up in the trace as one opaque op; the profiled
+    # executable is compiled without them so that each kernel is its own event.
+    options = {"xla_gpu_enable_command_buffer": ""} if jax.default_backend() == "gpu" else {}
+    compiled = step.lower(*args).compile(compiler_options=options)
+    jax.block_until_ready(compiled(*args))
     times, calls, source = collections.Counter(), collections.Counter(), "none"
     with tempfile.TemporaryDirectory() as trace_dir:
         # A profiler that cannot start (no CUPTI) or a trace that does not parse must not cost
@@ -31,7 +34,7 @@ def profile_device_ops(step: Callable, args: tuple, steps: int, top: int = 25) -
             jax.profiler.start_trace(trace_dir)
             try:
                 for _ in range(steps):
-                    jax.block_until_ready(step(*args))
+                    jax.block_until_ready(compiled(*args))
             finally:
                 jax.profiler.stop_trace()
             traces = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
