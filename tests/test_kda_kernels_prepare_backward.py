@@ -1,19 +1,22 @@
 """The Mosaic GPU backward of the chunk preparation against `jax.vjp` of the plain-JAX one.
 
 On CPU the kernels run in Mosaic GPU interpret mode (simulated Hopper, race detection) at small
-shapes and are lowered for Hopper at K = 128; on a Hopper GPU (`gpu` marker) they run at real
-shapes. Cotangents are random normal `ChunkedInputs`, as the recurrence's backward would hand them.
+shapes and are lowered for Hopper at K = 64 and 128 within the shared memory of two programs an
+SM; on a Hopper GPU (`gpu` marker) they run at real shapes. Cotangents are random normal
+`ChunkedInputs`, as the recurrence's backward would hand them.
 """
 
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 
 from kda.chunked import ChunkedInputs, prepare_chunks
 from kda.common import l2_normalize
 from kda.kernels.mosaic_gpu_prepare_backward import prepare_chunks_vjp_kernel
 from kda_inputs import relative_error
-from test_kda_kernels import HOPPER, bf16_inputs, interpreted_on_simulated_hopper
+from test_kda_kernels import (HOPPER, TWO_PROGRAMS_PER_SM, bf16_inputs,
+                               interpreted_on_simulated_hopper)
 from test_kda_ops import BF16_TOLERANCE
 
 LOWER_BOUND = -5.0
@@ -67,12 +70,15 @@ def test_interpreted_vjp_matches_plain_jax(length, heads, dim, segments, use_qk_
 
 
 @pytest.mark.slow  # about 10 s on an idle core
-def test_vjp_lowers_for_hopper():
-    """Layout inference, wgmma and TMA checks of both kernels at K = V = 128, with no GPU."""
-    args, options, cotangents = preparation_case(12, 2, 200, (2, 4), 128, segments=True,
+@pytest.mark.parametrize("dim", [64, 128])
+def test_vjp_lowers_for_hopper_two_programs_per_sm(dim):
+    """Layout inference, wgmma and TMA checks of both kernels, with no GPU; Mosaic GPU checks each
+    kernel's shared memory (scratch, reduction scratch, alignment) against two programs an SM."""
+    args, options, cotangents = preparation_case(12, 2, 200, (2, 4), dim, segments=True,
                                                  use_qk_l2norm=True)
     vjp = jax.jit(lambda c, *xs: prepare_chunks_vjp_kernel(*xs, cotangents=c, **options))
-    with jax.sharding.use_abstract_mesh(HOPPER):
+    with (jax.sharding.use_abstract_mesh(HOPPER),
+          mosaic_gpu_core.artificial_shared_memory_limit(TWO_PROGRAMS_PER_SM)):
         lowered = vjp.trace(cotangents, *args).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("mosaic_gpu") >= 2
 

@@ -51,19 +51,21 @@ included), relative errors are dq 2.4-2.8e-3, dk 0.7-1.9e-3, dv 2.8e-3, dg 1.9-2
 1.7-1.8e-3 (fla's bf16 bars: 8e-3 and 2e-2).
 
 Shared memory per program (the launch's dynamic SMEM: buffers, 1 KiB alignment, barriers and
-the 2 KiB reduction scratch): kernel 1 99 KiB at K = V = 128 (83 KiB at 64; 206 and 126 KiB
+the 2 KiB reduction scratch): kernel 1 107 KiB at K = V = 128 (91 KiB at 64; 206 and 126 KiB
 before), kernel 2 101 KiB at any K (it sees 64 key columns; 206 KiB before), so two programs share
-an SM (228 KiB) and hide each other's latencies. Both give buffers with disjoint lifetimes one
-memory (`plgpu.RefUnion`, so interpret mode's race detection checks the reuse). Kernel 1: k with
-the cumulative sum's operands, then Akk's operands, then Akk, T and one step's inputs; a step's
-bf16 operands, then its float32 output; the cumulative sum runs 64 columns at a time and the
-right-hand sides in 64-column steps (one dU or dW slice staged at a time, the next loading while a
-step computes), so only G and Akk's operands span all of K. Kernel 2: g and the staged float32
-dAqk, then the four bf16 operands of the cumulative sums, row terms, column terms and untransposes
-(q's and k's column factors take turns in two hi/lo pairs rather than holding four); q and k, then
-d k_to_state (loaded while dq and the column terms are computed) and dg. Its anchors and G's last
-row are kept apart from G (`StoredAnchors`, 3 KiB instead of G's 16), the score cotangents are
-transposed in place after the row terms, and dq is stored as soon as it is done.
+an SM (228 KiB, 1 KiB of it reserved a program) and hide each other's latencies. Both give buffers
+with disjoint lifetimes one memory (`plgpu.RefUnion`, so interpret mode's race detection checks
+the reuse), and await each input where it is first read. Kernel 1: k with the cumulative sum's
+operands, then Akk's operands, then Akk, T and the steps' inputs; a step's bf16 operands, then its
+float32 output. The cumulative sum runs 64 columns at a time and the right-hand sides in 64-column
+steps (one dU or dW slice staged at a time, the next one's and the columns of the step after next
+loading while a step computes), so only G and Akk's operands span all of K. Kernel 2: g and the
+staged float32 dAqk, then the four bf16 operands of the cumulative sums, row terms, column terms
+and untransposes (q's and k's column factors take turns in two hi/lo pairs rather than holding
+four); q and k, then d k_to_state (loaded while dq and the column terms are computed) and dg. Its
+anchors and G's last row are kept apart from G (`StoredAnchors`, 3 KiB instead of G's 16), the
+score cotangents are transposed in place after the row terms, and dq is stored as soon as it is
+done.
 """
 
 import functools
@@ -116,26 +118,26 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
 
     def body(vectors, G_smem, work, products, barriers):
         # work: k, the ones and the cumulative sum's parts; then Akk's operands; then Akk, T's
-        # bf16 hi/lo parts, and a step's k or v columns and float32 cotangent. products: a step's
-        # bf16 cotangent and right-hand side (first N and a scratch of the inverse), then its
-        # float32 output.
+        # bf16 hi/lo parts, two steps' k or v columns and a step's float32 cotangent. products: a
+        # step's bf16 cotangent and right-hand side (first N and a scratch of the inverse), then
+        # its float32 output.
         ((k_smem, ones, cumsum_parts), (k_rows, *column_buffers),
-         (akk, *inverse_parts, x_smem, staging)) = work
+         (akk, inverse_hi, inverse_lo, *x_buffers, staging)) = work
+        inverse_parts = (inverse_hi, inverse_lo)
         (cotangent, rhs), out_staging = products
         beta_smem, document_smem, k_factor_smem, dbeta_smem = (
             vectors.at[row] for row in (BETA, WY_DOCUMENT, WY_K_FACTOR, D_BETA))
-        inputs = ((k_gmem.at[batch, tokens, head // group], k_smem),
-                  (g_gmem.at[batch, tokens, head], G_smem),
-                  (beta_gmem.at[batch, head, tokens], beta_smem),
+        # In the order of first use; each awaited where first read.
+        inputs = ((g_gmem.at[batch, tokens, head], G_smem),
+                  (k_gmem.at[batch, tokens, head // group], k_smem),
+                  (k_factor_gmem.at[batch, head // group, tokens], k_factor_smem),
                   (document_gmem.at[batch, tokens], document_smem),
-                  (k_factor_gmem.at[batch, head // group, tokens], k_factor_smem))
+                  (beta_gmem.at[batch, head, tokens], beta_smem))
         for index, (source, target) in enumerate(inputs):
             plgpu.copy_gmem_to_smem(source, target, barriers.at[index])
-        for index in range(len(inputs)):
-            plgpu.barrier_wait(barriers.at[index])
-        x_barrier, staging_barrier = barriers.at[len(inputs)], barriers.at[len(inputs) + 1]
+        (g_loaded, k_loaded, k_factor_loaded, document_loaded, beta_loaded, *x_loaded,
+         staging_loaded) = (barriers.at[index] for index in range(len(inputs) + 3))
 
-        beta_of_row = plgpu.load(beta_smem, layout=ROW_VECTOR)
         rows, columns = iota(scores_shape, 0), iota(scores_shape, 1)
 
         def normalized_k(smem, shape):
@@ -144,6 +146,7 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
 
         # G = cumsum(g), stored over g, 64 columns at a time (each column's sum is its own).
         store_lower_ones(ones)
+        plgpu.barrier_wait(g_loaded)
         for half in range(key_dim // HALF):
             G_half = G_smem.at[:, pl.ds(HALF * half, HALF)]
             G_half[...] = cumulative_sum(load_plain(G_half), cumsum_parts, ones)
@@ -151,6 +154,8 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
 
         # Akk as the forward computes it: transposed tiles (rows s, columns r), each row tile i of
         # k scaled by exp(G_r - b_i) times the columns k exp(b_i - G_s), s < 16 (i + 1).
+        plgpu.barrier_wait(k_loaded)
+        plgpu.barrier_wait(k_factor_loaded)
         k = normalized_k(k_smem, keys_shape)
         G = load_plain(G_smem)
         plgpu.commit_smem()  # k is read before its memory takes Akk's operands
@@ -158,27 +163,30 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
             OPERAND_DTYPE)
         (kk_t,) = transposed_scores(k, G, G_smem, (k_rows,), column_buffers, lower_bound)
 
-        def load_columns(step):  # a step's 64 columns of v or k, into x_smem
-            part, half = step
+        def load_columns(index):  # step index's 64 columns of v or k, into one of two buffers
+            part, half = steps[index]
             keys = pl.ds(HALF * half, HALF)
             source = (v_gmem.at[batch, tokens, head, keys] if part == "v"
                       else k_gmem.at[batch, tokens, head // group, keys])
-            plgpu.copy_gmem_to_smem(source, x_smem, x_barrier)
+            plgpu.copy_gmem_to_smem(source, x_buffers[index % 2], x_loaded[index % 2])
 
         def load_cotangent(step):  # a step's 64 columns of dU or dW, into the staging buffer
             part, half = step
             source = du_gmem if part == "v" else dw_gmem
             plgpu.copy_gmem_to_smem(source.at[(*out, slice(None), pl.ds(HALF * half, HALF))],
-                                    staging, staging_barrier)
+                                    staging, staging_loaded)
 
-        # The first step's inputs load while T is computed.
-        load_columns(steps[0])
+        # The first steps' inputs load while T is computed.
+        load_columns(0)
+        load_columns(1)
         load_cotangent(steps[0])
 
         # [s, r] layout: the column index is the row r of Akk.
+        plgpu.barrier_wait(document_loaded)
         akk_t = jnp.where((columns > rows) & same_document(document_smem), kk_t, 0.0)  # symmetric
         akk.transpose((1, 0))[...] = akk_t.astype(OPERAND_DTYPE)
         unit_lower = cotangent  # N, until the steps
+        plgpu.barrier_wait(beta_loaded)
         beta_of_column = plgpu.load(beta_smem, layout=COLUMN_VECTOR)
         unit_lower.transpose((1, 0))[...] = (
             akk_t * per_column(beta_of_column, scores_shape)).astype(OPERAND_DTYPE)
@@ -194,29 +202,32 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
         # dv = beta T^T dU (over rhs_v) or dk's UT term beta E reads T^T dW, and dbeta's v or k
         # term. The next step's inputs load while this one computes.
         reads_state = state_masks(document_smem, half_shape).reads_state
+        beta_of_row = plgpu.load(beta_smem, layout=ROW_VECTOR)
         beta = per_row(beta_of_row, half_shape)
 
         def decay_read(keys):  # E reads, recomputed where needed rather than held in registers
             return jnp.exp(load_plain(G_smem.at[:, keys])) * reads_state
-
-        def load_v():
-            return plgpu.load(x_smem, layout=WGMMA).astype(jnp.float32)
-
-        def load_k():
-            return normalized_k(x_smem, half_shape)
 
         def gradients(d_inverse):
             dbeta = None
             for index, (part, half) in enumerate(steps):
                 keys = pl.ds(HALF * half, HALF)
                 last_step = index + 1 == len(steps)
-                plgpu.barrier_wait(staging_barrier)
+                x_smem = x_buffers[index % 2]
+
+                def load_v():
+                    return plgpu.load(x_smem, layout=WGMMA).astype(jnp.float32)
+
+                def load_k():
+                    return normalized_k(x_smem, half_shape)
+
+                plgpu.barrier_wait(staging_loaded)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's output is read
                 cotangent[...] = plgpu.load(staging, layout=WGMMA).astype(OPERAND_DTYPE)
                 plgpu.commit_smem()  # the load is done before TMA reuses the staging buffer
                 if not last_step:
                     load_cotangent(steps[index + 1])
-                plgpu.barrier_wait(x_barrier)
+                plgpu.barrier_wait(x_loaded[index % 2])
                 if part == "v":
                     rhs[...] = (beta * load_v()).astype(OPERAND_DTYPE)
                 else:
@@ -234,8 +245,8 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
                     output[...] = beta * decay_read(keys) * d_rhs
                 dbeta = term if dbeta is None else dbeta + term
                 plgpu.commit_smem()  # also: x is read before TMA reuses its buffer
-                if not last_step:
-                    load_columns(steps[index + 1])
+                if index + 2 < len(steps):
+                    load_columns(index + 2)
                 plgpu.copy_smem_to_gmem(output, target)
             return d_inverse[...], dbeta
 
@@ -268,9 +279,9 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
         plgpu.SMEM(keys_shape, jnp.float32),  # g, then G (plain rows: read one by one)
         plgpu.RefUnion((keys_tile, tile, (tile, tile, tile)),
                        (keys_tile, keys_tile, keys_tile),
-                       (tile, tile, tile, tile, staging_tile)),
+                       (tile, tile, tile, tile, tile, staging_tile)),
         plgpu.RefUnion((tile, tile), staging_tile),
-        plgpu.Barrier(num_barriers=7),
+        plgpu.Barrier(num_barriers=8),
     )
 
 
@@ -310,32 +321,36 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
         (g_smem, daqk_staging), tiles = work
         (q_smem, k_smem), dk_state_smem = inputs_qk
         document_smem = vectors.at[DOCUMENT]
-        inputs = ((q_gmem.at[batch, tokens, head // group, keys], q_smem),
-                  (k_gmem.at[batch, tokens, head // group, keys], k_smem),
-                  (g_gmem.at[batch, tokens, head, keys], g_smem),
+        # In the order of first use; each awaited where first read.
+        inputs = ((g_gmem.at[batch, tokens, head, keys], g_smem),
                   (document_gmem.at[batch, tokens], document_smem),
-                  (q_factor_gmem.at[batch, head // group, tokens], vectors.at[Q_FACTOR]),
-                  (k_factor_gmem.at[batch, head // group, tokens], vectors.at[K_FACTOR]),
-                  (ddecay_gmem.at[(*out, keys)], vectors.at[D_CHUNK_DECAY]),
                   (daqk_gmem.at[out], daqk_staging),
+                  (k_gmem.at[batch, tokens, head // group, keys], k_smem),
+                  (k_factor_gmem.at[batch, head // group, tokens], vectors.at[K_FACTOR]),
                   (dakk_gmem.at[out], dak),
+                  (q_gmem.at[batch, tokens, head // group, keys], q_smem),
+                  (q_factor_gmem.at[batch, head // group, tokens], vectors.at[Q_FACTOR]),
                   (dq_state_gmem.at[(*out, slice(None), keys)], dq_smem),
-                  (dk_wy_gmem.at[(*out, slice(None), keys)], dk_smem))
+                  (dk_wy_gmem.at[(*out, slice(None), keys)], dk_smem),
+                  (ddecay_gmem.at[(*out, keys)], vectors.at[D_CHUNK_DECAY]))
         for index, (source, target) in enumerate(inputs):
             plgpu.copy_gmem_to_smem(source, target, barriers.at[index])
-        for index in range(9):  # all but dq_smem and dk_smem, awaited where first read
-            plgpu.barrier_wait(barriers.at[index])
-        dq_barrier, dk_barrier, dk_state_barrier = (barriers.at[i] for i in (9, 10, 11))
+        (g_loaded, document_loaded, daqk_loaded, k_loaded, k_factor_loaded, dakk_loaded, q_loaded,
+         q_factor_loaded, dq_loaded, dk_loaded, ddecay_loaded, dk_state_loaded) = (
+            barriers.at[index] for index in range(len(inputs) + 1))
 
         rows, columns = iota(scores_shape, 0), iota(scores_shape, 1)
 
         # dAqk in bf16, masked like Aqk (causal including the diagonal, same document); dAkk comes
         # masked from kernel 1.
+        plgpu.barrier_wait(document_loaded)
+        plgpu.barrier_wait(daqk_loaded)
         daq[...] = jnp.where((columns <= rows) & same_document(document_smem),
                              plgpu.load(daqk_staging, layout=WGMMA), 0.0).astype(OPERAND_DTYPE)
 
         # G = cumsum(g) (over g and the staged dAqk, both read), back in g's place for the anchors
         # and the last row, kept apart before the work space takes four operands.
+        plgpu.barrier_wait(g_loaded)
         g = load_plain(g_smem)
         plgpu.commit_smem()
         ones = tiles.at[3]  # [C, C] = [C, 64]: the same shape
@@ -352,7 +367,10 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
             x = plgpu.load(smem, layout=WGMMA).astype(jnp.float32)
             return x * per_row(plgpu.load(factor_smem, layout=ROW_VECTOR), keys_shape)
 
+        plgpu.barrier_wait(k_loaded)
+        plgpu.barrier_wait(k_factor_loaded)
         k = normalized(k_smem, vectors.at[K_FACTOR])
+        plgpu.barrier_wait(dakk_loaded)
 
         # Row terms, transposed ([key column c, token r]), the factor exp(G_r - b_i) left out:
         # tile i's columns are (k exp(b_i - G))^T dA[tile i, :]^T for both score matrices. The
@@ -393,13 +411,15 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
 
         # dq (stored now, its TMA overlapping the column terms) and dk's row terms.
         q_rows = untransposed(q_rows_t, (tiles.at[0], tiles.at[1]))
+        plgpu.barrier_wait(q_loaded)
+        plgpu.barrier_wait(q_factor_loaded)
         q = normalized(q_smem, vectors.at[Q_FACTOR])
         plgpu.commit_smem()  # q and k are read before TMA reuses their SMEM
         plgpu.copy_gmem_to_smem(dk_state_gmem.at[(*out, slice(None), keys)], dk_state_smem,
-                                dk_state_barrier)
+                                dk_state_loaded)
         masks = state_masks(document_smem, keys_shape)
         anchor_exponent = G - row_anchors(anchors, keys_shape, lower_bound)
-        plgpu.barrier_wait(dq_barrier)
+        plgpu.barrier_wait(dq_loaded)
         dq = (load_plain(dq_smem) * jnp.exp(G) * masks.reads_state
               + jnp.exp(anchor_exponent) * q_rows)
         dq_smem[...] = dq
@@ -408,7 +428,7 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
         target = (batch, tokens, head, keys)
         plgpu.copy_smem_to_gmem(dq_smem, dq_gmem.at[target])
         k_rows = untransposed(k_rows_t, (tiles.at[2], tiles.at[3]))
-        plgpu.barrier_wait(dk_barrier)
+        plgpu.barrier_wait(dk_loaded)
         dk_smem[...] = load_plain(dk_smem) + jnp.exp(anchor_exponent) * k_rows
 
         # Column terms, transposed, the factor exp(b_j - G_s) left out: tile j's columns are
@@ -436,7 +456,8 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
 
         # The anchor factors, the direct terms, and dG.
         last_G = plgpu.load(vectors.at[LAST_G], layout=COLUMN_VECTOR)
-        plgpu.barrier_wait(dk_state_barrier)
+        plgpu.barrier_wait(dk_state_loaded)
+        plgpu.barrier_wait(ddecay_loaded)
         dk_to_state = (load_plain(dk_state_smem) * jnp.exp(per_column(last_G, keys_shape) - G)
                        * masks.writes_state)
         dk_columns = dk_to_state + jnp.exp(-anchor_exponent) * k_columns
