@@ -76,17 +76,38 @@ def test_kernels_lower_to_triton_for_cuda():
             assert text.count("xla.gpu.triton") == 1
 
 
+def _situ_float64(gate_up, cotangent):
+    """SiTU-GLU (betas 4, 25) and its gate_up cotangent in float64 numpy: the exact answer."""
+    gate_up = np.asarray(gate_up, np.float64)
+    gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
+    cotangent = np.asarray(cotangent, np.float64)
+    t, sigmoid, cap = np.tanh(gate / 4), 1 / (1 + np.exp(-gate)), np.tanh(up / 25)
+    gate_branch, up_branch = 4 * t * sigmoid, 25 * cap
+    gate_slope = (1 - t * t) * sigmoid + 4 * t * sigmoid * (1 - sigmoid)
+    grad = np.stack([cotangent * up_branch * gate_slope,
+                     cotangent * gate_branch * (1 - cap * cap)], axis=-2)
+    return gate_branch * up_branch, grad
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(131072, 2, 1024), (16384, 2, 4864)])
-def test_gpu_fused_glu_runs_the_kernels_and_equals_xla(shape):
+@pytest.mark.parametrize("shape", [(16384, 2, 1024), (2048, 2, 4864)])
+def test_gpu_fused_glu_runs_the_kernels_as_accurately_as_xla(shape):
+    """On the GPU the kernels' tanh and exp (libdevice) are not XLA's, so the two differ in
+    float32 rounding; where a gradient cancels (|gate| large, 1 - tanh^2 near 0) that shows as
+    up to ~3e-5 apart on values of ~1e-4. So both are compared with the exact float64 answer:
+    the kernels must be no less accurate than XLA, in the worst element and in L2."""
     act = GLUActivation()
     gate_up, cotangent = _problem(shape)
     step = jax.jit(lambda a, c: jax.vjp(functools.partial(fused_glu, act), a)[1](c)[0])
     assert "triton" in step.lower(gate_up, cotangent).as_text()
     ours, pullback = jax.vjp(functools.partial(fused_glu, act), gate_up)
-    ref_out, ref_grad = _xla(act, gate_up, cotangent)
-    _assert_close(ours, ref_out)
-    _assert_close(pullback(cotangent)[0], ref_grad)
+    xla = _xla(act, gate_up, cotangent)
+    exact = _situ_float64(gate_up, cotangent)
+    for ours_x, xla_x, exact_x in zip((ours, pullback(cotangent)[0]), xla, exact):
+        ours_error = np.asarray(ours_x, np.float64) - exact_x
+        xla_error = np.asarray(xla_x, np.float64) - exact_x
+        assert np.abs(ours_error).max() <= 1.01 * np.abs(xla_error).max()
+        assert np.linalg.norm(ours_error) <= 1.01 * np.linalg.norm(xla_error)
 
 
 def test_kernels_only_where_arrays_are_whole_on_each_device(monkeypatch):
