@@ -43,6 +43,42 @@ def prepare_qk(q, k, *, scale, use_qk_l2norm, num_value_heads):
     return q * scale, k
 
 
+def prepare_qk_vjp(q, k, d_q, d_k, *, scale, use_qk_l2norm):
+    """The VJP of `prepare_qk`: the cotangents of its outputs mapped back to q and k.
+
+    The same math as `jax.vjp(prepare_qk, q, k)`, written so that XLA reads each [.., K] row of
+    the cotangents twice, K-minor: one reduction gives both `sum(x^2)` and `sum(x * dy)` (a single
+    variadic reduce, so XLA does not share it with another reduction of x whose output it lays
+    out transposed, as the kernels' [B, H, T] inverse norms are), then one elementwise pass
+    `dx = r dy - x r^3 sum(x dy)`, r = rsqrt(sum(x^2) + eps).
+
+    Args:
+      q, k: [B, T, H, K], `prepare_qk`'s inputs.
+      d_q, d_k: [B, T, HV, K], the cotangents of its outputs (HV a multiple of H).
+      scale, use_qk_l2norm: as given to `prepare_qk`.
+    Returns:
+      (d_q, d_k): [B, T, H, K] in the dtypes of q and k.
+    """
+
+    def input_cotangent(x, d_y):
+        dtype = jnp.promote_types(x.dtype, jnp.float32)
+        *lead, num_heads, key_dim = x.shape
+        d_y = d_y.astype(dtype)
+        if d_y.shape[-2] != num_heads:  # the sum over each group's value heads
+            d_y = d_y.reshape(*lead, num_heads, -1, key_dim).sum(axis=-2)
+        if not use_qk_l2norm:
+            return d_y.astype(x.dtype)
+        x32 = x.astype(dtype)
+        square_sum, dot = lax.reduce((x32 * x32, x32 * d_y), (dtype.type(0), dtype.type(0)),
+                                     lambda a, b: (a[0] + b[0], a[1] + b[1]), (x.ndim - 1,))
+        inverse_norm = lax.rsqrt(square_sum + L2_NORM_EPS)
+        d_x = (inverse_norm[..., None] * d_y
+               - x32 * (inverse_norm * inverse_norm * inverse_norm * dot)[..., None])
+        return d_x.astype(x.dtype)
+
+    return input_cotangent(q, d_q * scale), input_cotangent(k, d_k)
+
+
 def document_starts(segment_ids: jax.Array | None) -> jax.Array | None:
     """Marks the tokens where a new packed document begins (the state restarts from zero).
 

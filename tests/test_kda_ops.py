@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kda
+from kda.common import prepare_qk, prepare_qk_vjp
 from kda_inputs import make_inputs, relative_error
 
 F32_TOLERANCE = 1e-5
@@ -168,3 +169,16 @@ def test_future_tokens_never_change_past_outputs(lower_bound):
     o_changed, _ = run("chunked", changed, gate_lower_bound=lower_bound)
     np.testing.assert_array_equal(o[:, :70], o_changed[:, :70])
     assert not np.array_equal(o[:, 70:], o_changed[:, 70:])
+
+
+@pytest.mark.parametrize("use_qk_l2norm", [True, False])
+@pytest.mark.parametrize("heads,value_heads", [(2, 2), (1, 3)])
+def test_prepare_qk_vjp_equals_autodiff(use_qk_l2norm, heads, value_heads):
+    """The kernels' explicit VJP of the q/k preparation (L2 norm, scale, grouped value heads)."""
+    keys = jax.random.split(jax.random.PRNGKey(5), 4)
+    q, k = (jax.random.normal(key, (2, 40, heads, 64)) * 3.0 for key in keys[:2])
+    d_q, d_k = (jax.random.normal(key, (2, 40, value_heads, 64)) for key in keys[2:])
+    options = dict(scale=0.125, use_qk_l2norm=use_qk_l2norm)
+    _, vjp = jax.vjp(lambda q, k: prepare_qk(q, k, num_value_heads=value_heads, **options), q, k)
+    for actual, expected in zip(prepare_qk_vjp(q, k, d_q, d_k, **options), vjp((d_q, d_k))):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())

@@ -40,8 +40,8 @@ Two kernels, like peers' "WY" and "intra" backward kernels:
    bf16 split (`cumulative_sum` with `reverse`).
 
 Around the kernels, plain JAX computes the q/k inverse norms, and applies the VJP of
-`kda.common.prepare_qk` (the scale, the L2 norm's backward and the sum over the value heads of a
-group), crops the padded tail and casts.
+`kda.common.prepare_qk` (`prepare_qk_vjp`: the scale, the L2 norm's backward and the sum over the
+value heads of a group), crops the padded tail and casts.
 
 Numerics: matmul operands bf16, accumulation and everything elementwise float32. T is used as a
 hi/lo bf16 pair where it produces dv and dk directly; dT, dN and the score cotangents are single
@@ -77,7 +77,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.chunked import TILE_SIZE, ChunkedInputs
-from kda.common import L2_NORM_EPS, prepare_qk
+from kda.common import L2_NORM_EPS, prepare_qk_vjp
 from kda.kernels.mosaic_gpu_common import OPERAND_DTYPE, SUPPORTED_DIMS, swizzled_smem
 from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, COMPILER_PARAMS, NUM_TILES,
                                           ROW_VECTOR, WGMMA, cumulative_sum, documents_in_chunk,
@@ -572,8 +572,7 @@ def prepare_chunks_vjp_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2
         cotangents.q_from_state, cotangents.k_to_state, dk_wy, cotangents.chunk_decay)
 
     # The scale, the L2 norm's backward and the sum over each group's value heads.
-    _, qk_vjp = jax.vjp(functools.partial(prepare_qk, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                                          num_value_heads=num_value_heads), q, k)
-    dq, dk = qk_vjp((dq[:, :length], dk[:, :length]))
+    dq, dk = prepare_qk_vjp(q, k, dq[:, :length], dk[:, :length], scale=scale,
+                            use_qk_l2norm=use_qk_l2norm)
     return (dq, dk, dv[:, :length].astype(v.dtype), dg[:, :length].astype(g.dtype),
             jnp.moveaxis(dbeta, 1, 2)[:, :length].astype(beta.dtype))
