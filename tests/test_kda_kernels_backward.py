@@ -14,9 +14,11 @@ import pytest
 
 from kda.chunked import CHUNK_SIZE, ChunkedInputs, chunk_recurrence, prepare_chunks
 from kda.kernels import mosaic_gpu
-from kda.kernels.mosaic_gpu_backward import run_reversed_recurrence
-from kda.kernels.mosaic_gpu_common import recurrence_operands
+from kda.kernels.mosaic_gpu_backward import recurrence_cotangents, run_reversed_recurrence
+from kda.kernels.mosaic_gpu_common import RecurrenceResiduals, recurrence_operands
+from kda.kernels.mosaic_gpu_prepare_backward import ROUNDED_COTANGENTS
 from kda.kernels.mosaic_gpu_recurrence import run_recurrence
+from kda.kernels.sequence_parallel import sequence_parallel_reversed_recurrence
 from kda_inputs import relative_error
 from test_kda_kernels import (  # noqa: F401 (kernel_on_any_backend: a fixture, used by name)
     HOPPER, bf16_inputs, interpreted_on_simulated_hopper, kernel_on_any_backend)
@@ -116,6 +118,55 @@ def test_interpreted_reversed_kernel_matches_plain_jax():
     assert relative_error(d_states, expected_d_states) <= GRADIENT_TOLERANCE
     assert relative_error(d_v_new, d_chunks.U) <= GRADIENT_TOLERANCE  # dU = dV_new
     assert relative_error(d_initial, d_initial_state) <= GRADIENT_TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_segments", [1, 2])
+def test_interpreted_reversed_kernel_d_v_new_in_bf16_is_the_float32_one_rounded(num_segments):
+    """Asked for dV_new in bf16 (written so by the kernel at P = 1, rounded after the float32
+    corrections at P = 2), the reversed recurrence gives the float32 dV_new rounded, bit for bit,
+    and the same dS."""
+    chunks, _, cotangents = prepared_chunks(1, 1, 256, 1, 2, 64, segments=True)
+    operands = recurrence_operands(chunks)._replace(U=None)
+
+    def reversed_recurrence(d_v_new_dtype):
+        with interpreted_on_simulated_hopper():
+            return jax.jit(lambda ops, d_o, d_s: sequence_parallel_reversed_recurrence(
+                ops, d_o, d_s, num_segments=num_segments, d_v_new_dtype=d_v_new_dtype))(
+                    operands, *cotangents)
+
+    d_states, d_v_new, d_initial = reversed_recurrence(jnp.float32)
+    d_states_rounded, d_v_new_rounded, d_initial_rounded = reversed_recurrence(jnp.bfloat16)
+    assert d_v_new.dtype == jnp.float32 and d_v_new_rounded.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(d_v_new_rounded, d_v_new.astype(jnp.bfloat16))
+    np.testing.assert_array_equal(d_states_rounded, d_states)
+    np.testing.assert_array_equal(d_initial_rounded, d_initial)
+
+
+def test_recurrence_cotangents_in_bf16_are_the_float32_ones_rounded():
+    """The cotangents the preparation-backward kernels round come out of the parallel products
+    rounded once from their float32 sums (bit for bit on CPU; a GPU's GEMMs may pick another
+    summation order for a bf16 output), the others unchanged."""
+    batch, heads, num_chunks, dim = 1, 2, 3, 64
+    keys = jax.random.split(jax.random.PRNGKey(0), 5)
+    residuals = RecurrenceResiduals(
+        states=jax.random.normal(keys[0], (batch, heads, num_chunks, dim, dim), jnp.bfloat16),
+        v_new=jax.random.normal(keys[1], (batch, heads, num_chunks, CHUNK_SIZE, dim),
+                                jnp.bfloat16))
+    d_o = jax.random.normal(keys[2], (batch, heads, num_chunks, CHUNK_SIZE, dim), jnp.bfloat16)
+    d_states = jax.random.normal(keys[3], (batch, heads, num_chunks, dim, dim), jnp.bfloat16)
+    d_v_new = jax.random.normal(keys[4], (batch, heads, num_chunks, CHUNK_SIZE, dim))
+    cotangents = jax.jit(recurrence_cotangents, static_argnums=4)
+    with jax.default_device(jax.devices("cpu")[0]):
+        full = cotangents(residuals, d_o, d_states, d_v_new, ())
+        rounded = cotangents(residuals, d_o, d_states, d_v_new.astype(jnp.bfloat16),
+                             ROUNDED_COTANGENTS)
+    for name, x, want in zip(ChunkedInputs._fields, rounded, full):
+        assert want.dtype == jnp.float32, name
+        if name in ROUNDED_COTANGENTS:
+            assert x.dtype == jnp.bfloat16, name
+            want = want.astype(jnp.bfloat16)
+        np.testing.assert_array_equal(x, want, err_msg=name)
 
 
 @pytest.mark.slow

@@ -14,7 +14,8 @@ chunks (`kda.kernels.mosaic_gpu_backward.recurrence_vjp`). With unbounded gates 
 differentiates the plain-JAX preparation around it (`kernel_recurrence`); with bounded gates
 (`_bounded_kda`) the forward keeps the preparation kernel's operands, and the backward maps the
 recurrence's cotangents through the preparation-backward kernels
-(`kda.kernels.mosaic_gpu_prepare_backward`).
+(`kda.kernels.mosaic_gpu_prepare_backward`), those that the kernels round to bf16 anyway
+(`ROUNDED_COTANGENTS`) handed over in bf16.
 
 Importing this module registers `impl="mosaic_gpu"` with `kda.api`; it imports on any backend.
 """
@@ -27,10 +28,10 @@ import jax.numpy as jnp
 from kda.api import KDACall, register_kernel
 from kda.chunked import CHUNK_SIZE, ChunkedInputs
 from kda.kernels.mosaic_gpu_backward import recurrence_cotangents
-from kda.kernels.mosaic_gpu_common import (SUPPORTED_DIMS, RecurrenceOperands,
+from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, SUPPORTED_DIMS, RecurrenceOperands,
                                            RecurrenceResiduals, recurrence_operands)
 from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
-from kda.kernels.mosaic_gpu_prepare_backward import prepare_chunks_vjp_kernel
+from kda.kernels.mosaic_gpu_prepare_backward import ROUNDED_COTANGENTS, prepare_chunks_vjp_kernel
 from kda.kernels.path import BoundedOptions, KernelPath, kernel_kda
 from kda.kernels.sequence_parallel import (sequence_parallel_recurrence,
                                           sequence_parallel_reversed_recurrence)
@@ -39,7 +40,7 @@ NAME = "mosaic_gpu"
 
 
 def recurrence_vjp(operands: RecurrenceOperands, residuals: RecurrenceResiduals, d_o,
-                   d_final_state):
+                   d_final_state, rounded=()):
     """The VJP of the recurrence over chunks: the reversed kernel (over segments of the sequence
     side by side where the forward's choice of P splits it, `kda.kernels.sequence_parallel`),
     then the parallel cotangents.
@@ -48,13 +49,18 @@ def recurrence_vjp(operands: RecurrenceOperands, residuals: RecurrenceResiduals,
       operands: the forward's `RecurrenceOperands` (U is not read and may be None).
       residuals: what the forward kernel saved for the backward.
       d_o: [B, HV, N, C, V]; d_final_state: [B, HV, K, V].
+      rounded: the `ChunkedInputs` fields whose cotangents the consumer rounds to bf16 anyway:
+        given in bf16 (the same gradients, half the bytes).
     Returns:
-      (`ChunkedInputs` of float32 cotangents, d_initial_state float32 [B, HV, K, V]): what
-      `jax.vjp(kda.chunked.chunk_recurrence, chunks, initial_state)` returns.
+      (`ChunkedInputs` of cotangents, d_initial_state float32 [B, HV, K, V]): what
+      `jax.vjp(kda.chunked.chunk_recurrence, chunks, initial_state)` returns, float32 but where
+      `rounded` names them.
     """
     d_states, d_v_new, d_initial_state = sequence_parallel_reversed_recurrence(
-        operands, d_o, d_final_state)
-    return recurrence_cotangents(residuals, d_o, d_states, d_v_new), d_initial_state
+        operands, d_o, d_final_state,
+        d_v_new_dtype=OPERAND_DTYPE if "U" in rounded else jnp.float32)
+    return (recurrence_cotangents(residuals, d_o, d_states, d_v_new, rounded),
+            d_initial_state)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -126,7 +132,8 @@ def _bounded_kda_bwd(options, saved, cotangents):
     d_o = jnp.pad(d_o, ((0, 0), (0, num_chunks * CHUNK_SIZE - length), (0, 0), (0, 0)))
     d_o = jnp.moveaxis(d_o.reshape(batch, num_chunks, CHUNK_SIZE, num_value_heads, value_dim),
                        3, 1)
-    d_chunks, d_initial_state = recurrence_vjp(operands, residuals, d_o, d_final_state)
+    d_chunks, d_initial_state = recurrence_vjp(operands, residuals, d_o, d_final_state,
+                                               rounded=ROUNDED_COTANGENTS)
     d_inputs = prepare_chunks_vjp_kernel(*inputs, segment_ids=segment_ids, cotangents=d_chunks,
                                          **options._asdict())
     return (*d_inputs, d_initial_state, None)

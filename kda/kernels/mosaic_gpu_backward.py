@@ -23,15 +23,20 @@ two stages, chunks in reverse order), four wgmmas (M = C = 64, or K for the stat
     dS     = D * dS + Qs^T dO + W^T (-dV_new)    [K, C] x [C, 64]  +  [K, C] x [C, 64]
 
 (the transposed operands are transposed views of the forward's SMEM tiles). It writes dS_{n+1}
-per chunk (bf16, as FLA and jax-linear-attention keep it), dV_new per chunk (float32) and dS_0
-(float32). Every other cotangent contracts over V, which the programs split, so it is left to
-batched matmuls over all chunks at once (`recurrence_cotangents`):
+per chunk (bf16, as FLA and jax-linear-attention keep it), dV_new per chunk (float32, or bf16
+where every consumer rounds it so) and dS_0 (float32). Every other cotangent contracts over V,
+which the programs split, so it is left to batched matmuls over all chunks at once
+(`recurrence_cotangents`):
 
     dU = dV_new,  dW = -dV_new S_n^T,  dQs = dO S_n^T,  dAqk = dO V_new^T,
     dKt = V_new dS_{n+1}^T,  dD = sum over V of S_n * dS_{n+1}
 
 with S_n and V_new_n the bf16 operands the forward kernel used (`RecurrenceResiduals`, written by
-`kda.kernels.mosaic_gpu_recurrence.run_recurrence(..., save_for_backward=True)`).
+`kda.kernels.mosaic_gpu_recurrence.run_recurrence(..., save_for_backward=True)`). The cotangents a
+consumer rounds to bf16 anyway (the preparation-backward kernels: dW, dU and dAqk, their
+`ROUNDED_COTANGENTS`) can come out in bf16, rounded once from the float32 accumulation, which
+gives the consumer the same operands in half the bytes written and read (dQs, dKt and dD stay
+float32: the kernels use them so).
 
 Numerics: matmul operands bf16 (dO, dS and -dV_new rounded when written to SMEM), accumulation
 and the carried dS float32, D read in float32.
@@ -66,8 +71,8 @@ def _reversed_recurrence_kernel(w_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, d_o
 
     GMEM inputs: w, q [B, HV, N, C, K], kt [B, HV, N, K, C], a [B, HV, N, C, C] and
     d_o [B, HV, N, C, V] in bfloat16; decay [B, HV, N, K] and d_final [B, HV, K, V] in float32.
-    Outputs: d_states [B, HV, N, K, V] (dS_{n+1}, bf16), d_v_new [B, HV, N, C, V] and
-    d_initial [B, HV, K, V] (float32).
+    Outputs: d_states [B, HV, N, K, V] (dS_{n+1}, bf16), d_v_new [B, HV, N, C, V] (float32 or
+    bf16) and d_initial [B, HV, K, V] (float32).
     """
     num_chunks, chunk, key_dim = w_gmem.shape[2:]
     batch, head, v_tile = (lax.axis_index(axis) for axis in ("batch", "heads", "v_tiles"))
@@ -97,7 +102,7 @@ def _reversed_recurrence_kernel(w_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, d_o
                 d_v_new = d_v_new_acc[...]
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                 minus_d_v_new_smem[...] = (-d_v_new).astype(OPERAND_DTYPE)
-                d_v_new_smem[...] = d_v_new
+                d_v_new_smem[...] = d_v_new.astype(d_v_new_smem.dtype)
                 # Fences the stores for wgmma and TMA, and orders the plain load of `decay`
                 # before the TMA that refills this pipeline slot after the step.
                 plgpu.commit_smem()
@@ -128,7 +133,8 @@ def _reversed_recurrence_kernel(w_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, d_o
 
     d_initial_state = pl.run_scoped(
         recur, swizzled_smem(state_shape, OPERAND_DTYPE),
-        swizzled_smem(values_shape, OPERAND_DTYPE), swizzled_smem(values_shape, jnp.float32))
+        swizzled_smem(values_shape, OPERAND_DTYPE),
+        swizzled_smem(values_shape, d_v_new_gmem.dtype))
 
     def store_initial_cotangent(state_smem):
         plgpu.wait_smem_to_gmem(0)  # the last chunk's outputs are out
@@ -140,16 +146,18 @@ def _reversed_recurrence_kernel(w_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, d_o
     pl.run_scoped(store_initial_cotangent, swizzled_smem(state_shape, jnp.float32))
 
 
-def run_reversed_recurrence(operands: RecurrenceOperands, d_o, d_final_state):
+def run_reversed_recurrence(operands: RecurrenceOperands, d_o, d_final_state,
+                            d_v_new_dtype=jnp.float32):
     """Runs the reversed kernel (reads every operand but U).
 
     Args:
       operands: the forward's `RecurrenceOperands` [B, HV, N, ...] (U may be None).
       d_o: [B, HV, N, C, V], the cotangent of the chunk outputs.
       d_final_state: [B, HV, K, V], the cotangent of the final state.
+      d_v_new_dtype: float32, or bf16 where every consumer of dV_new rounds it to bf16.
     Returns:
-      (d_states bf16 [B, HV, N, K, V]: dS_{n+1} for chunk n, d_v_new float32 [B, HV, N, C, V],
-      d_initial_state float32 [B, HV, K, V]).
+      (d_states bf16 [B, HV, N, K, V]: dS_{n+1} for chunk n, d_v_new [B, HV, N, C, V] in
+      d_v_new_dtype, d_initial_state float32 [B, HV, K, V]).
     """
     batch, heads, num_chunks, chunk, key_dim = operands.W.shape
     value_dim = d_o.shape[-1]
@@ -157,7 +165,7 @@ def run_reversed_recurrence(operands: RecurrenceOperands, d_o, d_final_state):
         _reversed_recurrence_kernel,
         out_type=(
             jax.ShapeDtypeStruct((batch, heads, num_chunks, key_dim, value_dim), OPERAND_DTYPE),
-            jax.ShapeDtypeStruct((batch, heads, num_chunks, chunk, value_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, heads, num_chunks, chunk, value_dim), d_v_new_dtype),
             jax.ShapeDtypeStruct((batch, heads, key_dim, value_dim), jnp.float32)),
         grid=(batch, heads, value_dim // BLOCK_V),
         grid_names=("batch", "heads", "v_tiles"),
@@ -169,26 +177,35 @@ def run_reversed_recurrence(operands: RecurrenceOperands, d_o, d_final_state):
                d_final_state.astype(jnp.float32))
 
 
-def _products(subscripts, x, y):
-    """A batched bf16 matmul with float32 accumulation (the wgmma numerics, on XLA's GEMMs)."""
+def _products(subscripts, x, y, dtype):
+    """A batched bf16 matmul with float32 accumulation (the wgmma numerics, on XLA's GEMMs), its
+    result in dtype (float32, or bf16: rounded once from the float32 sums)."""
     return jnp.einsum(subscripts, x.astype(OPERAND_DTYPE), y.astype(OPERAND_DTYPE),
-                      preferred_element_type=jnp.float32)
+                      preferred_element_type=dtype)
 
 
-def recurrence_cotangents(residuals: RecurrenceResiduals, d_o, d_states, d_v_new) -> ChunkedInputs:
+def recurrence_cotangents(residuals: RecurrenceResiduals, d_o, d_states, d_v_new,
+                          rounded=()) -> ChunkedInputs:
     """The cotangents of the recurrence's inputs, parallel over chunks.
 
     Args:
       residuals: the forward's S_n and V_new_n.
       d_o: [B, HV, N, C, V]; d_states: dS_{n+1} [B, HV, N, K, V]; d_v_new: [B, HV, N, C, V].
+      rounded: the `ChunkedInputs` fields whose cotangents the consumer rounds to bf16 anyway
+        (module docstring): given in bf16.
     Returns:
-      `ChunkedInputs` of float32 cotangents (k_to_state [B, HV, N, C, K], not transposed).
+      `ChunkedInputs` of cotangents, bf16 where `rounded` names them, else float32 (k_to_state
+      [B, HV, N, C, K], not transposed).
     """
     states, v_new = residuals
+    dtype = {name: OPERAND_DTYPE if name in rounded else jnp.float32
+             for name in ChunkedInputs._fields}
     return ChunkedInputs(
-        W=_products("...cv,...kv->...ck", -d_v_new, states),  # the sign fuses with the cast
-        U=d_v_new,
-        q_from_state=_products("...cv,...kv->...ck", d_o, states),
-        k_to_state=_products("...cv,...kv->...ck", v_new, d_states),
-        chunk_decay=jnp.sum(states.astype(jnp.float32) * d_states.astype(jnp.float32), axis=-1),
-        Aqk=_products("...iv,...jv->...ij", d_o, v_new))
+        # bf16 negation is exact: -dV_new rounds as dV_new does.
+        W=_products("...cv,...kv->...ck", -d_v_new, states, dtype["W"]),
+        U=d_v_new.astype(dtype["U"]),
+        q_from_state=_products("...cv,...kv->...ck", d_o, states, dtype["q_from_state"]),
+        k_to_state=_products("...cv,...kv->...ck", v_new, d_states, dtype["k_to_state"]),
+        chunk_decay=jnp.sum(states.astype(jnp.float32) * d_states.astype(jnp.float32),
+                            axis=-1).astype(dtype["chunk_decay"]),
+        Aqk=_products("...iv,...jv->...ij", d_o, v_new, dtype["Aqk"]))

@@ -50,21 +50,22 @@ preparation (float32, random normal cotangents, interpret mode, K = 64, document
 included), relative errors are dq 2.4-2.8e-3, dk 0.7-1.9e-3, dv 2.8e-3, dg 1.9-2.5e-3 and dbeta
 1.7-1.8e-3 (fla's bf16 bars: 8e-3 and 2e-2).
 
-Shared memory per program (the launch's dynamic SMEM: buffers, 1 KiB alignment, barriers and
-the 2 KiB reduction scratch): kernel 1 107 KiB at K = V = 128 (91 KiB at 64; 206 and 126 KiB
-before), kernel 2 101 KiB at any K (it sees 64 key columns; 206 KiB before), so two programs share
-an SM (228 KiB, 1 KiB of it reserved a program) and hide each other's latencies. Both give buffers
-with disjoint lifetimes one memory (`plgpu.RefUnion`, so interpret mode's race detection checks
-the reuse), and await each input where it is first read. Kernel 1: k with the cumulative sum's
-operands, then Akk's operands, then Akk, T and the steps' inputs; a step's bf16 operands, then its
-float32 output. The cumulative sum runs 64 columns at a time and the right-hand sides in 64-column
-steps (one dU or dW slice staged at a time, the next one's and the columns of the step after next
-loading while a step computes), so only G and Akk's operands span all of K. Kernel 2: g and the
-staged float32 dAqk, then the four bf16 operands of the cumulative sums, row terms, column terms
-and untransposes (q's and k's column factors take turns in two hi/lo pairs rather than holding
-four); q and k, then d k_to_state (loaded while dq and the column terms are computed) and dg. Its
-anchors and G's last row are kept apart from G (`StoredAnchors`, 3 KiB instead of G's 16), the
-score cotangents are transposed in place after the row terms, and dq is stored as soon as it is
+Shared memory per program (the launch's dynamic SMEM: buffers, 1 KiB alignment, barriers and the
+2 KiB reduction scratch): kernel 1 107 KiB at K = V = 128 (91 KiB at 64; 206 and 126 KiB before),
+kernel 2 101 KiB at any K (it sees 64 key columns; 206 KiB before), so two programs share an SM
+(228 KiB, 1 KiB of it reserved a program) and hide each other's latencies. Both give buffers with
+disjoint lifetimes one memory (`plgpu.RefUnion`, so interpret mode's race detection checks the
+reuse), and await each input where it is first read. Kernel 1: k with the cumulative sum's
+operands, then Akk's operands, then Akk, T and the steps' inputs; N (then dT) and a step's
+right-hand side, then its float32 output. The cumulative sum runs 64 columns at a time and the
+right-hand sides in 64-column steps (the dU or dW slice, bf16 as given, and the v or k columns of a
+step in one of two slots, the step after next's loading while a step computes; the wgmmas read the
+cotangent where TMA put it), so only G and Akk's operands span all of K. Kernel 2: g, then the four
+bf16 operands of the cumulative sums, row terms, column terms and untransposes (q's and k's column
+factors take turns in two hi/lo pairs rather than holding four); dAqk (bf16 as given, masked in
+place) and dAkk; q and k, then d k_to_state (loaded while dq and the column terms are computed) and
+dg. Its anchors and G's last row are kept apart from G (`StoredAnchors`, 3 KiB instead of G's 16),
+the score cotangents are transposed in place after the row terms, and dq is stored as soon as it is
 done.
 """
 
@@ -88,6 +89,9 @@ from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, COMPILER_PARAMS,
                                           store_split, transposed_scores, unit_lower_inverse)
 
 KEY_SLICE = 64  # key columns per program of the score kernel (wgmma's M)
+# The cotangents (`ChunkedInputs` fields) the kernels use only as bf16 matmul operands: given in
+# bf16, they give the same gradients in half the bytes.
+ROUNDED_COTANGENTS = ("W", "U", "Aqk")
 
 
 # Kernel 1: gradients through the UT transform.
@@ -104,7 +108,7 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
 
     GMEM inputs: k [B, T, H, K] and v [B, T, HV, V] in bf16; g [B, T, HV, K], beta [B, HV, T],
     document [B, T], k_factor [B, H, T] (k's inverse norm) in float32; the cotangents dW
-    [B, HV, N, C, K] and dU [B, HV, N, C, V] in float32. T is a multiple of 64.
+    [B, HV, N, C, K] and dU [B, HV, N, C, V] in bf16. T is a multiple of 64.
     Outputs: dv [B, T, HV, V] bf16, dbeta [B, HV, T] float32, dAkk [B, HV, N, C, C] bf16 (masked,
     beta included), `beta E reads d rhs_k` [B, HV, N, C, K] float32.
     """
@@ -118,13 +122,13 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
 
     def body(vectors, G_smem, work, products, barriers):
         # work: k, the ones and the cumulative sum's parts; then Akk's operands; then Akk, T's
-        # bf16 hi/lo parts, two steps' k or v columns and a step's float32 cotangent. products: a
-        # step's bf16 cotangent and right-hand side (first N and a scratch of the inverse), then
-        # its float32 output.
+        # bf16 hi/lo parts and two steps' inputs (k or v columns, dU or dW columns). products:
+        # N (then dT, then dAkk) and a step's bf16 right-hand side (first a scratch of the
+        # inverse), then a step's float32 output.
         ((k_smem, ones, cumsum_parts), (k_rows, *column_buffers),
-         (akk, inverse_hi, inverse_lo, *x_buffers, staging)) = work
+         (akk, inverse_hi, inverse_lo, x_buffers, cotangent_buffers)) = work
         inverse_parts = (inverse_hi, inverse_lo)
-        (cotangent, rhs), out_staging = products
+        (unit_lower, rhs), out_staging = products
         beta_smem, document_smem, k_factor_smem, dbeta_smem = (
             vectors.at[row] for row in (BETA, WY_DOCUMENT, WY_K_FACTOR, D_BETA))
         # In the order of first use; each awaited where first read.
@@ -135,8 +139,11 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
                   (beta_gmem.at[batch, head, tokens], beta_smem))
         for index, (source, target) in enumerate(inputs):
             plgpu.copy_gmem_to_smem(source, target, barriers.at[index])
-        (g_loaded, k_loaded, k_factor_loaded, document_loaded, beta_loaded, *x_loaded,
-         staging_loaded) = (barriers.at[index] for index in range(len(inputs) + 3))
+        g_loaded, k_loaded, k_factor_loaded, document_loaded, beta_loaded = (
+            barriers.at[index] for index in range(len(inputs)))
+        x_loaded, cotangent_loaded = (
+            tuple(barriers.at[len(inputs) + 2 * role + slot] for slot in range(2))
+            for role in range(2))
 
         rows, columns = iota(scores_shape, 0), iota(scores_shape, 1)
 
@@ -163,29 +170,27 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
             OPERAND_DTYPE)
         (kk_t,) = transposed_scores(k, G, G_smem, (k_rows,), column_buffers, lower_bound)
 
-        def load_columns(index):  # step index's 64 columns of v or k, into one of two buffers
+        def load_step_inputs(index):
+            """Step index's 64 columns of v and dU or of k and dW, into the step's slot of two."""
             part, half = steps[index]
             keys = pl.ds(HALF * half, HALF)
-            source = (v_gmem.at[batch, tokens, head, keys] if part == "v"
-                      else k_gmem.at[batch, tokens, head // group, keys])
-            plgpu.copy_gmem_to_smem(source, x_buffers[index % 2], x_loaded[index % 2])
+            if part == "v":
+                x_source, cotangent_source = v_gmem.at[batch, tokens, head, keys], du_gmem
+            else:
+                x_source, cotangent_source = k_gmem.at[batch, tokens, head // group, keys], dw_gmem
+            slot = index % 2
+            plgpu.copy_gmem_to_smem(x_source, x_buffers[slot], x_loaded[slot])
+            plgpu.copy_gmem_to_smem(cotangent_source.at[(*out, slice(None), keys)],
+                                    cotangent_buffers[slot], cotangent_loaded[slot])
 
-        def load_cotangent(step):  # a step's 64 columns of dU or dW, into the staging buffer
-            part, half = step
-            source = du_gmem if part == "v" else dw_gmem
-            plgpu.copy_gmem_to_smem(source.at[(*out, slice(None), pl.ds(HALF * half, HALF))],
-                                    staging, staging_loaded)
-
-        # The first steps' inputs load while T is computed.
-        load_columns(0)
-        load_columns(1)
-        load_cotangent(steps[0])
+        # The first two steps' inputs load while T is computed.
+        load_step_inputs(0)
+        load_step_inputs(1)
 
         # [s, r] layout: the column index is the row r of Akk.
         plgpu.barrier_wait(document_loaded)
         akk_t = jnp.where((columns > rows) & same_document(document_smem), kk_t, 0.0)  # symmetric
         akk.transpose((1, 0))[...] = akk_t.astype(OPERAND_DTYPE)
-        unit_lower = cotangent  # N, until the steps
         plgpu.barrier_wait(beta_loaded)
         beta_of_column = plgpu.load(beta_smem, layout=COLUMN_VECTOR)
         unit_lower.transpose((1, 0))[...] = (
@@ -197,10 +202,10 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
         store_split(inverse_parts, inverse)
         inverse_t = tuple(part.transpose((1, 0)) for part in inverse_parts)
 
-        # Step by step: the cotangent (of U or W) in bf16 and the right-hand side (rhs_v = beta v
-        # or rhs_k = beta k E reads) of 64 columns; dT accumulates dU rhs_v^T + dW rhs_k^T; then
-        # dv = beta T^T dU (over rhs_v) or dk's UT term beta E reads T^T dW, and dbeta's v or k
-        # term. The next step's inputs load while this one computes.
+        # Step by step: the cotangent (of U or W, bf16 from GMEM) and the right-hand side (rhs_v =
+        # beta v or rhs_k = beta k E reads) of 64 columns; dT accumulates dU rhs_v^T + dW rhs_k^T;
+        # then dv = beta T^T dU (over rhs_v) or dk's UT term beta E reads T^T dW, and dbeta's v or
+        # k term. The step after next's inputs load while this one computes.
         reads_state = state_masks(document_smem, half_shape).reads_state
         beta_of_row = plgpu.load(beta_smem, layout=ROW_VECTOR)
         beta = per_row(beta_of_row, half_shape)
@@ -212,8 +217,7 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
             dbeta = None
             for index, (part, half) in enumerate(steps):
                 keys = pl.ds(HALF * half, HALF)
-                last_step = index + 1 == len(steps)
-                x_smem = x_buffers[index % 2]
+                x_smem, cotangent = x_buffers[index % 2], cotangent_buffers[index % 2]
 
                 def load_v():
                     return plgpu.load(x_smem, layout=WGMMA).astype(jnp.float32)
@@ -221,18 +225,14 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
                 def load_k():
                     return normalized_k(x_smem, half_shape)
 
-                plgpu.barrier_wait(staging_loaded)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's output is read
-                cotangent[...] = plgpu.load(staging, layout=WGMMA).astype(OPERAND_DTYPE)
-                plgpu.commit_smem()  # the load is done before TMA reuses the staging buffer
-                if not last_step:
-                    load_cotangent(steps[index + 1])
                 plgpu.barrier_wait(x_loaded[index % 2])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's output is read
                 if part == "v":
                     rhs[...] = (beta * load_v()).astype(OPERAND_DTYPE)
                 else:
                     rhs[...] = (beta * load_k() * decay_read(keys)).astype(OPERAND_DTYPE)
                 plgpu.commit_smem()
+                plgpu.barrier_wait(cotangent_loaded[index % 2])
                 plgpu.wgmma(d_inverse, cotangent, rhs.transpose((1, 0)))
                 d_rhs = matmul_of_splits(inverse_t, (cotangent,), half_shape)
                 if part == "v":  # dv, over rhs_v (its product is done)
@@ -244,9 +244,10 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
                     output, target = out_staging, dk_wy_gmem.at[(*out, slice(None), keys)]
                     output[...] = beta * decay_read(keys) * d_rhs
                 dbeta = term if dbeta is None else dbeta + term
-                plgpu.commit_smem()  # also: x is read before TMA reuses its buffer
+                # Also: x is read (and the cotangent by the products) before TMA reuses the slot.
+                plgpu.commit_smem()
                 if index + 2 < len(steps):
-                    load_columns(index + 2)
+                    load_step_inputs(index + 2)
                 plgpu.copy_smem_to_gmem(output, target)
             return d_inverse[...], dbeta
 
@@ -254,7 +255,7 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
 
         # dN = -T^T dT T^T on the entries N has (strict lower, same document); dAkk = beta dN.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's output is read
-        dT_smem, product = cotangent, rhs
+        dT_smem, product = unit_lower, rhs
         dT_smem[...] = dT.astype(OPERAND_DTYPE)
         plgpu.commit_smem()
         product[...] = matmul(inverse_t[0], dT_smem, scores_shape).astype(OPERAND_DTYPE)
@@ -272,16 +273,15 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
 
     tile = swizzled_smem(half_shape, OPERAND_DTYPE)  # [C, 64] = [C, C] bf16
     keys_tile = swizzled_smem(keys_shape, OPERAND_DTYPE)
-    staging_tile = swizzled_smem(half_shape, jnp.float32)
     pl.run_scoped(
         body,
         plgpu.SMEM((D_BETA + 1, CHUNK), jnp.float32),  # the vectors (rows above)
         plgpu.SMEM(keys_shape, jnp.float32),  # g, then G (plain rows: read one by one)
         plgpu.RefUnion((keys_tile, tile, (tile, tile, tile)),
                        (keys_tile, keys_tile, keys_tile),
-                       (tile, tile, tile, tile, tile, staging_tile)),
-        plgpu.RefUnion((tile, tile), staging_tile),
-        plgpu.Barrier(num_barriers=8),
+                       (tile, tile, tile, (tile, tile), (tile, tile))),
+        plgpu.RefUnion((tile, tile), swizzled_smem(half_shape, jnp.float32)),
+        plgpu.Barrier(num_barriers=9),
     )
 
 
@@ -298,8 +298,8 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
     """One (batch row, value head, chunk, 64 key columns) program.
 
     GMEM inputs: q, k [B, T, H, K] bf16; g [B, T, HV, K], document [B, T], q_factor and k_factor
-    [B, H, T] (inverse norms, q's times the scale) in float32; dAqk [B, HV, N, C, C] float32 and
-    dAkk [B, HV, N, C, C] bf16 (kernel 1); d q_from_state, d k_to_state and kernel 1's dk term
+    [B, H, T] (inverse norms, q's times the scale) in float32; dAqk [B, HV, N, C, C] and
+    dAkk [B, HV, N, C, C] (kernel 1) in bf16; d q_from_state, d k_to_state and kernel 1's dk term
     [B, HV, N, C, K] and d chunk_decay [B, HV, N, K] in float32.
     Outputs: dq, dk (of the normalised, scaled q and k) and dg, float32 [B, T, HV, K].
     """
@@ -314,17 +314,17 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
     def body(vectors, anchors_smem, scores_cotangents, work, inputs_qk, dq_smem, dk_smem,
              barriers):
         # scores_cotangents: dAqk and dAkk (bf16 [C, C]), transposed in place for the column
-        # terms. work: first g (then G) and the staged dAqk, then four bf16 [C, 64] operands.
+        # terms. work: first g (then G), then four bf16 [C, 64] operands.
         # inputs_qk: q and k (bf16), then d k_to_state (float32; then dg). dq_smem and dk_smem
         # hold d q_from_state and kernel 1's dk term, then dq and dk.
         daq, dak = scores_cotangents.at[0], scores_cotangents.at[1]
-        (g_smem, daqk_staging), tiles = work
+        g_smem, tiles = work
         (q_smem, k_smem), dk_state_smem = inputs_qk
         document_smem = vectors.at[DOCUMENT]
         # In the order of first use; each awaited where first read.
         inputs = ((g_gmem.at[batch, tokens, head, keys], g_smem),
                   (document_gmem.at[batch, tokens], document_smem),
-                  (daqk_gmem.at[out], daqk_staging),
+                  (daqk_gmem.at[out], daq),
                   (k_gmem.at[batch, tokens, head // group, keys], k_smem),
                   (k_factor_gmem.at[batch, head // group, tokens], vectors.at[K_FACTOR]),
                   (dakk_gmem.at[out], dak),
@@ -341,15 +341,15 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
 
         rows, columns = iota(scores_shape, 0), iota(scores_shape, 1)
 
-        # dAqk in bf16, masked like Aqk (causal including the diagonal, same document); dAkk comes
+        # dAqk masked in place like Aqk (causal including the diagonal, same document); dAkk comes
         # masked from kernel 1.
         plgpu.barrier_wait(document_loaded)
         plgpu.barrier_wait(daqk_loaded)
         daq[...] = jnp.where((columns <= rows) & same_document(document_smem),
-                             plgpu.load(daqk_staging, layout=WGMMA), 0.0).astype(OPERAND_DTYPE)
+                             plgpu.load(daq, layout=WGMMA), 0.0)
 
-        # G = cumsum(g) (over g and the staged dAqk, both read), back in g's place for the anchors
-        # and the last row, kept apart before the work space takes four operands.
+        # G = cumsum(g) (over g, read), back in g's place for the anchors and the last row, kept
+        # apart before the work space takes four operands.
         plgpu.barrier_wait(g_loaded)
         g = load_plain(g_smem)
         plgpu.commit_smem()
@@ -486,8 +486,7 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
         plgpu.SMEM((LAST_G + 1, CHUNK), jnp.float32),  # the vectors (rows above)
         plgpu.SMEM((NUM_TILES, KEY_SLICE), jnp.float32),  # the anchors
         swizzled_smem((2, *scores_shape), OPERAND_DTYPE),  # dAqk, dAkk
-        plgpu.RefUnion((plain, swizzled_smem(scores_shape, jnp.float32)),
-                       swizzled_smem((4, *keys_shape), OPERAND_DTYPE)),
+        plgpu.RefUnion(plain, swizzled_smem((4, *keys_shape), OPERAND_DTYPE)),
         plgpu.RefUnion((tile, tile), plain),
         plain,  # d q_from_state, then dq
         plain,  # kernel 1's dk term, then dk's row terms, then dk
@@ -515,8 +514,10 @@ def prepare_chunks_vjp_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2
         g >= gate_lower_bound; beta: [B, T, HV].
       scale, segment_ids, use_qk_l2norm: as in `kda.chunked.chunk_kda`.
       gate_lower_bound: L in [-5, 0).
-      cotangents: float32 `ChunkedInputs` [B, HV, N, ...], N = ceil(T / 64) (k_to_state [C, K],
-        not transposed).
+      cotangents: `ChunkedInputs` [B, HV, N, ...], N = ceil(T / 64) (k_to_state [C, K], not
+        transposed). The kernels read W, U and Aqk in bf16 (`ROUNDED_COTANGENTS`: they use them
+        only as bf16 matmul operands; a caller that can produce them in bf16 saves the bytes) and
+        the others in float32.
     Returns:
       (dq, dk, dv, dg, dbeta) with the shapes and dtypes of q, k, v, g, beta.
     """
@@ -538,7 +539,9 @@ def prepare_chunks_vjp_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2
     document = documents_in_chunk(segment_ids, batch, padded_length)
     k_factor = _inverse_norms(k, use_qk_l2norm, padded_length)
     q_factor = _inverse_norms(q, use_qk_l2norm, padded_length) * scale
-    cotangents = ChunkedInputs(*(x.astype(jnp.float32) for x in cotangents))
+    cotangents = ChunkedInputs(*(
+        x.astype(OPERAND_DTYPE if name in ROUNDED_COTANGENTS else jnp.float32)
+        for name, x in zip(ChunkedInputs._fields, cotangents)))
     chunked = lambda *tail: (batch, num_value_heads, num_chunks, *tail)  # noqa: E731
     lower_bound = float(gate_lower_bound)
 

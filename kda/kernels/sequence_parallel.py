@@ -331,21 +331,25 @@ def sequence_parallel_recurrence(operands: RecurrenceOperands, initial_state, ou
 
 
 def sequence_parallel_reversed_recurrence(operands: RecurrenceOperands, d_o, d_final_state, *,
-                                          num_segments: int | None = None):
+                                          num_segments: int | None = None,
+                                          d_v_new_dtype=jnp.float32):
     """`kda.kernels.mosaic_gpu_backward.run_reversed_recurrence` over P segments, side by side.
 
     Args:
       operands: the forward's `RecurrenceOperands` [B, HV, N, 64, ...] (U may be None).
       d_o: [B, HV, N, 64, V]; d_final_state: [B, HV, K, V].
       num_segments: P in [1, N]; None chooses it as the forward does. P = 1 is the plain kernel.
+      d_v_new_dtype: float32, or bf16 where every consumer of dV_new rounds it to bf16 (written
+        so by the kernel at P = 1, rounded after the float32 corrections at P > 1).
     Returns:
-      (d_states bf16 [B, HV, N, K, V]: dS_{n+1} for chunk n, d_v_new float32 [B, HV, N, 64, V],
-      d_initial_state float32 [B, HV, K, V]).
+      (d_states bf16 [B, HV, N, K, V]: dS_{n+1} for chunk n, d_v_new [B, HV, N, 64, V] in
+      d_v_new_dtype, d_initial_state float32 [B, HV, K, V]).
     """
     num_segments = _segment_count(num_segments, operands, d_o.shape[-1])
     if num_segments == 1:
-        return run_reversed_recurrence(operands, d_o, d_final_state)
+        return run_reversed_recurrence(operands, d_o, d_final_state, d_v_new_dtype)
     # As forward: the kernel rounds dS to bf16 where it multiplies it; TF32 here is finer.
-    return reversed_recurrence_in_segments(run_reversed_recurrence, operands, d_o, d_final_state,
-                                           num_segments=num_segments,
-                                           precision=lax.Precision.DEFAULT)
+    d_states, d_v_new, d_initial_state = reversed_recurrence_in_segments(
+        run_reversed_recurrence, operands, d_o, d_final_state, num_segments=num_segments,
+        precision=lax.Precision.DEFAULT)
+    return d_states, d_v_new.astype(d_v_new_dtype), d_initial_state
