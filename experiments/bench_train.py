@@ -1,10 +1,11 @@
 """Benchmark: the full training step of the hybrid on one device, in tokens/s and MFU, with a
 breakdown of where the time goes (KDA, Gated MLA attention, MoE, rest).
 
-    python -m experiments.bench_train --gpu     # H200: `1b` preset, 4 rows x 4096 tokens,
-                                                # bf16 compute, remat dots
+    python -m experiments.bench_train --gpu     # H200: `1b` preset, 2 rows x 4096 tokens,
+                                                # bf16 compute, remat dots, layers scanned
                                                 # -> benchmarks/train_h200.md
     python -m experiments.bench_train --smoke   # `tiny` preset at a tiny size (CPU check)
+    python -m experiments.bench_train --gpu --cpu-plan   # compile only, here: memory plan
 
 The step is the real one (`train.loop.Trainer`: forward, backward, AdamW, the QB router-bias
 update, the non-finite check) on one reused synthetic batch (random bytes, four packed documents
@@ -17,36 +18,44 @@ Preflight: before any step runs, the step is compiled ahead of time and XLA's me
 printed (arguments, outputs, temporaries, the peak they add up to, and the device's limit), so a
 run reports its memory even if it then fails; a peak over the limit stops the run there, and an
 out-of-memory error names the options that shrink the step (`--remat full`, a smaller `--batch`).
-The timed steps reuse that compiled program.
+The timed steps reuse that compiled program. Every number is printed as soon as it is measured
+and the table and .json are rewritten each time, so a run cut short keeps the step time and MFU.
 
 Why the `--gpu` setup uses remat `dots` (each layer keeps its matmul outputs and recomputes the
 rest in the backward pass, `models.lm.REMAT`): with no remat the first H200 run failed, XLA asking
 for 66.4 GiB of temporaries on top of the 41.6 GiB of arguments (float32 parameters, 13.9 GiB,
 and AdamW moments, 27.7 GiB, of 3.72B parameters) against the 104 GiB that JAX's allocator takes
-by default (75% of 139 GiB). Compiled on CPU at the same shapes, with the GPU kernels (KDA, grouped
-matmuls, cuDNN attention) replaced by opaque calls with the same operands and results, XLA plans
-these temporaries besides the arguments (float32 gradients included):
+by default (75% of 139 GiB). `--cpu-plan` compiles the step on the CPU at the same shapes, its
+state abstract, with the GPU kernels (Mosaic GPU KDA, grouped GEMMs, cuDNN attention) replaced
+by opaque calls that read their operands and write their results and residuals
+(`gpu_kernel_stand_ins`); XLA then plans these temporaries besides the arguments (float32
+gradients included; CPU compile 37-43 s each):
 
-    remat            4 x 4096: backward / optimizer update     2 x 4096: backward
-    none             133.5 GiB / -                             70.4 GiB
-    dots              27.0 GiB / 28.8 GiB
-    dots_no_batch     25.9 GiB / 28.8 GiB
-    full              23.8 GiB / 28.8 GiB
+    remat            layers      4 x 4096     2 x 4096     1 x 4096
+    dots             unrolled     28.8 GiB     28.8 GiB
+    dots             scanned      69.8 GiB     42.5 GiB     29.0 GiB
+    dots_no_batch    scanned      66.2 GiB
+    full             scanned      58.7 GiB
 
-XLA:CPU fuses less than XLA:GPU (with no remat it keeps every float32 intermediate of the norms,
-gates and routing): for the step as it was then (moments copied, KDA preparation differentiated
-in plain JAX) this estimate gives 180 GiB of temporaries where the GPU planned 66.4. So these are
-upper bounds: with `dots` the step should need at most about 70 GiB, a clear margin under
-104 GiB, where no remat needs up to 175 GiB at 4 rows (112 GiB at 2). Every policy recomputes
-the kernels' forwards (custom VJPs are opaque to it); `dots` recomputes the least besides
-(elementwise work, norms, routing), so of the policies that fit it costs the least speed. The
-step also no longer copies the AdamW moments (27.7 GiB) for its non-finite-step check:
-`train.step` applies the update under `lax.cond`.
+Unrolled, the optimizer update's 28.8 GiB is the peak (the backward's was 27.0 GiB with `dots`
+and 23.8 with `full` in an earlier estimate by the same method, where no remat needed 133.5 GiB
+at 4 rows and 70.4 at 2). XLA:CPU fuses less than XLA:GPU (with no remat it keeps every float32
+intermediate of the norms, gates and routing): for the step as it was then (moments copied, KDA
+preparation differentiated in plain JAX) this estimate gave 180 GiB of temporaries where the GPU
+planned 66.4, so these are upper bounds. Scanned, the temporaries grow by 13.6 GiB per row of
+4096 tokens, where unrolled the backward stays under the optimizer's 28.8 GiB even at 4 rows;
+since `full` barely helps (58.7 GiB), it is how the scan keeps its per-repeat values rather than
+the policy (not yet traced to a buffer). At 4 rows the scanned plan peaks at 111 GiB, over the
+104 GiB limit; at 2 rows at 84 GiB. So `--gpu` runs 2 rows, scanned, with `dots` (of the
+policies that fit it recomputes the least: elementwise work, norms, routing; every policy
+recomputes the kernels' forwards, custom VJPs being opaque to it); `--unrolled` keeps 4 rows in
+28.8 GiB but compiles slowly (below). The step also no longer copies the AdamW moments (27.7 GiB) for its
+non-finite-step check: `train.step` applies the update under `lax.cond`.
 
 Compile time: the layers are scanned (`scan_layers`; `models.lm.layer_plan`): in the `1b`
 preset layers 1-12 are three repeats of one four-layer group, compiled once, so XLA compiles 8
-layer bodies instead of 16. With every layer unrolled, XLA's compile of the step on the H200
-took 3.5 min in the first run and had not ended after 190 s in the second.
+layer bodies instead of 16. With every layer unrolled (`--unrolled`), XLA's compile of the step
+on the H200 took 3.5 min in the first run and had not ended after 190 s in the second.
 
 Breakdown: one KDA, one Gated MLA and one MoE layer of the same configuration are timed alone
 (forward and backward of a fixed random input and cotangent, under the same remat policy, median
@@ -59,12 +68,15 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import flax
 import jax
@@ -72,16 +84,26 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kda import api as kda_api
+from kda.kernels import mosaic_gpu as kda_mosaic_gpu
+from kda.kernels import sequence_parallel
+from kda.kernels.path import kernel_kda
 from kda.layer import KDA
+from models import attention
 from models.attention import GatedMLA
+from models.attention import causal_document_attention as _xla_attention
 from models.config import ModelConfig, count_params, format_count, preset
-from models.lm import REMAT
+from models.lm import REMAT, HybridLM
+from models.sharding import make_mesh, state_shardings
+from moe import grouped_matmul
 from moe.experts import StableLatentMoE
+from train.checkpoint import abstract_like
 from train.data import DataConfig
 from train.loop import MeshConfig, TrainConfig, Trainer
 from train.metrics import HOPPER_PEAK_FLOPS, train_flops_per_token
-from train.optim import OptimConfig
+from train.optim import OptimConfig, make_optimizer
 from train.packing import finalize_batch
+from train.step import TrainState, stacked_axes
 
 DOCUMENTS_PER_ROW = 4
 
@@ -107,8 +129,8 @@ class BenchSetup:
         return self.batch * self.seq_len
 
 
-# The module docstring says why the GPU setup recomputes with `dots`.
-GPU = BenchSetup("1b", batch=4, seq_len=4096, steps=20, warmup=3, remat="dots")
+# The module docstring says why the GPU setup runs 2 rows, scanned, recomputing with `dots`.
+GPU = BenchSetup("1b", batch=2, seq_len=4096, steps=20, warmup=3, remat="dots")
 SMOKE = BenchSetup("tiny", batch=2, seq_len=64, steps=3, warmup=1, remat="none")
 
 
@@ -245,8 +267,9 @@ def time_layer(layer: nnx.Module, call: Callable, x: jax.Array, segment_ids: jax
     return median_seconds(lambda: forward_backward(params, x), setup.steps, setup.warmup)
 
 
-def layer_breakdown(cfg: ModelConfig, setup: BenchSetup) -> dict[str, tuple[int, float]]:
-    """{part: (number of layers, seconds of one layer's forward + backward)}."""
+def layer_breakdown(cfg: ModelConfig, setup: BenchSetup):
+    """Yields (part, number of layers, seconds of one layer's forward + backward) for each of
+    KDA, attention and MoE as soon as it is timed."""
     dtypes = dict(dtype=cfg.compute_dtype, param_dtype=cfg.parameter_dtype)
     key_x, _ = jax.random.split(jax.random.key(0))
     x = jax.random.normal(key_x, (setup.batch, setup.seq_len, cfg.d_model)).astype(
@@ -254,61 +277,189 @@ def layer_breakdown(cfg: ModelConfig, setup: BenchSetup) -> dict[str, tuple[int,
     segment_ids = jnp.asarray(synthetic_batch(setup)["segment_ids"])
     rngs = nnx.Rngs(0)
     parts = {
-        "kda": (len(cfg.kda_layers), KDA(cfg.d_model, cfg.kda, rngs=rngs, **dtypes),
+        "kda": (len(cfg.kda_layers), lambda: KDA(cfg.d_model, cfg.kda, rngs=rngs, **dtypes),
                 lambda m, x, s: m(x, segment_ids=s)),
-        "attention": (len(cfg.full_attn_layers), GatedMLA(cfg.d_model, cfg.mla, rngs=rngs,
-                                                          **dtypes),
+        "attention": (len(cfg.full_attn_layers),
+                      lambda: GatedMLA(cfg.d_model, cfg.mla, rngs=rngs, **dtypes),
                       lambda m, x, s: m(x, segment_ids=s)),
         "moe": (cfg.num_layers - cfg.first_k_dense,
-                StableLatentMoE(cfg.d_model, cfg.moe, rngs=rngs, **dtypes),
+                lambda: StableLatentMoE(cfg.d_model, cfg.moe, rngs=rngs, **dtypes),
                 lambda m, x, s: m(x, s)[0]),
     }
-    return {name: (count, time_layer(layer, call, x, segment_ids, setup))
-            for name, (count, layer, call) in parts.items() if count}
+    for name, (count, build, call) in parts.items():
+        if count:  # one layer alive at a time
+            yield name, count, time_layer(build(), call, x, segment_ids, setup)
 
 
-def run(setup: BenchSetup, optimizer: str) -> dict:
-    cfg = preset(setup.preset, remat=setup.remat, scan_layers=setup.scan_layers)
-    config = TrainConfig(
-        model=cfg,
+# XLA:CPU's memory plan of the GPU step (`--cpu-plan`). On CPU the GPU kernels would be replaced by
+# XLA programs with other intermediates (the chunked KDA op, ragged_dot, attention that stores its
+# [T, T] scores), so each kernel is replaced by an opaque stand-in that reads the kernel's operands
+# and writes its results and residuals (keeping by reference the residuals that are operands, as
+# the kernel's forward rule does), and whose backward reads the residuals and cotangents and writes
+# the operands' cotangents. Only compiled, never run.
+
+
+def _never_run(*_):
+    raise RuntimeError("a GPU-kernel stand-in is compiled for XLA's memory plan, never run")
+
+
+def _opaque(shapes, *operands):
+    """Arrays shaped like `shapes` from a host call that XLA cannot see into, reading `operands`."""
+    return jax.pure_callback(_never_run, shapes, *operands)
+
+
+def opaque_stand_in(fwd_rule: Callable) -> Callable:
+    """A differentiable stand-in of a kernel with the memory footprint of its `custom_vjp`.
+
+    fwd_rule: the kernel's forward rule, `(*operands) -> (out, residuals)`, only traced (on any
+    backend) for its shapes and for which residuals are operands or outputs.
+    """
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def stand_in(avals, *operands):
+        return _opaque(jax.eval_shape(fwd_rule, *operands)[0], *operands)
+
+    def forward(avals, *operands):
+        traced, (out_shape, residual_shape) = jax.make_jaxpr(fwd_rule, return_shape=True)(
+            *operands)
+        num_out = len(jax.tree.leaves(out_shape))
+        out_vars = traced.jaxpr.outvars[:num_out]
+        residual_vars = traced.jaxpr.outvars[num_out:]
+        residual_shapes, residual_tree = jax.tree.flatten(residual_shape)
+        # Where each residual comes from: an operand, an output, or the kernel's own write.
+        sources = [("operand", traced.jaxpr.invars.index(v)) if v in traced.jaxpr.invars else
+                   ("out", out_vars.index(v)) if v in out_vars else ("new", None)
+                   for v in residual_vars]
+        new_shapes = [s for s, (kind, _) in zip(residual_shapes, sources) if kind == "new"]
+        out, new = _opaque((out_shape, new_shapes), *operands)
+        flat_operands, flat_out, new = jax.tree.leaves(operands), jax.tree.leaves(out), iter(new)
+        residuals = [flat_operands[i] if kind == "operand" else flat_out[i] if kind == "out"
+                     else next(new) for kind, i in sources]
+        return out, jax.tree.unflatten(residual_tree, residuals)
+
+    def backward(avals, residuals, cotangent):
+        floating = [jnp.issubdtype(dtype, jnp.floating) for _, dtype in avals]
+        grads = iter(_opaque([jax.ShapeDtypeStruct(shape, dtype)
+                              for (shape, dtype), f in zip(avals, floating) if f],
+                             residuals, cotangent))
+        return tuple(next(grads) if f else None for f in floating)
+
+    stand_in.defvjp(forward, backward)
+    return lambda *operands: stand_in(tuple((x.shape, x.dtype) for x in operands), *operands)
+
+
+def _cudnn_attention_fwd(q, k, v, bias):
+    """The shapes of cuDNN flash attention's forward rule (`jax._src.cudnn`): out [B, T, H, Dv]
+    and residuals q, k, v, the additive mask bias, the softmax statistics [B, H, T] float32 and
+    out."""
+    out = jnp.zeros(q.shape[:-1] + v.shape[-1:], q.dtype)
+    stats = jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+    return out, (q, k, v, bias, stats, out)
+
+
+def _grouped_matmul_fwd(lhs, rhs, group_sizes):
+    """The shapes of the Mosaic GPU grouped GEMM's forward rule (`moe.grouped_matmul`): out
+    [M, N]; its residuals are its operands."""
+    return jnp.zeros((lhs.shape[0], rhs.shape[2]), lhs.dtype), (lhs, rhs, group_sizes)
+
+
+def _attention_stand_in(q, k, v, *, scale, segment_ids=None, implementation=None):
+    """`models.attention.causal_document_attention` as the GPU runs it: cuDNN for 16-bit inputs
+    (stood in), XLA otherwise."""
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return _xla_attention(q, k, v, scale=scale, segment_ids=segment_ids,
+                              implementation=implementation)
+    v_dim = v.shape[-1]
+    width = max(q.shape[-1], v_dim)
+    q, k, v = (jnp.pad(t, [(0, 0)] * 3 + [(0, width - t.shape[-1])]) for t in (q, k, v))
+    # cuDNN turns the document mask into an additive bias [B, 1, T, T] that its backward reads.
+    same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+    bias = jnp.where(same, jnp.asarray(0, q.dtype), jnp.finfo(q.dtype).min)
+    return opaque_stand_in(_cudnn_attention_fwd)(q, k, v, bias)[..., :v_dim]
+
+
+def _kda_stand_in(q, k, v, g, beta, initial_state, segment_ids, options):
+    """The Mosaic GPU bounded-gate KDA (`kda.kernels.mosaic_gpu`), stood in."""
+    fwd_rule = functools.partial(kda_mosaic_gpu._bounded_kda_fwd, options=options)
+    return opaque_stand_in(fwd_rule)(q, k, v, g, beta, initial_state, segment_ids)
+
+
+def _stand_in_kda_kernel(q, k, v, g, beta, **kwargs):
+    path = kda_mosaic_gpu._PATH._replace(bounded_kda=_kda_stand_in)
+    return kernel_kda(path, q, k, v, g, beta, **kwargs)
+
+
+def _kda_kernel_supports(call: kda_api.KDACall) -> bool:
+    """`kda.kernels.mosaic_gpu.supports` on any backend."""
+    return (call.dtype == jnp.bfloat16 and call.key_dim == call.value_dim
+            and call.key_dim in kda_mosaic_gpu.SUPPORTED_DIMS)
+
+
+@contextlib.contextmanager
+def gpu_kernel_stand_ins():
+    """Within: KDA, the MoE grouped matmuls and attention take opaque stand-ins of their H200
+    kernels (Mosaic GPU KDA, Mosaic GPU grouped GEMMs, cuDNN flash attention) on any backend."""
+    with contextlib.ExitStack() as stack:
+        patch = lambda *args: stack.enter_context(mock.patch.object(*args))  # noqa: E731
+        patch(kda_api, "_KERNELS", [])  # a registry of the stand-in alone, restored on exit
+        kda_api.register_kernel("gpu_stand_in", _stand_in_kda_kernel, _kda_kernel_supports)
+        # The recurrence's split into segments follows the H200's SMs (a CPU mesh has no count).
+        patch(sequence_parallel, "_multiprocessor_count", lambda: sequence_parallel.HOPPER_SM_COUNT)
+        patch(grouped_matmul, "_on_hopper", lambda: True)
+        patch(grouped_matmul, "_mosaic_grouped_matmul", opaque_stand_in(_grouped_matmul_fwd))
+        patch(attention, "causal_document_attention", _attention_stand_in)
+        yield
+
+
+def train_config(setup: BenchSetup, optimizer: str) -> TrainConfig:
+    """The one-device training run of `setup`."""
+    return TrainConfig(
+        model=preset(setup.preset, remat=setup.remat, scan_layers=setup.scan_layers),
         data=DataConfig(seq_len=setup.seq_len, batch_size=setup.batch),
         optim=OptimConfig(optimizer=optimizer),
         steps=1000,
         mesh=MeshConfig(data=1),
         progress=False,
     )
-    trainer = Trainer.create(config)
-    batch = trainer.place(synthetic_batch(setup))
-    compiled, compile_seconds = compile_step(trainer, batch)
-    memory = preflight(compiled, compile_seconds, setup)
-    with explained_out_of_memory(setup, memory):
-        step_seconds = time_train_step(trainer, compiled, batch, setup)
-        del trainer, compiled, batch
-        layers = layer_breakdown(cfg, setup)
+
+
+def cpu_plan(setup: BenchSetup, optimizer: str) -> dict:
+    """Compiles the step of `setup` on this machine with the GPU kernels stood in
+    (`gpu_kernel_stand_ins`), its state abstract (nothing allocated, nothing run), and prints
+    XLA's memory plan and the compile time: {compile_seconds, memory_gib}."""
+    config = train_config(setup, optimizer)
+    mesh = make_mesh(**dataclasses.asdict(config.mesh), devices=config.mesh.devices())
+
+    def build() -> TrainState:
+        model = HybridLM(config.model, rngs=nnx.Rngs(config.seed))
+        params = nnx.state(model, nnx.Param)
+        return TrainState(model, make_optimizer(config.optim, params, config.steps,
+                                                stacked_axes(model)))
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(build))
+    shardings = state_shardings(abstract, mesh)
+    trainer = Trainer(config, mesh, graphdef, abstract_like(abstract, shardings), shardings)
+    with gpu_kernel_stand_ins():
+        compiled, seconds = compile_step(trainer, trainer.place(synthetic_batch(setup)))
+    memory = memory_analysis(compiled)
+    print(f"cpu plan ({jax.devices()[0].platform}, GPU kernels stood in): {setup.preset} step at "
+          f"{setup.batch} x {setup.seq_len}, remat {setup.remat}, "
+          f"{'scanned' if setup.scan_layers else 'unrolled'}: compiled in {seconds:.1f} s; "
+          + ", ".join(f"{name} {gib:.2f} GiB" for name, gib in memory.items()), flush=True)
+    return {"compile_seconds": seconds, "memory_gib": memory}
+
+
+def run(setup: BenchSetup, optimizer: str,
+        report: Callable[[dict], None] = lambda result: None) -> dict:
+    """Compiles and times the step, then the layers; calls `report(result so far)` whenever a
+    number is added, so a run cut short keeps what it measured."""
+    config = train_config(setup, optimizer)
+    cfg = config.model
     flops = train_flops_per_token(cfg, setup.seq_len)
-    tokens_per_second = setup.tokens / step_seconds
-    parts = {name: count * seconds for name, (count, seconds) in layers.items()}
-    parts["rest"] = step_seconds - sum(parts.values())
-    return {
+    result = {
         "setup": dataclasses.asdict(setup),
         "optimizer": optimizer,
         "params": {k: count_params(cfg)[k] for k in ("total", "active", "embedding")},
-        "compile_seconds": compile_seconds,
-        "memory_gib": memory,
-        "step_seconds": step_seconds,
-        "tokens_per_second": tokens_per_second,
-        "model_tflops_per_second": tokens_per_second * flops["total"] / 1e12,
-        "mfu": tokens_per_second * flops["total"] / HOPPER_PEAK_FLOPS,
-        "breakdown": {
-            name: {
-                "layers": layers[name][0] if name in layers else None,
-                "seconds_per_step": seconds,
-                "share": seconds / step_seconds,
-                "model_tflops_per_second": (setup.tokens * flops[name] / seconds / 1e12
-                                            if seconds > 0 else None),
-            }
-            for name, seconds in parts.items()
-        },
         "flops_per_token": flops,
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
@@ -317,12 +468,52 @@ def run(setup: BenchSetup, optimizer: str) -> dict:
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "date": datetime.date.today().isoformat(),
     }
+    trainer = Trainer.create(config)
+    batch = trainer.place(synthetic_batch(setup))
+    compiled, compile_seconds = compile_step(trainer, batch)
+    memory = preflight(compiled, compile_seconds, setup)
+    result.update(compile_seconds=compile_seconds, memory_gib=memory)
+    report(result)
+    with explained_out_of_memory(setup, memory):
+        step_seconds = time_train_step(trainer, compiled, batch, setup)
+        del trainer, compiled, batch
+        tokens_per_second = setup.tokens / step_seconds
+        result.update(
+            step_seconds=step_seconds,
+            tokens_per_second=tokens_per_second,
+            model_tflops_per_second=tokens_per_second * flops["total"] / 1e12,
+            mfu=tokens_per_second * flops["total"] / HOPPER_PEAK_FLOPS,
+            breakdown={},
+        )
+        print(f"step: {1e3 * step_seconds:.1f} ms, {tokens_per_second:,.0f} tokens/s, "
+              f"{result['model_tflops_per_second']:.1f} TFLOP/s, MFU "
+              f"{100 * result['mfu']:.1f}%", flush=True)
+        report(result)
+        for name, count, seconds in layer_breakdown(cfg, setup):
+            result["breakdown"][name] = _part(count, count * seconds, step_seconds,
+                                              setup.tokens * flops[name])
+            print(f"layer {name}: {1e3 * seconds:.2f} ms x {count} layers", flush=True)
+            report(result)
+    rest = step_seconds - sum(part["seconds_per_step"] for part in result["breakdown"].values())
+    result["breakdown"]["rest"] = _part(None, rest, step_seconds, setup.tokens * flops["rest"])
+    report(result)
+    return result
+
+
+def _part(layers: int | None, seconds: float, step_seconds: float, flops: float) -> dict:
+    """One row of the breakdown: a part's seconds per step, share, and model FLOP rate."""
+    return {
+        "layers": layers,
+        "seconds_per_step": seconds,
+        "share": seconds / step_seconds,
+        "model_tflops_per_second": flops / seconds / 1e12 if seconds > 0 else None,
+    }
 
 
 def markdown(result: dict, command: str) -> str:
+    """The result as a markdown table; the parts a run cut short did not measure are left out."""
     setup = result["setup"]
     params = result["params"]
-    memory = result["memory_gib"]
     lines = [
         f"# Training step benchmark: `{setup['preset']}` preset, {setup['batch']} x "
         f"{setup['seq_len']} tokens",
@@ -330,12 +521,21 @@ def markdown(result: dict, command: str) -> str:
         f"`{command}` on {result['device']} (jax {result['jax']}, flax {result['flax']}, "
         f"{result['date']}); {format_count(params['total'])} parameters, "
         f"{format_count(params['active'])} active per token (embedding excluded); optimizer "
-        f"{result['optimizer']}, remat {setup['remat']}; median of {setup['steps']} steps.",
+        f"{result['optimizer']}, remat {setup['remat']}, layers "
+        f"{'scanned' if setup['scan_layers'] else 'unrolled'}; median of {setup['steps']} steps.",
         "",
-        f"Compile {result['compile_seconds']:.0f} s. XLA memory plan per device: arguments "
-        f"{memory['argument']:.2f} GiB, temporaries {memory['temp']:.2f} GiB, peak "
-        f"{memory['peak']:.2f} GiB.",
-        "",
+    ]
+    if "memory_gib" in result:
+        memory = result["memory_gib"]
+        lines += [
+            f"Compile {result['compile_seconds']:.0f} s. XLA memory plan per device: arguments "
+            f"{memory['argument']:.2f} GiB, temporaries {memory['temp']:.2f} GiB, peak "
+            f"{memory['peak']:.2f} GiB.",
+            "",
+        ]
+    if "step_seconds" not in result:
+        return "\n".join(lines + ["The run stopped before the step was timed."]) + "\n"
+    lines += [
         "| step | tokens/s | model TFLOP/s | MFU (of 989 TFLOP/s) |",
         "|---|---|---|---|",
         f"| {1e3 * result['step_seconds']:.1f} ms | {result['tokens_per_second']:,.0f} | "
@@ -353,7 +553,18 @@ def markdown(result: dict, command: str) -> str:
             f"| {name} | {part['layers'] or ''} | {1e3 * part['seconds_per_step']:.1f} | "
             f"{100 * part['share']:.0f}% | {'' if rate is None else f'{rate:.1f}'} |"
         )
+    if "rest" not in result["breakdown"]:
+        lines += ["", "The run stopped before every layer was timed."]
     return "\n".join(lines) + "\n"
+
+
+def write_result(result: dict, command: str, out: str) -> None:
+    """The markdown table at `out`, the numbers next to it as .json (both replaced whole)."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        f.write(markdown(result, command))
+    with open(os.path.splitext(out)[0] + ".json", "w") as f:
+        json.dump(result, f, indent=2)
 
 
 def main(argv=None) -> dict:
@@ -370,25 +581,28 @@ def main(argv=None) -> dict:
     parser.add_argument("--remat", choices=tuple(REMAT),
                         help=f"recomputation policy of each layer (--gpu: {GPU.remat}, --smoke: "
                         f"{SMOKE.remat})")
+    parser.add_argument("--unrolled", action="store_true",
+                        help="compile every layer on its own instead of scanning repeated groups")
+    parser.add_argument("--cpu-plan", action="store_true",
+                        help="only compile the step here, GPU kernels stood in, and print XLA's "
+                        "memory plan and the compile time (nothing is allocated or run)")
     parser.add_argument("--out", help="write the markdown table here (--gpu default: "
-                        "benchmarks/train_h200.md) and the numbers next to it as .json")
+                        "benchmarks/train_h200.md) and the numbers next to it as .json, "
+                        "rewritten as each number is measured")
     args = parser.parse_args(argv)
     setup = GPU if args.gpu else SMOKE
     overrides = {k: v for k, v in (("batch", args.batch), ("seq_len", args.seq_len),
                                    ("steps", args.steps), ("remat", args.remat)) if v is not None}
-    setup = dataclasses.replace(setup, **overrides)
-    result = run(setup, args.optimizer)
+    setup = dataclasses.replace(setup, scan_layers=not args.unrolled, **overrides)
+    if args.cpu_plan:
+        return cpu_plan(setup, args.optimizer)
     command = "python -m experiments.bench_train " + " ".join(
-        argv if argv is not None else __import__("sys").argv[1:])
-    table = markdown(result, command)
-    print(table)
+        argv if argv is not None else sys.argv[1:])
     out = args.out or ("benchmarks/train_h200.md" if args.gpu else None)
-    if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            f.write(table)
-        with open(os.path.splitext(out)[0] + ".json", "w") as f:
-            json.dump(result, f, indent=2)
+    report = (lambda result: None) if out is None else (
+        lambda result: write_result(result, command, out))
+    result = run(setup, args.optimizer, report)
+    print(markdown(result, command))
     return result
 
 

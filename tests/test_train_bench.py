@@ -5,11 +5,16 @@ import dataclasses
 import json
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import pytest
 
 from experiments import bench_train
+from kda import api as kda_api
+from kda import kda_attention
+from models import attention
 from models.lm import REMAT
+from moe.grouped_matmul import grouped_matmul
 
 
 def test_synthetic_batch_packs_the_documents():
@@ -72,11 +77,21 @@ def test_out_of_memory_error_says_what_to_change():
 
 
 @pytest.mark.slow
-def test_smoke_benchmark_reports_throughput_memory_and_breakdown(tmp_path, capsys):
+def test_smoke_benchmark_reports_throughput_memory_and_breakdown(tmp_path, capsys, monkeypatch):
     out = tmp_path / "bench.md"
     # The GPU setup's recomputation policy, at the smoke size.
+    reported = []
+    write_result = bench_train.write_result
+
+    def record(result, command, path):  # what the table held after each update
+        write_result(result, command, path)
+        reported.append(out.read_text())
+
+    monkeypatch.setattr(bench_train, "write_result", record)
     result = bench_train.main(["--smoke", "--steps", "2", "--remat", bench_train.GPU.remat,
                                "--out", str(out)])
+    assert "stopped before the step was timed" in reported[0]
+    assert "before every layer was timed" in reported[1] and "| rest |" in reported[-1]
     assert "preflight: step compiled" in capsys.readouterr().out
     assert result["tokens_per_second"] > 0 and 0 < result["mfu"] < 1
     assert result["setup"]["remat"] == bench_train.GPU.remat
@@ -88,3 +103,79 @@ def test_smoke_benchmark_reports_throughput_memory_and_breakdown(tmp_path, capsy
     text = out.read_text()
     assert "| kda | 3 |" in text and "XLA memory plan per device" in text
     assert json.loads(out.with_suffix(".json").read_text())["setup"]["preset"] == "tiny"
+
+
+def _callback_outputs(jaxpr) -> list[list[tuple]]:
+    """(shape, dtype) of the results of every pure_callback in a jaxpr, nested ones included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pure_callback":
+            found.append([(v.aval.shape, v.aval.dtype) for v in eqn.outvars])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _callback_outputs(sub)
+    return found
+
+
+def test_stand_in_writes_only_what_the_kernel_writes():
+    def fwd_rule(x, ids):  # keeps an operand and its output, writes one more residual
+        out = jnp.zeros((4,), jnp.bfloat16)
+        return out, (x, out, jnp.zeros((3, 8), jnp.float32), ids)
+
+    stand_in = bench_train.opaque_stand_in(fwd_rule)
+    x, ids = jnp.ones((8,), jnp.float32), jnp.ones((8,), jnp.int32)
+    forward = jax.make_jaxpr(lambda x, ids: jax.vjp(stand_in, x, ids))(x, ids)
+    assert _callback_outputs(forward.jaxpr) == [[((4,), jnp.bfloat16), ((3, 8), jnp.float32)]]
+
+    loss = lambda x: jnp.sum(stand_in(x, ids).astype(jnp.float32))  # noqa: E731
+    grad = jax.make_jaxpr(jax.grad(loss))(x)
+    # The backward writes the float operand's cotangent only (none for the int ids).
+    assert [((8,), jnp.float32)] in _callback_outputs(grad.jaxpr)
+    assert jax.eval_shape(jax.grad(loss), x).shape == x.shape
+
+
+def test_gpu_kernel_stand_ins_replace_the_kernels_only_within():
+    bf16 = jnp.bfloat16
+    q = jnp.ones((1, 64, 1, 64), bf16)
+    g = -jnp.ones((1, 64, 1, 64), jnp.float32)
+    beta = jnp.ones((1, 64, 1), jnp.float32)
+    segment_ids = jnp.ones((1, 64), jnp.int32)
+
+    def kda_op(q):
+        return kda_attention(q, q, q, g, beta, segment_ids=segment_ids, use_qk_l2norm=True,
+                             gate_lower_bound=-5.0)[0]
+
+    def attention_op(q):
+        return attention.causal_document_attention(q, q, q[..., :32], scale=0.1,
+                                                   segment_ids=segment_ids)
+
+    def expert_op(lhs):
+        return grouped_matmul(lhs, jnp.ones((2, 128, 128), bf16), jnp.array([3, 5]))
+
+    ops = [(kda_op, q), (attention_op, q), (expert_op, jnp.ones((8, 128), bf16))]
+    before = list(kda_api._KERNELS)
+    shapes = [jax.eval_shape(op, x).shape for op, x in ops]
+    with bench_train.gpu_kernel_stand_ins():
+        assert [jax.eval_shape(op, x).shape for op, x in ops] == shapes
+        for op, x in ops:
+            assert _callback_outputs(jax.make_jaxpr(jax.grad(
+                lambda x: jnp.sum(op(x).astype(jnp.float32))))(x).jaxpr)
+        # Where the GPU kernels would not run (float32 here), neither does a stand-in.
+        assert not _callback_outputs(jax.make_jaxpr(attention_op)(q.astype(jnp.float32)).jaxpr)
+    assert kda_api._KERNELS == before
+    for op, x in ops:
+        assert not _callback_outputs(jax.make_jaxpr(op)(x).jaxpr)
+
+
+def test_a_partial_result_is_reported_as_far_as_it_got():
+    result = {"setup": dataclasses.asdict(bench_train.SMOKE), "optimizer": "adamw",
+              "params": {"total": 10**6, "active": 10**5, "embedding": 10**4}, "device": "cpu",
+              "jax": jax.__version__, "flax": "0", "date": "today"}
+    assert "stopped before the step was timed" in bench_train.markdown(result, "cmd")
+    result.update(compile_seconds=3.0,
+                  memory_gib={"argument": 1.0, "output": 1.0, "alias": 1.0, "temp": 2.0,
+                              "peak": 3.0},
+                  step_seconds=0.5, tokens_per_second=256.0, model_tflops_per_second=1.0,
+                  mfu=0.001, breakdown={"kda": bench_train._part(3, 0.2, 0.5, 1e12)})
+    text = bench_train.markdown(result, "cmd")
+    assert "| 500.0 ms | 256 |" in text and "| kda | 3 | 200.0 | 40% |" in text
+    assert "before every layer was timed" in text
