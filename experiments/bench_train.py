@@ -49,8 +49,8 @@ the policy (not yet traced to a buffer). At 4 rows the scanned plan peaks at 111
 104 GiB limit; at 2 rows at 84 GiB. So `--gpu` runs 2 rows, scanned, with `dots` (of the
 policies that fit it recomputes the least: elementwise work, norms, routing; every policy
 recomputes the kernels' forwards, custom VJPs being opaque to it); `--unrolled` keeps 4 rows in
-28.8 GiB but compiles slowly (below). The step also no longer copies the AdamW moments (27.7 GiB) for its
-non-finite-step check: `train.step` applies the update under `lax.cond`.
+28.8 GiB but compiles slowly (below). The step also no longer copies the AdamW moments (27.7 GiB)
+for its non-finite-step check: `train.step` applies the update under `lax.cond`.
 
 Compile time: the layers are scanned (`scan_layers`; `models.lm.layer_plan`): in the `1b`
 preset layers 1-12 are three repeats of one four-layer group, compiled once, so XLA compiles 8
