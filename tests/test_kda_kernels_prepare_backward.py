@@ -2,8 +2,8 @@
 
 On CPU the kernels run in Mosaic GPU interpret mode (simulated Hopper, race detection) at small
 shapes and are lowered for Hopper at K = 64 and 128 within the shared memory of two programs an
-SM; on a Hopper GPU (`gpu` marker) they run at real shapes. Cotangents are random normal
-`ChunkedInputs`, as the recurrence's backward would hand them.
+SM (the score-tile kernel: three); on a Hopper GPU (`gpu` marker) they run at real shapes.
+Cotangents are random normal `ChunkedInputs`, as the recurrence's backward would hand them.
 """
 
 import jax
@@ -13,13 +13,15 @@ from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 
 from kda.chunked import ChunkedInputs, prepare_chunks
 from kda.common import l2_normalize
-from kda.kernels.mosaic_gpu_prepare_backward import prepare_chunks_vjp_kernel
+from kda.kernels.mosaic_gpu_prepare_backward import _score_backward, prepare_chunks_vjp_kernel
 from kda_inputs import relative_error
 from test_kda_kernels import (HOPPER, TWO_PROGRAMS_PER_SM, bf16_inputs,
                                interpreted_on_simulated_hopper)
 from test_kda_ops import BF16_TOLERANCE
 
 LOWER_BOUND = -5.0
+# An H100/H200 SM has 228 KiB of shared memory and reserves 1 KiB a program.
+THREE_PROGRAMS_PER_SM = 75 * 1024
 INPUT_NAMES = ("q", "k", "v", "g", "beta")
 
 
@@ -81,6 +83,32 @@ def test_vjp_lowers_for_hopper_two_programs_per_sm(dim):
           mosaic_gpu_core.artificial_shared_memory_limit(TWO_PROGRAMS_PER_SM)):
         lowered = vjp.trace(cotangents, *args).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("mosaic_gpu") >= 2
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_score_kernel_lowers_for_hopper_three_programs_per_sm(dim):
+    """The score-tile kernel alone (any K: it sees 64 key columns) within three programs' shared
+    memory an SM."""
+    batch, num_chunks, heads, value_heads = 2, 3, 2, 4
+    length = num_chunks * 64
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    tokens = lambda *tail: jax.ShapeDtypeStruct((batch, length, *tail), f32)  # noqa: E731
+    chunked = lambda dtype, *tail: jax.ShapeDtypeStruct(  # noqa: E731
+        (batch, value_heads, num_chunks, *tail), dtype)
+    by_head = jax.ShapeDtypeStruct((batch, heads, length), f32)
+    qk = jax.ShapeDtypeStruct((batch, length, heads, dim), bf16)
+    cotangents = ChunkedInputs(W=None, U=None, q_from_state=chunked(f32, 64, dim),
+                               k_to_state=chunked(f32, 64, dim), chunk_decay=chunked(f32, dim),
+                               Aqk=chunked(bf16, 64, 64))
+    score_backward = jax.jit(lambda *args: _score_backward(
+        *args, lower_bound=LOWER_BOUND, group=value_heads // heads))
+    with (jax.sharding.use_abstract_mesh(HOPPER),
+          mosaic_gpu_core.artificial_shared_memory_limit(THREE_PROGRAMS_PER_SM)):
+        lowered = score_backward.trace(
+            qk, qk, tokens(value_heads, dim), tokens(), by_head, by_head,
+            chunked(bf16, 64, 64), chunked(f32, 64, dim), cotangents).lower(
+                lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
 
 
 @pytest.mark.parametrize("dims,lower_bound,message", [

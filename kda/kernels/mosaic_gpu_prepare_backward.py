@@ -52,21 +52,26 @@ included), relative errors are dq 2.4-2.8e-3, dk 0.7-1.9e-3, dv 2.8e-3, dg 1.9-2
 
 Shared memory per program (the launch's dynamic SMEM: buffers, 1 KiB alignment, barriers and the
 2 KiB reduction scratch): kernel 1 107 KiB at K = V = 128 (91 KiB at 64; 206 and 126 KiB before),
-kernel 2 101 KiB at any K (it sees 64 key columns; 206 KiB before), so two programs share an SM
-(228 KiB, 1 KiB of it reserved a program) and hide each other's latencies. Both give buffers with
-disjoint lifetimes one memory (`plgpu.RefUnion`, so interpret mode's race detection checks the
+so two programs share an SM (228 KiB, 1 KiB of it reserved a program) and hide each other's
+latencies; kernel 2 69 KiB at any K (it sees 64 key columns; 206, then 101 KiB before), within the
+75 KiB of three programs an SM (which also need at most 168 registers a thread). Both give buffers
+with disjoint lifetimes one memory (`plgpu.RefUnion`, so interpret mode's race detection checks the
 reuse), and await each input where it is first read. Kernel 1: k with the cumulative sum's
 operands, then Akk's operands, then Akk, T and the steps' inputs; N (then dT) and a step's
 right-hand side, then its float32 output. The cumulative sum runs 64 columns at a time and the
 right-hand sides in 64-column steps (the dU or dW slice, bf16 as given, and the v or k columns of a
 step in one of two slots, the step after next's loading while a step computes; the wgmmas read the
 cotangent where TMA put it), so only G and Akk's operands span all of K. Kernel 2: g, then the four
-bf16 operands of the cumulative sums, row terms, column terms and untransposes (q's and k's column
-factors take turns in two hi/lo pairs rather than holding four); dAqk (bf16 as given, masked in
-place) and dAkk; q and k, then d k_to_state (loaded while dq and the column terms are computed) and
-dg. Its anchors and G's last row are kept apart from G (`StoredAnchors`, 3 KiB instead of G's 16),
-the score cotangents are transposed in place after the row terms, and dq is stored as soon as it is
-done.
+bf16 operands of the cumulative sums, row terms and column terms (q's and k's column factors take
+turns in two hi/lo pairs rather than holding four), between those two the untransposes' hi/lo parts
+and d q_from_state (then dq) in the operands' place; dAqk (bf16 as given, masked in place) and
+dAkk, then d k_to_state and dg; q and k, then kernel 1's dk term, dk's row terms and dk. So its
+three float32 [C, 64] cotangents load once their memory is free rather than at the start:
+d q_from_state after the row terms and kernel 1's dk term once q is read (both while other work
+runs), d k_to_state after the column terms (its latency exposed: nothing is free while they run).
+Its anchors and G's last row are kept apart from G (`StoredAnchors`, 3 KiB instead of G's 16), the
+score cotangents are transposed in place after the row terms, and dq is stored as soon as it is
+done (its TMA has read it before the column terms take the memory back).
 """
 
 import functools
@@ -311,17 +316,19 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
     keys_shape, scores_shape = (CHUNK, KEY_SLICE), (CHUNK, CHUNK)
     transposed_shape = (KEY_SLICE, CHUNK)
 
-    def body(vectors, anchors_smem, scores_cotangents, work, inputs_qk, dq_smem, dk_smem,
-             barriers):
-        # scores_cotangents: dAqk and dAkk (bf16 [C, C]), transposed in place for the column
-        # terms. work: first g (then G), then four bf16 [C, 64] operands.
-        # inputs_qk: q and k (bf16), then d k_to_state (float32; then dg). dq_smem and dk_smem
-        # hold d q_from_state and kernel 1's dk term, then dq and dk.
-        daq, dak = scores_cotangents.at[0], scores_cotangents.at[1]
-        g_smem, tiles = work
-        (q_smem, k_smem), dk_state_smem = inputs_qk
+    def body(vectors, anchors_smem, scores, work, inputs_qk, barriers):
+        # scores: dAqk and dAkk (bf16 [C, C]), transposed in place for the column terms; then
+        # d k_to_state (float32), then dg. work: g (then G); the four bf16 [C, 64] operands of
+        # the cumulative sums and the row and column terms; between the row and the column
+        # terms, the hi/lo parts of the row terms' untransposes and d q_from_state (then dq)
+        # over the last two operands. inputs_qk: q and k (bf16), then kernel 1's dk term
+        # (float32), then dk's row terms, then dk.
+        (daq, dak), dk_state_smem = scores
+        g_smem, (*untranspose_parts, dq_smem), tiles = work
+        (q_smem, k_smem), dk_smem = inputs_qk
         document_smem = vectors.at[DOCUMENT]
-        # In the order of first use; each awaited where first read.
+        # In the order of first use; each awaited where first read. The three float32 [C, 64]
+        # cotangents load once their memory is free (below).
         inputs = ((g_gmem.at[batch, tokens, head, keys], g_smem),
                   (document_gmem.at[batch, tokens], document_smem),
                   (daqk_gmem.at[out], daq),
@@ -330,14 +337,16 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
                   (dakk_gmem.at[out], dak),
                   (q_gmem.at[batch, tokens, head // group, keys], q_smem),
                   (q_factor_gmem.at[batch, head // group, tokens], vectors.at[Q_FACTOR]),
-                  (dq_state_gmem.at[(*out, slice(None), keys)], dq_smem),
-                  (dk_wy_gmem.at[(*out, slice(None), keys)], dk_smem),
                   (ddecay_gmem.at[(*out, keys)], vectors.at[D_CHUNK_DECAY]))
         for index, (source, target) in enumerate(inputs):
             plgpu.copy_gmem_to_smem(source, target, barriers.at[index])
         (g_loaded, document_loaded, daqk_loaded, k_loaded, k_factor_loaded, dakk_loaded, q_loaded,
-         q_factor_loaded, dq_loaded, dk_loaded, ddecay_loaded, dk_state_loaded) = (
-            barriers.at[index] for index in range(len(inputs) + 1))
+         q_factor_loaded, ddecay_loaded, dq_loaded, dk_loaded, dk_state_loaded) = (
+            barriers.at[index] for index in range(len(inputs) + 3))
+
+        def load_cotangent(source, target, barrier):  # once the target's memory is read
+            plgpu.commit_smem()
+            plgpu.copy_gmem_to_smem(source.at[(*out, slice(None), keys)], target, barrier)
 
         rows, columns = iota(scores_shape, 0), iota(scores_shape, 1)
 
@@ -394,6 +403,7 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
 
         q_rows_t, k_rows_t = pl.run_scoped(row_terms, plgpu.ACC(transposed_shape),
                                            plgpu.ACC(transposed_shape))
+        load_cotangent(dq_state_gmem, dq_smem, dq_loaded)  # over the last two operands
 
         # The column terms read the score cotangents transposed: in place, all loads before any
         # store.
@@ -409,14 +419,12 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
             plgpu.commit_smem()
             return sum(plgpu.load(part, layout=WGMMA).astype(jnp.float32) for part in parts)
 
-        # dq (stored now, its TMA overlapping the column terms) and dk's row terms.
-        q_rows = untransposed(q_rows_t, (tiles.at[0], tiles.at[1]))
+        # dq (stored now, its TMA overlapping dk's row terms) and dk's row terms.
+        q_rows = untransposed(q_rows_t, untranspose_parts)
         plgpu.barrier_wait(q_loaded)
         plgpu.barrier_wait(q_factor_loaded)
         q = normalized(q_smem, vectors.at[Q_FACTOR])
-        plgpu.commit_smem()  # q and k are read before TMA reuses their SMEM
-        plgpu.copy_gmem_to_smem(dk_state_gmem.at[(*out, slice(None), keys)], dk_state_smem,
-                                dk_state_loaded)
+        load_cotangent(dk_wy_gmem, dk_smem, dk_loaded)  # over q and k
         masks = state_masks(document_smem, keys_shape)
         anchor_exponent = G - row_anchors(anchors, keys_shape, lower_bound)
         plgpu.barrier_wait(dq_loaded)
@@ -427,9 +435,10 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
         plgpu.commit_smem()
         target = (batch, tokens, head, keys)
         plgpu.copy_smem_to_gmem(dq_smem, dq_gmem.at[target])
-        k_rows = untransposed(k_rows_t, (tiles.at[2], tiles.at[3]))
+        k_rows = untransposed(k_rows_t, untranspose_parts)
         plgpu.barrier_wait(dk_loaded)
         dk_smem[...] = load_plain(dk_smem) + jnp.exp(anchor_exponent) * k_rows
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dq is read before the operands return
 
         # Column terms, transposed, the factor exp(b_j - G_s) left out: tile j's columns are
         # (q exp(G - b_j))^T dAqk[:, tile j] + (k exp(G - b_j))^T dAkk[:, tile j], rows r >= 16 j.
@@ -452,6 +461,7 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
             return acc[...]
 
         k_columns_t = pl.run_scoped(column_terms, plgpu.ACC(transposed_shape))
+        load_cotangent(dk_state_gmem, dk_state_smem, dk_state_loaded)  # over the score cotangents
         k_columns = untransposed(k_columns_t, (tiles.at[0], tiles.at[1]))
 
         # The anchor factors, the direct terms, and dG.
@@ -479,19 +489,45 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
         plgpu.copy_smem_to_gmem(dg_smem, dg_gmem.at[target])
         plgpu.wait_smem_to_gmem(0)
 
-    tile = swizzled_smem(keys_shape, OPERAND_DTYPE)
+    tile = swizzled_smem(keys_shape, OPERAND_DTYPE)  # [C, 64] = [C, C] bf16
     plain = plgpu.SMEM(keys_shape, jnp.float32)
     pl.run_scoped(
         body,
         plgpu.SMEM((LAST_G + 1, CHUNK), jnp.float32),  # the vectors (rows above)
         plgpu.SMEM((NUM_TILES, KEY_SLICE), jnp.float32),  # the anchors
-        swizzled_smem((2, *scores_shape), OPERAND_DTYPE),  # dAqk, dAkk
-        plgpu.RefUnion(plain, swizzled_smem((4, *keys_shape), OPERAND_DTYPE)),
         plgpu.RefUnion((tile, tile), plain),
-        plain,  # d q_from_state, then dq
-        plain,  # kernel 1's dk term, then dk's row terms, then dk
+        plgpu.RefUnion(plain, (tile, tile, plain),
+                       swizzled_smem((4, *keys_shape), OPERAND_DTYPE)),
+        plgpu.RefUnion((tile, tile), plain),
         plgpu.Barrier(num_barriers=12),
     )
+
+
+def _score_backward(q, k, g, document, q_factor, k_factor, dakk, dk_wy, cotangents, *,
+                    lower_bound, group):
+    """Kernel 2 over all (batch row, value head, chunk, 64 key columns).
+
+    Args:
+      q, k, g, document, q_factor, k_factor, dakk, dk_wy: `_score_backward_kernel`'s GMEM inputs
+        of those names (T a multiple of 64).
+      cotangents: `ChunkedInputs` as `prepare_chunks_vjp_kernel` hands them on (Aqk bf16;
+        q_from_state, k_to_state, chunk_decay float32; W and U unread).
+    Returns:
+      (dq, dk, dg) float32 [B, T, HV, K].
+    """
+    batch, length, num_value_heads, key_dim = g.shape
+    slices = key_dim // KEY_SLICE
+    keyed = jax.ShapeDtypeStruct(g.shape, jnp.float32)
+    run = plgpu.kernel(
+        functools.partial(_score_backward_kernel, lower_bound=lower_bound, group=group,
+                          slices=slices),
+        out_type=(keyed, keyed, keyed),
+        grid=(batch, num_value_heads, length // CHUNK * slices),
+        grid_names=("batch", "heads", "chunks"),
+        compiler_params=COMPILER_PARAMS,
+    )
+    return run(q, k, g, document, q_factor, k_factor, cotangents.Aqk, dakk,
+               cotangents.q_from_state, cotangents.k_to_state, dk_wy, cotangents.chunk_decay)
 
 
 def _inverse_norms(x, use_qk_l2norm, padded_length):
@@ -560,19 +596,8 @@ def prepare_chunks_vjp_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2
         k_bf16, padded(v, OPERAND_DTYPE), g_padded, jnp.moveaxis(padded(beta, jnp.float32), 1, 2),
         document, k_factor, cotangents.W, cotangents.U)
 
-    slices = key_dim // KEY_SLICE
-    keyed = jax.ShapeDtypeStruct((batch, padded_length, num_value_heads, key_dim), jnp.float32)
-    score_backward = plgpu.kernel(
-        functools.partial(_score_backward_kernel, lower_bound=lower_bound, group=group,
-                          slices=slices),
-        out_type=(keyed, keyed, keyed),
-        grid=(batch, num_value_heads, num_chunks * slices),
-        grid_names=("batch", "heads", "chunks"),
-        compiler_params=COMPILER_PARAMS,
-    )
-    dq, dk, dg = score_backward(
-        q_bf16, k_bf16, g_padded, document, q_factor, k_factor, cotangents.Aqk, dakk,
-        cotangents.q_from_state, cotangents.k_to_state, dk_wy, cotangents.chunk_decay)
+    dq, dk, dg = _score_backward(q_bf16, k_bf16, g_padded, document, q_factor, k_factor, dakk,
+                                 dk_wy, cotangents, lower_bound=lower_bound, group=group)
 
     # The scale, the L2 norm's backward and the sum over each group's value heads.
     dq, dk = prepare_qk_vjp(q, k, dq[:, :length], dk[:, :length], scale=scale,
