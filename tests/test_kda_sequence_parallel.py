@@ -27,6 +27,7 @@ from kda.chunked import CHUNK_SIZE, ChunkedInputs, chunk_recurrence, prepare_chu
 from kda.common import einsum
 from kda.kernels.mosaic_gpu_common import RecurrenceOperands, recurrence_operands
 from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
+from kda.kernels import sequence_parallel
 from kda.kernels.sequence_parallel import (choose_num_segments, combine_segments,
                                            recurrence_in_segments,
                                            reversed_recurrence_in_segments,
@@ -453,3 +454,11 @@ def test_gpu_long_sequence_recurrence_vjp_matches_plain_jax(gate_factor):
         assert relative_error(d_states, expected_d_states) <= GRADIENT_TOLERANCE, num_segments
         assert relative_error(d_v_new, expected_chunks.U) <= GRADIENT_TOLERANCE, num_segments
         assert relative_error(d_initial, expected_initial) <= GRADIENT_TOLERANCE, num_segments
+
+
+def test_sm_count_under_a_cpu_mesh_falls_back_to_the_devices():
+    """A CPU mesh's abstract device has no core count: the count must not come back as None."""
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        assert sequence_parallel._multiprocessor_count() >= 1

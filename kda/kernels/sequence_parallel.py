@@ -259,7 +259,7 @@ def reversed_recurrence_in_segments(reversed_recurrence: Callable, operands, d_o
 def _multiprocessor_count() -> int:
     """SMs of the target GPU: the abstract mesh's device (tests), the default device, or Hopper."""
     abstract_device = jax.sharding.get_abstract_mesh().abstract_device
-    if abstract_device is not None:
+    if abstract_device is not None and abstract_device.num_cores:  # a CPU mesh's has no count
         return abstract_device.num_cores
     return getattr(jax.devices()[0], "core_count", None) or HOPPER_SM_COUNT
 
