@@ -403,7 +403,7 @@ def gpu_kernel_stand_ins():
         patch = lambda *args: stack.enter_context(mock.patch.object(*args))  # noqa: E731
         patch(kda_api, "_KERNELS", [])  # a registry of the stand-in alone, restored on exit
         kda_api.register_kernel("gpu_stand_in", _stand_in_kda_kernel, _kda_kernel_supports)
-        # The recurrence's split into segments follows the H200's SMs (a CPU mesh has no count).
+        # The recurrence's split into segments follows the H200's SMs, not this machine's cores.
         patch(sequence_parallel, "_multiprocessor_count", lambda: sequence_parallel.HOPPER_SM_COUNT)
         patch(grouped_matmul, "_on_hopper", lambda: True)
         patch(grouped_matmul, "_mosaic_grouped_matmul", opaque_stand_in(_grouped_matmul_fwd))
