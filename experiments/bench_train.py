@@ -1,7 +1,7 @@
 """Benchmark: the full training step of the hybrid on one device, in tokens/s and MFU, with a
 breakdown of where the time goes (KDA, Gated MLA attention, MoE, rest).
 
-    python -m experiments.bench_train --gpu     # H200: `1b` preset, 2 rows x 4096 tokens,
+    python -m experiments.bench_train --gpu     # H200: `1b` preset, 4 rows x 4096 tokens,
                                                 # bf16 compute, remat dots, layers scanned
                                                 # -> benchmarks/train_h200.md
     python -m experiments.bench_train --smoke   # `tiny` preset at a tiny size (CPU check)
@@ -29,28 +29,33 @@ by default (75% of 139 GiB). `--cpu-plan` compiles the step on the CPU at the sa
 state abstract, with the GPU kernels (Mosaic GPU KDA, grouped GEMMs, cuDNN attention) replaced
 by opaque calls that read their operands and write their results and residuals
 (`gpu_kernel_stand_ins`); XLA then plans these temporaries besides the arguments (float32
-gradients included; CPU compile 37-43 s each):
+gradients included; CPU compile 21-53 s each):
 
     remat            layers      4 x 4096     2 x 4096     1 x 4096
     dots             unrolled     28.8 GiB     28.8 GiB
-    dots             scanned      69.8 GiB     42.5 GiB     29.0 GiB
-    dots_no_batch    scanned      66.2 GiB
-    full             scanned      58.7 GiB
+    dots             scanned      45.2 GiB     30.9 GiB     28.0 GiB
+    dots_no_batch    scanned      41.2 GiB
+    full             scanned      33.0 GiB
 
 Unrolled, the optimizer update's 28.8 GiB is the peak (the backward's was 27.0 GiB with `dots`
 and 23.8 with `full` in an earlier estimate by the same method, where no remat needed 133.5 GiB
 at 4 rows and 70.4 at 2). XLA:CPU fuses less than XLA:GPU (with no remat it keeps every float32
 intermediate of the norms, gates and routing): for the step as it was then (moments copied, KDA
 preparation differentiated in plain JAX) this estimate gave 180 GiB of temporaries where the GPU
-planned 66.4, so these are upper bounds. Scanned, the temporaries grow by 13.6 GiB per row of
-4096 tokens, where unrolled the backward stays under the optimizer's 28.8 GiB even at 4 rows;
-since `full` barely helps (58.7 GiB), it is how the scan keeps its per-repeat values rather than
-the policy (not yet traced to a buffer). At 4 rows the scanned plan peaks at 111 GiB, over the
-104 GiB limit; at 2 rows at 84 GiB. So `--gpu` runs 2 rows, scanned, with `dots` (of the
-policies that fit it recomputes the least: elementwise work, norms, routing; every policy
-recomputes the kernels' forwards, custom VJPs being opaque to it); `--unrolled` keeps 4 rows in
-28.8 GiB but compiles slowly (below). The step also no longer copies the AdamW moments (27.7 GiB)
-for its non-finite-step check: `train.step` applies the update under `lax.cond`.
+planned 66.4, so these are upper bounds. The scanned step planned 69.8 GiB at 4 rows (42.5 at 2,
+58.7 with `full`) while each scanned group of four layers was one checkpoint: its backward
+rematerialised the four layers' intermediates together (8.5 GB of dtype conversions alone at
+2 rows). Each layer is now its own checkpoint, scanned or not (`models.lm`). What the scanned plan
+still has over the unrolled one is XLA:CPU's packing of the while loops' buffers, not live data:
+at the peak of the 4-row plans (the end of the forward loop scanned, the optimizer update
+unrolled) the buffers live add up to 71.3 GiB scanned and 70.6 GiB unrolled (XLA's live-range
+dump), but the scanned program's allocation spans 86.8 GiB and the unrolled one's 70.4. So
+`--gpu` runs 4 rows, scanned (86.8 GiB of the 104 GiB allocator by this upper bound), with
+`dots` (it recomputes the least of the policies: elementwise work, norms, routing; every policy
+recomputes the kernels' forwards, custom VJPs being opaque to it); `--unrolled` plans 70.4 GiB
+but compiles slowly (below), `--batch 2` 72.4 GiB. The step also no longer copies the AdamW
+moments (27.7 GiB) for its non-finite-step check: `train.step` applies the update under
+`lax.cond`.
 
 Compile time: the layers are scanned (`scan_layers`; `models.lm.layer_plan`): in the `1b`
 preset layers 1-12 are three repeats of one four-layer group, compiled once, so XLA compiles 8
@@ -129,8 +134,8 @@ class BenchSetup:
         return self.batch * self.seq_len
 
 
-# The module docstring says why the GPU setup runs 2 rows, scanned, recomputing with `dots`.
-GPU = BenchSetup("1b", batch=2, seq_len=4096, steps=20, warmup=3, remat="dots")
+# The module docstring says why the GPU setup runs 4 rows, scanned, recomputing with `dots`.
+GPU = BenchSetup("1b", batch=4, seq_len=4096, steps=20, warmup=3, remat="dots")
 SMOKE = BenchSetup("tiny", batch=2, seq_len=64, steps=3, warmup=1, remat="none")
 
 
