@@ -48,7 +48,7 @@ class ModelConfig:
       dtype: compute dtype (activations, matmul inputs); logits and routing stay float32.
       param_dtype: dtype parameters are stored in.
       scan_layers: run repeated layer groups with `lax.scan` (faster compiles of deep models).
-      remat: recomputation policy of each layer (or scanned group) in the backward pass.
+      remat: recomputation policy of each layer in the backward pass (scanned layers too).
     """
 
     vocab_size: int
