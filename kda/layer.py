@@ -154,7 +154,7 @@ class KDA(nnx.Module):
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
         self.dtype = dtype
-        heads, head_dim, value_heads = cfg.num_heads, cfg.head_dim, cfg.num_value_heads
+        head_dim, value_heads = cfg.head_dim, cfg.num_value_heads
         key_width = value_heads * head_dim
         init = nnx.initializers.lecun_normal()
 

@@ -134,19 +134,25 @@ def test_slow_gates_carry_the_state_across_segments():
     assert relative_error(states_from_zero[:, 3::4], final_state) > 0.05
 
 
+# (number of chunks N, segments P), with an initial state or not, with documents or not.
+SEGMENT_CASES = st.tuples(
+    st.sampled_from([(1, 1), (3, 2), (4, 4), (8, 3), (8, 2), (7, 5)]), st.booleans(),
+    st.booleans())
+
+
+def segment_case(case):
+    """(chunks, state, P) of a drawn `SEGMENT_CASES` case: the first N slow-gate chunks."""
+    (num_chunks, num_segments), initial_state, documents = case
+    chunks, state = slow_gate_chunks(documents)
+    chunks = first_chunks(chunks, num_chunks)
+    return chunks, (state if initial_state else jnp.zeros_like(state)), num_segments
+
+
 @pytest.mark.slow
 @settings(deadline=None, max_examples=10)
-@given(
-    num_chunks_and_segments=st.sampled_from([(1, 1), (3, 2), (4, 4), (8, 3), (8, 2), (7, 5)]),
-    initial_state=st.booleans(),
-    segments=st.booleans(),
-)
-def test_segments_in_plain_jax_equal_the_whole_recurrence(num_chunks_and_segments, initial_state,
-                                                          segments):
-    num_chunks, num_segments = num_chunks_and_segments
-    chunks, state = slow_gate_chunks(segments)
-    chunks = first_chunks(chunks, num_chunks)
-    state = state if initial_state else jnp.zeros_like(state)
+@given(case=SEGMENT_CASES)
+def test_segments_in_plain_jax_equal_the_whole_recurrence(case):
+    chunks, state, num_segments = segment_case(case)
     o_whole, state_whole = jax.jit(chunk_recurrence, static_argnums=2)(chunks, state,
                                                                        jnp.float32)
     o, final_state = jax.jit(lambda c, s: recurrence_in_segments(
@@ -186,18 +192,10 @@ def random_cotangents(chunks, seed, dtype=jnp.float32):
 
 @pytest.mark.slow
 @settings(deadline=None, max_examples=10)
-@given(
-    num_chunks_and_segments=st.sampled_from([(1, 1), (3, 2), (4, 4), (8, 3), (8, 2), (7, 5)]),
-    initial_state=st.booleans(),
-    segments=st.booleans(),
-)
-def test_reversed_segments_in_plain_jax_equal_the_whole_vjp(num_chunks_and_segments,
-                                                             initial_state, segments):
-    num_chunks, num_segments = num_chunks_and_segments
-    chunks, state = slow_gate_chunks(segments)
-    chunks = first_chunks(chunks, num_chunks)
-    state = state if initial_state else jnp.zeros_like(state)
-    cotangents = random_cotangents(chunks, num_chunks)
+@given(case=SEGMENT_CASES)
+def test_reversed_segments_in_plain_jax_equal_the_whole_vjp(case):
+    chunks, state, num_segments = segment_case(case)
+    cotangents = random_cotangents(chunks, seed=chunks.W.shape[2])
     d_chunks, d_initial_whole = jitted_vjp(
         lambda c, s: chunk_recurrence(c, s, jnp.float32))(chunks, state, cotangents)
     d_states_whole, d_v_new_whole, d_initial_scan = jax.jit(reversed_scan)(chunks, *cotangents)
