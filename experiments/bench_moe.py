@@ -28,9 +28,7 @@ import dataclasses
 import datetime
 import os
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import flax
@@ -39,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.profiling import ops_markdown, profile_device_ops
+from experiments.profiling import median_seconds, ops_markdown, profile_device_ops
 from moe.activations import fused_glu
 from moe.config import MoEConfig, active_matmul_flops
 from moe.dispatch import gather_rows, plan_dispatch, unsort_combine
@@ -107,17 +105,6 @@ def gradient_step(module: nnx.Module) -> tuple[Callable, nnx.State]:
     return step, params
 
 
-def median_seconds(fn: Callable, args: tuple, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def compiled_bytes(fn: Callable, args: tuple) -> int:
     """Device memory of one compiled step: arguments + outputs + temporaries."""
     analysis = fn.lower(*args).compile().memory_analysis()
@@ -165,7 +152,7 @@ def run(shape: BenchShape, iters: int, check_backend: bool, profile: bool = Fals
         ("dense", dense_layer, 2 * 3 * shape.d_model * hidden),
     ):
         step, params = gradient_step(module)
-        seconds = median_seconds(step, (params, x, cotangent), iters)
+        seconds = median_seconds(lambda: step(params, x, cotangent), iters, warmup=3)
         flops = 3 * flops_per_token * shape.tokens
         results[name] = dict(
             ms=seconds * 1e3,
@@ -196,8 +183,9 @@ def time_forward_backward(fn: Callable, diff_args: tuple, other_args: tuple, ite
         _, pullback, _ = jax.vjp(lambda *d: fn(*d, *other_args), *diff_args, has_aux=True)
         return pullback(cotangent)
 
-    forward_ms = median_seconds(forward, (*diff_args, *other_args), iters) * 1e3
-    both_ms = median_seconds(forward_backward, (diff_args, other_args, cotangent), iters) * 1e3
+    forward_ms = median_seconds(lambda: forward(*diff_args, *other_args), iters, warmup=3) * 1e3
+    both_ms = median_seconds(lambda: forward_backward(diff_args, other_args, cotangent), iters,
+                             warmup=3) * 1e3
     return forward_ms, both_ms, out, aux
 
 

@@ -77,7 +77,6 @@ import functools
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -89,6 +88,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments.profiling import median_seconds
 from kda import api as kda_api
 from kda.kernels import mosaic_gpu as kda_mosaic_gpu
 from kda.kernels import sequence_parallel
@@ -154,18 +154,6 @@ def synthetic_batch(setup: BenchSetup, seed: int = 0) -> dict[str, np.ndarray]:
         "tokens_positions": positions.astype(np.int32),
     }
     return finalize_batch(rows)
-
-
-def median_seconds(run: Callable[[], object], steps: int, warmup: int) -> float:
-    """Median wall time of `run()` (which must return arrays to wait for) after warm-up calls."""
-    for _ in range(warmup):
-        jax.block_until_ready(run())
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        jax.block_until_ready(run())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def compile_step(trainer: Trainer, batch: dict) -> tuple[jax.stages.Compiled, float]:

@@ -1,6 +1,7 @@
-"""Where a jitted step spends its device time: a `jax.profiler` trace of a few calls, read back
-with `jax.profiler.ProfileData`, summed per op and labelled with the op's HLO opcode, shape and JAX
-source op. Used by the benchmarks' `--profile` options."""
+"""How long a step takes (`median_seconds`) and where it spends its device time
+(`profile_device_ops`: a `jax.profiler` trace of a few calls, read back with
+`jax.profiler.ProfileData`, summed per op and labelled with the op's HLO opcode, shape and JAX
+source op). Used by the benchmarks, and by their `--profile` options."""
 
 from __future__ import annotations
 
@@ -8,10 +9,24 @@ import collections
 import glob
 import os
 import re
+import statistics
 import tempfile
+import time
 from collections.abc import Callable
 
 import jax
+
+
+def median_seconds(run: Callable[[], object], steps: int, warmup: int) -> float:
+    """Median wall time of `run()` (which must return arrays to wait for) after warm-up calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(run())
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        jax.block_until_ready(run())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def profile_device_ops(step: Callable, args: tuple, steps: int, top: int = 25) -> dict:
