@@ -88,7 +88,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.profiling import median_seconds
+from experiments.profiling import (median_seconds, ops_markdown, profile_compiler_options,
+                                  trace_device_ops)
 from kda import api as kda_api
 from kda.kernels import mosaic_gpu as kda_mosaic_gpu
 from kda.kernels import sequence_parallel
@@ -111,6 +112,7 @@ from train.packing import finalize_batch
 from train.step import TrainState, stacked_axes
 
 DOCUMENTS_PER_ROW = 4
+PROFILED_OPS = 40  # rows of the `--profile` table
 
 
 GIB = 2**30
@@ -156,12 +158,13 @@ def synthetic_batch(setup: BenchSetup, seed: int = 0) -> dict[str, np.ndarray]:
     return finalize_batch(rows)
 
 
-def compile_step(trainer: Trainer, batch: dict) -> tuple[jax.stages.Compiled, float]:
+def compile_step(trainer: Trainer, batch: dict,
+                 compiler_options: dict | None = None) -> tuple[jax.stages.Compiled, float]:
     """The training step compiled ahead of time for `batch` (placed on the mesh), and the
     seconds the compile took."""
     start = time.perf_counter()
     with jax.set_mesh(trainer.mesh):
-        compiled = trainer.train_step.lower(trainer.state, batch).compile()
+        compiled = trainer.train_step.lower(trainer.state, batch).compile(compiler_options)
     return compiled, time.perf_counter() - start
 
 
@@ -227,16 +230,17 @@ def explained_out_of_memory(setup: BenchSetup, memory: dict):
         ) from error
 
 
-def time_train_step(trainer: Trainer, compiled: jax.stages.Compiled, batch: dict,
-                    setup: BenchSetup) -> float:
-    """Median seconds of the compiled step on the placed `batch` (the state advances)."""
+def step_runner(trainer: Trainer, compiled: jax.stages.Compiled,
+                batch: dict) -> Callable[[], dict]:
+    """A call of the compiled step on the placed `batch` that advances the trainer's state and
+    returns the step's metrics."""
 
     def run():
         with jax.set_mesh(trainer.mesh):
             trainer.state, metrics = compiled(trainer.state, batch)
         return metrics
 
-    return median_seconds(run, setup.steps, setup.warmup)
+    return run
 
 
 def time_layer(layer: nnx.Module, call: Callable, x: jax.Array, segment_ids: jax.Array,
@@ -443,9 +447,11 @@ def cpu_plan(setup: BenchSetup, optimizer: str) -> dict:
 
 
 def run(setup: BenchSetup, optimizer: str,
-        report: Callable[[dict], None] = lambda result: None) -> dict:
+        report: Callable[[dict], None] = lambda result: None, profile: bool = False) -> dict:
     """Compiles and times the step, then the layers; calls `report(result so far)` whenever a
-    number is added, so a run cut short keeps what it measured."""
+    number is added, so a run cut short keeps what it measured. With `profile`, the step is
+    compiled for profiling (`experiments.profiling.profile_compiler_options`) and its top device
+    ops are traced after it is timed."""
     config = train_config(setup, optimizer)
     cfg = config.model
     flops = train_flops_per_token(cfg, setup.seq_len)
@@ -459,17 +465,19 @@ def run(setup: BenchSetup, optimizer: str,
         "flax": flax.__version__,
         "python": platform.python_version(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "profiled": profile,
         "date": datetime.date.today().isoformat(),
     }
     trainer = Trainer.create(config)
     batch = trainer.place(synthetic_batch(setup))
-    compiled, compile_seconds = compile_step(trainer, batch)
+    compiled, compile_seconds = compile_step(
+        trainer, batch, profile_compiler_options() if profile else None)
     memory = preflight(compiled, compile_seconds, setup)
     result.update(compile_seconds=compile_seconds, memory_gib=memory)
     report(result)
     with explained_out_of_memory(setup, memory):
-        step_seconds = time_train_step(trainer, compiled, batch, setup)
-        del trainer, compiled, batch
+        step = step_runner(trainer, compiled, batch)
+        step_seconds = median_seconds(step, setup.steps, setup.warmup)
         tokens_per_second = setup.tokens / step_seconds
         result.update(
             step_seconds=step_seconds,
@@ -482,6 +490,10 @@ def run(setup: BenchSetup, optimizer: str,
               f"{result['model_tflops_per_second']:.1f} TFLOP/s, MFU "
               f"{100 * result['mfu']:.1f}%", flush=True)
         report(result)
+        if profile:
+            result["ops"] = trace_device_ops(step, compiled, steps=3, top=PROFILED_OPS)
+            report(result)
+        del trainer, compiled, batch, step
         for name, count, seconds in layer_breakdown(cfg, setup):
             result["breakdown"][name] = _part(count, count * seconds, step_seconds,
                                               setup.tokens * flops[name])
@@ -548,6 +560,10 @@ def markdown(result: dict, command: str) -> str:
         )
     if "rest" not in result["breakdown"]:
         lines += ["", "The run stopped before every layer was timed."]
+    if "ops" in result:
+        lines += ["", "## Where the step's device time goes (`--profile`)", ""] + ops_markdown(
+            result["ops"], "Top device ops of the step, compiled without command buffers (the "
+            "timed step above was compiled the same way)")
     return "\n".join(lines) + "\n"
 
 
@@ -579,6 +595,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--cpu-plan", action="store_true",
                         help="only compile the step here, GPU kernels stood in, and print XLA's "
                         "memory plan and the compile time (nothing is allocated or run)")
+    parser.add_argument("--profile", action="store_true",
+                        help="compile the step without command buffers and add its top device ops "
+                        "(a jax.profiler trace of 3 steps) to the table")
     parser.add_argument("--out", help="write the markdown table here (--gpu default: "
                         "benchmarks/train_h200.md) and the numbers next to it as .json, "
                         "rewritten as each number is measured")
@@ -594,7 +613,7 @@ def main(argv=None) -> dict:
     out = args.out or ("benchmarks/train_h200.md" if args.gpu else None)
     report = (lambda result: None) if out is None else (
         lambda result: write_result(result, command, out))
-    result = run(setup, args.optimizer, report)
+    result = run(setup, args.optimizer, report, profile=args.profile)
     print(markdown(result, command))
     return result
 

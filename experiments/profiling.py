@@ -29,18 +29,29 @@ def median_seconds(run: Callable[[], object], steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def profile_compiler_options() -> dict:
+    """Compiler options for a profiled executable: on GPUs no command buffers (CUDA graphs),
+    which would show up in the trace as one opaque op, so that each kernel is its own event."""
+    return {"xla_gpu_enable_command_buffer": ""} if jax.default_backend() == "gpu" else {}
+
+
 def profile_device_ops(step: Callable, args: tuple, steps: int, top: int = 25) -> dict:
-    """Device ops of `steps` traced calls of a jitted step, summed per op, the costliest first.
+    """Device ops of `steps` traced calls of a jitted step (compiled here with
+    `profile_compiler_options`), summed per op, the costliest first (`trace_device_ops`)."""
+    compiled = step.lower(*args).compile(compiler_options=profile_compiler_options())
+    return trace_device_ops(lambda: compiled(*args), compiled, steps, top)
+
+
+def trace_device_ops(run: Callable[[], object], compiled: jax.stages.Compiled, steps: int,
+                     top: int = 25) -> dict:
+    """Device ops of `steps` traced calls of `run()`, which calls `compiled` (compiled with
+    `profile_compiler_options`), summed per op, the costliest first.
 
     Returns dict(rows=[dict(op, calls, ms, share, hlo)], total_ms, source): per-step calls and ms;
     `hlo` = opcode, shape and JAX source op of the op in the compiled module. Falls back to the
     compiled module's `cost_analysis()` totals (rows empty) if the trace holds no op events.
     """
-    # GPU command buffers (CUDA graphs) would show up in the trace as one opaque op; the profiled
-    # executable is compiled without them so that each kernel is its own event.
-    options = {"xla_gpu_enable_command_buffer": ""} if jax.default_backend() == "gpu" else {}
-    compiled = step.lower(*args).compile(compiler_options=options)
-    jax.block_until_ready(compiled(*args))
+    jax.block_until_ready(run())
     times, calls, source = collections.Counter(), collections.Counter(), "none"
     with tempfile.TemporaryDirectory() as trace_dir:
         # A profiler that cannot start (no CUPTI) or a trace that does not parse must not cost
@@ -49,7 +60,7 @@ def profile_device_ops(step: Callable, args: tuple, steps: int, top: int = 25) -
             jax.profiler.start_trace(trace_dir)
             try:
                 for _ in range(steps):
-                    jax.block_until_ready(compiled(*args))
+                    jax.block_until_ready(run())
             finally:
                 jax.profiler.stop_trace()
             traces = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
@@ -100,6 +111,7 @@ def _op_times(profile) -> tuple[collections.Counter, collections.Counter, str]:
     return times, calls, source
 
 
+MAX_SHAPE_CHARS = 160
 _HLO_INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[^\s=]+)\s*=\s*(?P<shape>.*?)\s(?P<opcode>[a-z][a-z0-9\-]*)\("
 )
@@ -112,7 +124,10 @@ def _hlo_descriptions(hlo_text: str) -> dict[str, str]:
         match = _HLO_INSTRUCTION.match(line)
         if not match:
             continue
-        parts = [match["opcode"], re.sub(r"\{[^}]*\}", "", match["shape"])]
+        shape = re.sub(r"\{[^}]*\}", "", match["shape"])
+        # A while loop's tuple carries every buffer of its body: its head says enough.
+        parts = [match["opcode"], shape if len(shape) <= MAX_SHAPE_CHARS
+                 else shape[:MAX_SHAPE_CHARS] + "…"]
         for key in ("kind", "custom_call_target"):
             found = re.search(rf"{key}=\"?([\w.\-]+)", line)
             if found:

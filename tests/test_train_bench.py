@@ -77,7 +77,7 @@ def test_out_of_memory_error_says_what_to_change():
 
 
 @pytest.mark.slow
-def test_smoke_benchmark_reports_throughput_memory_and_breakdown(tmp_path, capsys, monkeypatch):
+def test_smoke_benchmark_reports_throughput_memory_breakdown_and_profile(tmp_path, capsys, monkeypatch):
     out = tmp_path / "bench.md"
     # The GPU setup's recomputation policy, at the smoke size.
     reported = []
@@ -89,7 +89,7 @@ def test_smoke_benchmark_reports_throughput_memory_and_breakdown(tmp_path, capsy
 
     monkeypatch.setattr(bench_train, "write_result", record)
     result = bench_train.main(["--smoke", "--steps", "2", "--remat", bench_train.GPU.remat,
-                               "--out", str(out)])
+                               "--profile", "--out", str(out)])
     assert "stopped before the step was timed" in reported[0]
     assert "before every layer was timed" in reported[1] and "| rest |" in reported[-1]
     assert "preflight: step compiled" in capsys.readouterr().out
@@ -102,6 +102,7 @@ def test_smoke_benchmark_reports_throughput_memory_and_breakdown(tmp_path, capsy
     assert parts == pytest.approx(result["step_seconds"])
     text = out.read_text()
     assert "| kda | 3 |" in text and "XLA memory plan per device" in text
+    assert result["ops"]["rows"] and "Where the step's device time goes" in text
     assert json.loads(out.with_suffix(".json").read_text())["setup"]["preset"] == "tiny"
 
 
