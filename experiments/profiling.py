@@ -1,18 +1,21 @@
 """How long a step takes (`median_seconds`) and where it spends its device time
 (`profile_device_ops`: a `jax.profiler` trace of a few calls, read back with
 `jax.profiler.ProfileData`, summed per op and labelled with the op's HLO opcode, shape and JAX
-source op). Used by the benchmarks, and by their `--profile` options."""
+source op, and summed per named scope of the program, `scope_times`). Used by the benchmarks, and
+by their `--profile` options."""
 
 from __future__ import annotations
 
 import collections
+import functools
 import glob
 import os
 import re
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import jax
 
@@ -35,21 +38,25 @@ def profile_compiler_options() -> dict:
     return {"xla_gpu_enable_command_buffer": ""} if jax.default_backend() == "gpu" else {}
 
 
-def profile_device_ops(step: Callable, args: tuple, steps: int, top: int = 25) -> dict:
+def profile_device_ops(step: Callable, args: tuple, steps: int, top: int = 25,
+                       scopes: Sequence[str] = ()) -> dict:
     """Device ops of `steps` traced calls of a jitted step (compiled here with
     `profile_compiler_options`), summed per op, the costliest first (`trace_device_ops`)."""
     compiled = step.lower(*args).compile(compiler_options=profile_compiler_options())
-    return trace_device_ops(lambda: compiled(*args), compiled, steps, top)
+    return trace_device_ops(lambda: compiled(*args), compiled, steps, top, scopes)
 
 
 def trace_device_ops(run: Callable[[], object], compiled: jax.stages.Compiled, steps: int,
-                     top: int = 25) -> dict:
+                     top: int = 25, scopes: Sequence[str] = ()) -> dict:
     """Device ops of `steps` traced calls of `run()`, which calls `compiled` (compiled with
-    `profile_compiler_options`), summed per op, the costliest first.
+    `profile_compiler_options`), summed per op, the costliest first, and per named scope.
 
-    Returns dict(rows=[dict(op, calls, ms, share, hlo)], total_ms, source): per-step calls and ms;
-    `hlo` = opcode, shape and JAX source op of the op in the compiled module. Falls back to the
-    compiled module's `cost_analysis()` totals (rows empty) if the trace holds no op events.
+    Returns dict(rows=[dict(op, calls, ms, share, hlo)], total_ms, source, scopes): per-step calls
+    and ms; `hlo` = opcode, shape and JAX source op of the op in the compiled module; `scopes` =
+    ms per step of each of `scopes` and "other" over all ops (`scope_times`). On a CPU the events
+    of while loops and conditionals are left out: each spans the ops it runs, which count on their
+    own. Falls back to the compiled module's `cost_analysis()` totals (rows and scopes empty) if
+    the trace holds no op events.
     """
     jax.block_until_ready(run())
     times, calls, source = collections.Counter(), collections.Counter(), "none"
@@ -70,8 +77,12 @@ def trace_device_ops(run: Callable[[], object], compiled: jax.stages.Compiled, s
             source = f"trace failed: {type(error).__name__}: {error}"
     if not times:
         cost = compiled.cost_analysis() or {}
-        return dict(rows=[], total_ms=0.0, source=source, cost_analysis=dict(cost))
-    described = _hlo_descriptions(compiled.as_text())
+        return dict(rows=[], total_ms=0.0, source=source, scopes={}, cost_analysis=dict(cost))
+    instructions = hlo_instructions(compiled.as_text())
+    if source == "host threads":
+        times = collections.Counter({
+            op: nanos for op, nanos in times.items()
+            if op not in instructions or instructions[op].opcode not in CONTROL_FLOW_OPCODES})
     total = sum(times.values())
     rows = [
         dict(
@@ -79,11 +90,14 @@ def trace_device_ops(run: Callable[[], object], compiled: jax.stages.Compiled, s
             calls=calls[op] / steps,
             ms=nanos / steps / 1e6,
             share=nanos / total,
-            hlo=described.get(op, ""),
+            hlo=instructions[op].description if op in instructions else "",
         )
         for op, nanos in times.most_common(top)
     ]
-    return dict(rows=rows, total_ms=total / steps / 1e6, source=source)
+    op_names = {op: instruction.op_name for op, instruction in instructions.items()}
+    per_scope = scope_times(times, op_names, scopes)
+    return dict(rows=rows, total_ms=total / steps / 1e6, source=source,
+                scopes={scope: nanos / steps / 1e6 for scope, nanos in per_scope.items()})
 
 
 def _op_times(profile) -> tuple[collections.Counter, collections.Counter, str]:
@@ -112,15 +126,42 @@ def _op_times(profile) -> tuple[collections.Counter, collections.Counter, str]:
 
 
 MAX_SHAPE_CHARS = 160
+CONTROL_FLOW_OPCODES = ("while", "conditional", "call")
 _HLO_INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[^\s=]+)\s*=\s*(?P<shape>.*?)\s(?P<opcode>[a-z][a-z0-9\-]*)\("
 )
 
 
-def _hlo_descriptions(hlo_text: str) -> dict[str, str]:
-    """Instruction name -> "opcode shape (kind, custom-call target) source-op" of an HLO module."""
-    described = {}
+class HloInstruction(NamedTuple):
+    """What a compiled HLO module says of one instruction.
+
+    opcode: the HLO opcode ("fusion", "while", ...).
+    description: "opcode shape (kind, custom-call target) source-op", source-op being the op_name
+      without its outermost `jit(...)`.
+    op_name: the op_name metadata, JAX's name stack and primitive (e.g.
+      "jit(step)/transpose(jvp())/while/body/eval_jaxpr/checkpoint/kda/mul"); "" where XLA left
+      none (instructions it created itself, such as copies).
+    """
+
+    opcode: str
+    description: str
+    op_name: str
+
+
+def hlo_instructions(hlo_text: str) -> dict[str, HloInstruction]:
+    """Instruction name -> `HloInstruction` of every instruction of an HLO module's text.
+
+    An instruction with no op_name of its own that calls a computation (`calls=`: the fusions
+    XLA:CPU wraps around a library call or a copy, `ynn_fusion`, `wrapped_copy`) takes the op_name
+    of the last instruction of that computation that has one (its root, where the root has one).
+    """
+    parsed = {}  # name -> (description parts, op_name, called computation or None)
+    computations = collections.defaultdict(list)  # computation -> its instructions, in order
+    computation = ""
     for line in hlo_text.splitlines():
+        if line[:1] not in ("", " ", "\t") and line.rstrip().endswith("{"):
+            computation = line.removeprefix("ENTRY ").split()[0].lstrip("%")
+            continue
         match = _HLO_INSTRUCTION.match(line)
         if not match:
             continue
@@ -133,10 +174,83 @@ def _hlo_descriptions(hlo_text: str) -> dict[str, str]:
             if found:
                 parts.append(found.group(1))
         source = re.search(r'op_name="([^"]*)"', line)
-        if source:
-            parts.append(source.group(1).split("/", 1)[-1])
-        described[match["name"]] = " ".join(parts)
-    return described
+        called = re.search(r"calls=%?([\w.\-]+)", line)
+        parsed[match["name"]] = (parts, source.group(1) if source else "",
+                                 called.group(1) if called else None)
+        computations[computation].append(match["name"])
+
+    @functools.cache
+    def op_name_of(name: str) -> str:
+        _, own, called = parsed[name]
+        if own or called is None:
+            return own
+        return next(filter(None, map(op_name_of, reversed(computations[called]))), "")
+
+    instructions = {}
+    for name, (parts, _, _) in parsed.items():
+        op_name = op_name_of(name)
+        source = [op_name.split("/", 1)[-1]] if op_name else []
+        instructions[name] = HloInstruction(parts[0], " ".join(parts + source), op_name)
+    return instructions
+
+
+OTHER_SCOPE = "other"
+_TRANSFORM = re.compile(r"^[\w\-]*\((.*)\)$")  # "transpose(jvp(kda))": the scope inside
+
+
+def scope_of(op_name: str, scopes: Sequence[str]) -> str | None:
+    """The innermost of `scopes` that an op_name's name stack passes through; None if none does.
+
+    op_name: "/"-separated JAX name stack ending in the primitive, as `HloInstruction.op_name`.
+    A component may be wrapped in transformations, `transpose(jvp(kda))` or `vmap(jit(f))`; the
+    name inside counts. In the backward pass a scope appears either so wrapped
+    (`transpose(jvp(kda))/...`) or, under `jax.checkpoint` or in a scanned body, bare
+    (`transpose(jvp())/while/body/eval_jaxpr/checkpoint/kda/...`). Innermost: an op under `moe`
+    inside `layer` belongs to `moe`. XLA joins the op_names of instructions it merged with ";";
+    the first that passes through a scope decides.
+    """
+    wanted = set(scopes)
+    for path in op_name.split(";"):
+        found = None
+        for component in path.split("/")[:-1]:  # the last is the primitive, not a scope
+            while (wrapped := _TRANSFORM.match(component)) is not None:
+                component = wrapped.group(1)
+            if component in wanted:
+                found = component
+        if found is not None:
+            return found
+    return None
+
+
+def scope_times(op_times: Mapping[str, float], op_names: Mapping[str, str],
+                scopes: Sequence[str]) -> dict[str, float]:
+    """The time of every op summed per scope (`scope_of` its op_name), in the order of `scopes`,
+    then OTHER_SCOPE: the ops under none of them and those without an op_name.
+
+    op_times: op (HLO instruction name) -> time; op_names: op -> op_name metadata.
+    """
+    if OTHER_SCOPE in scopes:
+        raise ValueError(f"scopes must not contain {OTHER_SCOPE!r}, the name of the rest; "
+                         f"got {tuple(scopes)}")
+    totals = dict.fromkeys((*scopes, OTHER_SCOPE), 0.0)
+    for op, time_taken in op_times.items():
+        totals[scope_of(op_names.get(op, ""), scopes) or OTHER_SCOPE] += time_taken
+    return totals
+
+
+def scopes_markdown(ops: dict, title: str) -> list[str]:
+    """Markdown lines for the `scopes` of `trace_device_ops`' result under the sentence `title`:
+    each scope that took time, its ms per step and share of all ops' time (none without a
+    trace)."""
+    if not ops["scopes"]:
+        return []
+    lines = [title, "", "| part | ms per step | share of device time |", "|---|---:|---:|"]
+    lines += [
+        f"| {scope} | {ms:.3f} | {ms / ops['total_ms']:.1%} |"
+        for scope, ms in ops["scopes"].items()
+        if ms > 0
+    ]
+    return lines + [""]
 
 
 def ops_markdown(ops: dict, title: str) -> list[str]:
