@@ -6,6 +6,7 @@ breakdown of where the time goes (KDA, Gated MLA attention, MoE, rest).
                                                 # -> benchmarks/train_h200.md
     python -m experiments.bench_train --smoke   # `tiny` preset at a tiny size (CPU check)
     python -m experiments.bench_train --gpu --cpu-plan   # compile only, here: memory plan
+    python -m experiments.bench_train --gpu --profile    # + device time by part and top ops
 
 The step is the real one (`train.loop.Trainer`: forward, backward, AdamW, the QB router-bias
 update, the non-finite check) on one reused synthetic batch (random bytes, four packed documents
@@ -66,7 +67,13 @@ Breakdown: one KDA, one Gated MLA and one MoE layer of the same configuration ar
 (forward and backward of a fixed random input and cotangent, under the same remat policy, median
 of the same number of steps), times their number of layers; "rest" is the step minus those parts:
 the dense FFN, the embedding and LM head, norms, AttnRes, the loss, the optimizer and the bias
-update.
+update. An estimate: each layer alone, compiled on its own.
+
+In-step breakdown (`--profile`): a few steps are traced and every device op's time is summed
+under the innermost named scope of `models.lm.PROFILE_SCOPES` in its HLO op_name
+(`experiments.profiling.scope_times`; the model and `train.step` run each part under its scope):
+the time each part takes inside the real step, all of it, "rest" included. The costliest device
+ops follow.
 """
 
 import argparse
@@ -89,7 +96,7 @@ import numpy as np
 from flax import nnx
 
 from experiments.profiling import (median_seconds, ops_markdown, profile_compiler_options,
-                                  trace_device_ops)
+                                  scopes_markdown, trace_device_ops)
 from kda import api as kda_api
 from kda.kernels import mosaic_gpu as kda_mosaic_gpu
 from kda.kernels import sequence_parallel
@@ -99,7 +106,7 @@ from models import attention
 from models.attention import GatedMLA
 from models.attention import causal_document_attention as _xla_attention
 from models.config import ModelConfig, count_params, format_count, preset
-from models.lm import REMAT, HybridLM
+from models.lm import PROFILE_SCOPES, REMAT, HybridLM
 from models.sharding import make_mesh, state_shardings
 from moe import grouped_matmul
 from moe.experts import StableLatentMoE
@@ -113,6 +120,16 @@ from train.step import TrainState, stacked_axes
 
 DOCUMENTS_PER_ROW = 4
 PROFILED_OPS = 40  # rows of the `--profile` table
+PROFILED_STEPS = 3  # traced steps of `--profile`
+IN_STEP_TITLE = (
+    f"In-step device time by part (per step, {PROFILED_STEPS} steps traced): every device op "
+    "summed under the innermost named scope of `models.lm.PROFILE_SCOPES` in its HLO op_name (a "
+    "part's forward, recomputation and backward together); other = ops under no scope (copies "
+    "and fusions XLA made without metadata, the scanned layers' slicing of stacked parameters, "
+    "residual adds). This measures the parts inside the one compiled step, where XLA fuses and "
+    "schedules them together; the breakdown above times each layer kind alone, compiled on its "
+    "own, so the two measure different things and need not agree."
+)
 
 
 GIB = 2**30
@@ -491,7 +508,11 @@ def run(setup: BenchSetup, optimizer: str,
               f"{100 * result['mfu']:.1f}%", flush=True)
         report(result)
         if profile:
-            result["ops"] = trace_device_ops(step, compiled, steps=3, top=PROFILED_OPS)
+            result["ops"] = trace_device_ops(step, compiled, PROFILED_STEPS, PROFILED_OPS,
+                                             scopes=PROFILE_SCOPES)
+            print("in-step device time by part: " + ", ".join(
+                f"{scope} {ms:.1f} ms" for scope, ms in result["ops"]["scopes"].items() if ms > 0
+            ), flush=True)
             report(result)
         del trainer, compiled, batch, step
         for name, count, seconds in layer_breakdown(cfg, setup):
@@ -561,7 +582,9 @@ def markdown(result: dict, command: str) -> str:
     if "rest" not in result["breakdown"]:
         lines += ["", "The run stopped before every layer was timed."]
     if "ops" in result:
-        lines += ["", "## Where the step's device time goes (`--profile`)", ""] + ops_markdown(
+        lines += ["", "## Where the step's device time goes (`--profile`)", ""]
+        lines += scopes_markdown(result["ops"], IN_STEP_TITLE)
+        lines += ops_markdown(
             result["ops"], "Top device ops of the step, compiled without command buffers (the "
             "timed step above was compiled the same way)")
     return "\n".join(lines) + "\n"
@@ -596,8 +619,9 @@ def main(argv=None) -> dict:
                         help="only compile the step here, GPU kernels stood in, and print XLA's "
                         "memory plan and the compile time (nothing is allocated or run)")
     parser.add_argument("--profile", action="store_true",
-                        help="compile the step without command buffers and add its top device ops "
-                        "(a jax.profiler trace of 3 steps) to the table")
+                        help="compile the step without command buffers and add its device time by "
+                        "part (named scope) and its top device ops (a jax.profiler trace of "
+                        f"{PROFILED_STEPS} steps) to the table")
     parser.add_argument("--out", help="write the markdown table here (--gpu default: "
                         "benchmarks/train_h200.md) and the numbers next to it as .json, "
                         "rewritten as each number is measured")

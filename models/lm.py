@@ -19,6 +19,10 @@ recomputes of each layer, scanned or not.
 Generation continues sequences through `DecodeState` (KDA conv/recurrent state, paged MLA
 latents): `state = model.init_decode_state(...)`, then `logits, state = model.extend(tokens,
 state)` for the prompt and for each new token (`models.generate` drives it).
+
+Each part of the model (and of `train.step`) runs under a `jax.named_scope` of `PROFILE_SCOPES`
+(`profile_scope`), so a profile can sum the compiled step's device time per part
+(`experiments.profiling.scope_times`).
 """
 
 import dataclasses
@@ -50,6 +54,29 @@ REMAT = {
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 STREAM_AXES = ("batch", "seq", "embed")
+# The parts of a training step, each a `jax.named_scope` (`profile_scope`). A norm belongs to
+# the part it feeds; the residual adds between sub-layers belong to none.
+PROFILE_SCOPES = (
+    "embed",         # token embedding
+    "attn_res",      # AttnRes reads and seals (models.attn_res), before each sub-layer and head
+    "kda",           # KDA token mixer, its RMSNorm included
+    "attention",     # Gated MLA token mixer, its RMSNorm included
+    "dense_ffn",     # dense GLU FFN, its RMSNorm included
+    "moe",           # Stable LatentMoE FFN, its RMSNorm included
+    "lm_head",       # final RMSNorm and LM head
+    "loss",          # cross-entropy and MoE auxiliary loss (train.step)
+    "finite_check",  # gradient norm and the non-finite test (train.step)
+    "optimizer",     # the optimizer update (train.step)
+    "router_bias",   # the MoE router-bias update (train.step)
+    "qk_clip",       # QK-Clip of the MLA heads, when on (train.step)
+)
+
+
+def profile_scope(part: str):
+    """`jax.named_scope(part)` for one of `PROFILE_SCOPES` (the names a profile looks for)."""
+    if part not in PROFILE_SCOPES:
+        raise ValueError(f"part must be one of PROFILE_SCOPES {PROFILE_SCOPES}, got {part!r}")
+    return jax.named_scope(part)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,23 +163,27 @@ class DecoderLayer(nnx.Module):
         cache: None (training) or this layer's cache; page_table: (block_tables, lengths).
         Returns (stream, RouterStats or None, new cache or None).
         """
-        x, stream = sublayer_input(stream, self.mixer_read, 2 * index, period)
-        h = self.mixer_norm(x)
-        if cache is None:
-            mixed = self.mixer(h, segment_ids=segment_ids)
-        elif self.mixer_kind == "kda":
-            mixed, cache = self.mixer(h, cache=cache, return_cache=True)
-        else:
-            mixed, paged = self.mixer(h, cache=PagedLatentCache(cache, *page_table))
-            cache = paged.pages
+        with profile_scope("attn_res"):
+            x, stream = sublayer_input(stream, self.mixer_read, 2 * index, period)
+        with profile_scope("kda" if self.mixer_kind == "kda" else "attention"):
+            h = self.mixer_norm(x)
+            if cache is None:
+                mixed = self.mixer(h, segment_ids=segment_ids)
+            elif self.mixer_kind == "kda":
+                mixed, cache = self.mixer(h, cache=cache, return_cache=True)
+            else:
+                mixed, paged = self.mixer(h, cache=PagedLatentCache(cache, *page_table))
+                cache = paged.pages
         stream = stream.add(mixed)
-        x, stream = sublayer_input(stream, self.ffn_read, 2 * index + 1, period)
-        h = self.ffn_norm(x)
-        stats = None
-        if self.ffn_kind == "moe":
-            out, stats = self.ffn(h, segment_ids)
-        else:
-            out = self.ffn(h)
+        with profile_scope("attn_res"):
+            x, stream = sublayer_input(stream, self.ffn_read, 2 * index + 1, period)
+        with profile_scope("moe" if self.ffn_kind == "moe" else "dense_ffn"):
+            h = self.ffn_norm(x)
+            stats = None
+            if self.ffn_kind == "moe":
+                out, stats = self.ffn(h, segment_ids)
+            else:
+                out = self.ffn(h)
         stream = stream.add(out)
         return dataclasses.replace(stream, live=constrain(stream.live, STREAM_AXES)), stats, cache
 
@@ -287,7 +318,8 @@ class HybridLM(nnx.Module):
                 f"{segment_ids.shape}"
             )
         period = cfg.seal_period
-        embedded = constrain(self.embed(tokens), STREAM_AXES)
+        with profile_scope("embed"):
+            embedded = constrain(self.embed(tokens), STREAM_AXES)
         stream = ResidualStream.start(embedded, num_seal_slots(2 * cfg.num_layers, period))
         page_table = None if state is None else (state.block_tables, state.lengths)
         remat = REMAT[cfg.remat]
@@ -300,8 +332,10 @@ class HybridLM(nnx.Module):
             all_stats.extend(s for s in stats if s is not None)
             all_caches.append(caches)
         if self.final_read is not None:
-            stream = dataclasses.replace(stream, live=self.final_read(stream))
-        logits = self.lm_head(self.final_norm(stream.live))
+            with profile_scope("attn_res"):
+                stream = dataclasses.replace(stream, live=self.final_read(stream))
+        with profile_scope("lm_head"):
+            logits = self.lm_head(self.final_norm(stream.live))
         new_state = None
         if state is not None:
             new_state = DecodeState(

@@ -1,4 +1,5 @@
-"""The hybrid decoder: interface, parameter counts, causality, packing, decode == prefill, scan.
+"""The hybrid decoder: interface, parameter counts, causality, packing, decode == prefill, scan,
+named scopes of its parts.
 
 XLA compiles are the cost of these tests on a CPU, so the jitted functions live at module level
 (one compile per model structure and shape) and the composition tests run KDA through its
@@ -6,6 +7,7 @@ recurrent oracle (`impl="reference"`, compiles in a fraction of the chunked op's
 tests check chunked == reference). The interface and causality tests use the default path.
 """
 
+import collections
 import dataclasses
 
 import jax
@@ -14,12 +16,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from experiments import profiling
 from kda.layer import KDAConfig
 from models.attention import MLAConfig
 from models.config import count_params, preset
-from models.lm import HybridLM, aux_loss, layer_plan, update_router_biases
+from models.lm import PROFILE_SCOPES, HybridLM, aux_loss, layer_plan, update_router_biases
 from models.paged_cache import PageAllocator, pages_needed
 from moe.config import MoEConfig
+from train.step import FAST_COMPILE_OPTIONS
 
 VOCAB = 264
 # Five layers: a dense KDA layer, then [KDA, MLA] twice, a scannable run of two groups.
@@ -267,3 +271,26 @@ def test_remat_checkpoints_each_scanned_layer_on_its_own():
     scanned_body = [eqn.primitive for eqn in scan.params["jaxpr"].eqns]
     assert [eqn.primitive for eqn in jaxpr.eqns].count(checkpoint) == 1  # the lone layer 0
     assert scanned_body.count(checkpoint) == 2  # the group's two layers, one checkpoint each
+
+
+def test_compiled_gradient_names_each_part_in_forward_and_backward_ops():
+    # What experiments.profiling.scope_times reads: the scopes survive into the compiled HLO's
+    # op_name metadata, in a lone layer (MLA, dense FFN) and in a scanned group (KDA, MoE), both
+    # rematerialised; backward op_names read "transpose(jvp(kda))/..." or, under the checkpoint
+    # and in scanned bodies, "transpose(jvp())/while/body/eval_jaxpr/checkpoint/kda/...".
+    cfg = reference_kda_config(scan_layers=True, remat="dots", num_layers=3, kda_layers=(2, 3),
+                               full_attn_layers=(1,))
+    model = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))
+    assert [(p.size, p.repeats) for p in model.plan] == [(1, 1), (1, 2)]
+    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    compiled = value_and_grad.lower(model, tokens).compile(FAST_COMPILE_OPTIONS)
+    found = collections.defaultdict(set)
+    for op in profiling.hlo_instructions(compiled.as_text()).values():
+        scope = profiling.scope_of(op.op_name, PROFILE_SCOPES)
+        direction = "backward" if "transpose(" in op.op_name else "forward"
+        found[scope].add(direction + (" scanned" if "/while/body/" in op.op_name else ""))
+    lone, scanned = {"forward", "backward"}, {"forward scanned", "backward scanned"}
+    expected = dict(embed=lone, attention=lone, dense_ffn=lone, kda=scanned, moe=scanned,
+                    attn_res=lone | scanned, lm_head=lone)
+    for scope, directions in expected.items():
+        assert directions <= found[scope], (scope, found[scope])

@@ -103,6 +103,11 @@ def test_smoke_benchmark_reports_throughput_memory_breakdown_and_profile(tmp_pat
     text = out.read_text()
     assert "| kda | 3 |" in text and "XLA memory plan per device" in text
     assert result["ops"]["rows"] and "Where the step's device time goes" in text
+    scopes = result["ops"]["scopes"]
+    assert all(scopes[part] > 0 for part in ("kda", "attention", "moe", "optimizer")), scopes
+    assert sum(scopes.values()) == pytest.approx(result["ops"]["total_ms"])
+    assert text.index("In-step device time by part") < text.index("Top device ops")
+    assert f"| kda | {scopes['kda']:.3f} |" in text
     assert json.loads(out.with_suffix(".json").read_text())["setup"]["preset"] == "tiny"
 
 

@@ -21,6 +21,9 @@ in-place updates). One step:
    moments after the in-place update has written the new ones, so XLA would copy every moment
    first: 27.7 GiB more for the `1b` preset; the cond keeps the update in place.)
 
+Each of these parts runs under its named scope of `models.lm.PROFILE_SCOPES` (`loss`,
+`finite_check`, `optimizer`, `router_bias`, `qk_clip`), so a profile can sum time per part.
+
 The model is any `nnx.Module` with `forward(tokens, segment_ids) -> (logits, router_stats)` and
 `moe_sites()` (as `models.lm.HybridLM`).
 """
@@ -32,7 +35,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from models.lm import aux_loss, update_router_biases
+from models.lm import aux_loss, profile_scope, update_router_biases
 from moe.routing import max_violation
 from train import qk_clip
 
@@ -126,17 +129,19 @@ def make_train_step(
             else:
                 output, captured = qk_clip.capture_forward(model, *inputs)
             logits, router_stats = output
-            nll, count = next_token_nll(logits, batch["targets"], batch["loss_mask"])
-            loss = nll / jnp.maximum(count, 1.0)
-            auxiliary = aux_loss(router_stats)
+            with profile_scope("loss"):
+                nll, count = next_token_nll(logits, batch["targets"], batch["loss_mask"])
+                loss = nll / jnp.maximum(count, 1.0)
+                auxiliary = aux_loss(router_stats)
             aux = (loss, auxiliary, count, jax.lax.stop_gradient((router_stats, captured)))
             return loss + auxiliary, aux
 
         (_, (loss, auxiliary, count, (router_stats, captured))), grads = jax.value_and_grad(
             loss_fn, has_aux=True
         )(params)
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        with profile_scope("finite_check"):
+            grad_norm = optax.tree.norm(grads)
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         metrics = dict(
             loss=loss,
             aux_loss=auxiliary,
@@ -147,19 +152,23 @@ def make_train_step(
         )
         head_max = []
         if qk_clip_tau is not None:
-            head_max = [
-                qk_clip.max_logits(layer.cfg, *captured[path], batch["segment_ids"])
-                for path, layer in qk_clip.mla_layers(train_state.model)
-            ]
+            with profile_scope("qk_clip"):
+                head_max = [
+                    qk_clip.max_logits(layer.cfg, *captured[path], batch["segment_ids"])
+                    for path, layer in qk_clip.mla_layers(train_state.model)
+                ]
             metrics["qk_max_logit"] = jnp.stack(head_max) if head_max else jnp.zeros((0, 0))
 
         def apply_updates(state: nnx.State) -> nnx.State:
             updated = nnx.merge(graphdef, state)
             model = updated.model
-            updated.optimizer.update(model, grads)
-            update_router_biases(model, router_stats)
-            for (_, layer), logits_h in zip(qk_clip.mla_layers(model), head_max):  # [] if off
-                qk_clip.clip_query_key(layer, logits_h, qk_clip_tau)
+            with profile_scope("optimizer"):
+                updated.optimizer.update(model, grads)
+            with profile_scope("router_bias"):
+                update_router_biases(model, router_stats)
+            with profile_scope("qk_clip"):
+                for (_, layer), logits_h in zip(qk_clip.mla_layers(model), head_max):  # [] if off
+                    qk_clip.clip_query_key(layer, logits_h, qk_clip_tau)
             return nnx.state(updated)
 
         new_state = jax.lax.cond(finite, apply_updates, lambda state: state, state)
