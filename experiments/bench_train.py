@@ -60,8 +60,9 @@ moments (27.7 GiB) for its non-finite-step check: `train.step` applies the updat
 
 Compile time: the layers are scanned (`scan_layers`; `models.lm.layer_plan`): in the `1b`
 preset layers 1-12 are three repeats of one four-layer group, compiled once, so XLA compiles 8
-layer bodies instead of 16. With every layer unrolled (`--unrolled`), XLA's compile of the step
-on the H200 took 3.5 min in the first run and had not ended after 190 s in the second.
+layer bodies instead of 16. Scanned, the step compiled in 235 and 254 s on the H200 (2026-11-30;
+`benchmarks/train_h200.md`), so a GPU run needs about 5 minutes; with every layer unrolled
+(`--unrolled`) the compile took 3.5 min in one run and had not ended after 190 s in another.
 
 Breakdown: one KDA, one Gated MLA and one MoE layer of the same configuration are timed alone
 (forward and backward of a fixed random input and cotangent, under the same remat policy, median

@@ -242,6 +242,50 @@ class DecodeState:
     lengths: jax.Array
 
 
+@jax.custom_vjp
+def lm_head_logits(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """Logits [..., V] float32 of x [..., D] and kernel [D, V]: one product in x's dtype with
+    float32 accumulation.
+
+    Its backward rounds the float32 cotangent to x's dtype before both of its products, so they
+    run at the forward's speed. JAX's own transpose would multiply the float32 cotangent by the
+    bf16 operands, which XLA does as float32 products: on the H200 the `1b` step's LM head took
+    16.3 ms for 6.6 TFLOP that way, the weight gradient at 260 TFLOP/s
+    (`benchmarks/train_h200.md`). Rounding d logits to bf16 is the precision of every other
+    product's cotangent in the model; the weight gradient comes back float32-accumulated.
+    """
+    return jnp.dot(x, kernel.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def _lm_head_logits_fwd(x, kernel):
+    return lm_head_logits(x, kernel), (x, kernel)
+
+
+def _lm_head_logits_bwd(saved, d_logits):
+    x, kernel = saved
+    d_logits = d_logits.astype(x.dtype)
+    d_x = jnp.einsum("...v,dv->...d", d_logits, kernel.astype(x.dtype),
+                     preferred_element_type=jnp.float32)
+    d_kernel = jnp.einsum("...d,...v->dv", x, d_logits, preferred_element_type=jnp.float32)
+    return d_x.astype(x.dtype), d_kernel.astype(kernel.dtype)
+
+
+lm_head_logits.defvjp(_lm_head_logits_fwd, _lm_head_logits_bwd)
+
+
+class LMHead(nnx.Module):
+    """`lm_head_logits` of x [..., D] in `dtype` and a kernel [D, V] (logical axes embed, vocab)
+    -> logits [..., V] float32."""
+
+    def __init__(self, d_model: int, vocab_size: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.dtype = dtype
+        init = logical(nnx.initializers.lecun_normal(), ("embed", "vocab"))
+        self.kernel = nnx.Param(init(rngs.params(), (d_model, vocab_size), param_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return lm_head_logits(x.astype(self.dtype), self.kernel[...])
+
+
 class HybridLM(nnx.Module):
     """The hybrid decoder of `cfg`. `model(tokens [B, T] int32, segment_ids=None)` -> logits
     [B, T, vocab] float32."""
@@ -265,11 +309,7 @@ class HybridLM(nnx.Module):
         )
         self.final_read = _attn_res_read(cfg)
         self.final_norm = RMSNorm(d, eps=cfg.norm_eps, axis_name="embed", **dtypes)
-        self.lm_head = nnx.Linear(
-            d, cfg.vocab_size, use_bias=False,
-            kernel_init=logical(nnx.initializers.lecun_normal(), ("embed", "vocab")),
-            preferred_element_type=jnp.float32, rngs=rngs, **dtypes,
-        )
+        self.lm_head = LMHead(d, cfg.vocab_size, rngs=rngs, **dtypes)
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         """tokens: [B, T] int32; segment_ids: [B, T] packed-document ids -> [B, T, V] float32."""

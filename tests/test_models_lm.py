@@ -20,9 +20,11 @@ from experiments import profiling
 from kda.layer import KDAConfig
 from models.attention import MLAConfig
 from models.config import count_params, preset
-from models.lm import PROFILE_SCOPES, HybridLM, aux_loss, layer_plan, update_router_biases
+from models.lm import (PROFILE_SCOPES, HybridLM, aux_loss, layer_plan, lm_head_logits,
+                       update_router_biases)
 from models.paged_cache import PageAllocator, pages_needed
 from moe.config import MoEConfig
+from kda_inputs import relative_error
 from train.step import FAST_COMPILE_OPTIONS
 
 VOCAB = 264
@@ -294,3 +296,50 @@ def test_compiled_gradient_names_each_part_in_forward_and_backward_ops():
                     attn_res=lone | scanned, lm_head=lone)
     for scope, directions in expected.items():
         assert directions <= found[scope], (scope, found[scope])
+
+
+def _plain_logits(x, kernel):
+    return jnp.dot(x, kernel.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def _logits_grads(logits_fn, x, kernel, targets):
+    def loss(x, kernel):
+        logits = logits_fn(x, kernel)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
+    return jax.grad(loss, argnums=(0, 1))(x, kernel)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(jnp.bfloat16, 1e-2), (jnp.float32, 1e-6)])
+def test_lm_head_logits_match_autodiff(dtype, tolerance):
+    """Forward exactly the plain product; gradients within the precision of the compute dtype
+    (in bf16 the backward rounds d logits, where autodiff multiplies it in float32)."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (2, 8, 64)).astype(dtype)
+    kernel = 0.1 * jax.random.normal(keys[1], (64, 300))
+    targets = jax.random.randint(keys[2], (2, 8), 0, 300)
+    np.testing.assert_array_equal(lm_head_logits(x, kernel), _plain_logits(x, kernel))
+    got = _logits_grads(lm_head_logits, x, kernel, targets)
+    want = _logits_grads(_plain_logits, x, kernel, targets)
+    for name, g, w in zip(("x", "kernel"), got, want):
+        assert g.dtype == w.dtype, name
+        assert relative_error(g, w) <= tolerance, name
+
+
+def test_lm_head_backward_multiplies_in_the_compute_dtype():
+    """Both backward products take bf16 operands (autodiff's would take the float32 d logits)."""
+    x = jnp.ones((4, 16), jnp.bfloat16)
+    kernel = jnp.ones((16, 32), jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda x, k: _logits_grads(lm_head_logits, x, k, jnp.zeros(4, int)))(
+        x, kernel)
+    dots = []
+
+    def collect(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                dots.append([v.aval.dtype for v in eqn.invars])
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                collect(sub)
+
+    collect(jaxpr.jaxpr)
+    assert len(dots) == 3  # the forward's product and the backward's two
+    assert all(dtypes == [jnp.bfloat16, jnp.bfloat16] for dtypes in dots), dots
