@@ -30,13 +30,17 @@ by default (75% of 139 GiB). `--cpu-plan` compiles the step on the CPU at the sa
 state abstract, with the GPU kernels (Mosaic GPU KDA, grouped GEMMs, cuDNN attention) replaced
 by opaque calls that read their operands and write their results and residuals
 (`gpu_kernel_stand_ins`); XLA then plans these temporaries besides the arguments (float32
-gradients included; CPU compile 21-53 s each):
+gradients included; CPU compile 24-31 s each):
 
     remat            layers      4 x 4096     2 x 4096     1 x 4096
     dots             unrolled     28.8 GiB     28.8 GiB
-    dots             scanned      45.2 GiB     30.9 GiB     28.0 GiB
-    dots_no_batch    scanned      41.2 GiB
-    full             scanned      33.0 GiB
+    dots             scanned      37.7 GiB     28.0 GiB     28.0 GiB
+    dots_no_batch    scanned      37.7 GiB
+    full             scanned      29.6 GiB
+
+(Before the AttnRes reads were written as reductions (`models.attn_res.attn_res_read`), the
+scanned rows were 45.2, 30.9 and 28.0 GiB with `dots`, 41.2 with `dots_no_batch` and 33.0 with
+`full`: each read wrote its normalised float32 candidates out for a batched matmul.)
 
 Unrolled, the optimizer update's 28.8 GiB is the peak (the backward's was 27.0 GiB with `dots`
 and 23.8 with `full` in an earlier estimate by the same method, where no remat needed 133.5 GiB
@@ -50,8 +54,9 @@ rematerialised the four layers' intermediates together (8.5 GB of dtype conversi
 still has over the unrolled one is XLA:CPU's packing of the while loops' buffers, not live data:
 at the peak of the 4-row plans (the end of the forward loop scanned, the optimizer update
 unrolled) the buffers live add up to 71.3 GiB scanned and 70.6 GiB unrolled (XLA's live-range
-dump), but the scanned program's allocation spans 86.8 GiB and the unrolled one's 70.4. So
-`--gpu` runs 4 rows, scanned (86.8 GiB of the 104 GiB allocator by this upper bound), with
+dump), but the scanned program's allocation spanned 86.8 GiB and the unrolled one's 70.4 (79.2
+GiB scanned since the AttnRes change). So `--gpu` runs 4 rows, scanned (79.2 GiB of the 104 GiB
+allocator by this upper bound; the H200's own plan was 84.2 GiB before the AttnRes change), with
 `dots` (it recomputes the least of the policies: elementwise work, norms, routing; every policy
 recomputes the kernels' forwards, custom VJPs being opaque to it); `--unrolled` plans 70.4 GiB
 but compiles slowly (below), `--batch 2` 72.4 GiB. The step also no longer copies the AdamW

@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.norms import rms_normalize
 from models.sharding import logical_param
 
 ResidualMode = Literal["block_attn_res", "full_attn_res", "plain"]
@@ -94,17 +93,30 @@ def attn_res_read(stream: ResidualStream, gain: jax.Array, query: jax.Array, eps
     """Softmax over the candidates [sealed..., live] of <RMSNorm(v_c), gain * query>.
 
     gain, query: [D]. Returns the weighted sum of the raw candidates, [B, T, D] in live's dtype.
+
+    Written as elementwise products and sums over D and over the candidates, not as einsums:
+    contractions over D against one vector and over S <= a few candidates are reductions, and XLA
+    fuses them into passes over the bf16 stream; as dots they made it write the normalised and
+    float32 candidates [S, B, T, D] out, transposed for the batched matmul (forward, recomputed
+    forward and backward of every read).
     """
     direction = gain.astype(jnp.float32) * query.astype(jnp.float32)
-    sealed = stream.sealed.astype(jnp.float32)
-    live = stream.live.astype(jnp.float32)
-    sealed_scores = jnp.einsum("sbtd,d->sbt", rms_normalize(sealed, eps), direction)
-    live_score = jnp.einsum("btd,d->bt", rms_normalize(live, eps), direction)
-    filled = jnp.arange(sealed.shape[0]) < stream.num_sealed
+    sealed_scores = _normalized_score(stream.sealed, direction, eps)  # [S, B, T]
+    live_score = _normalized_score(stream.live, direction, eps)  # [B, T]
+    filled = jnp.arange(stream.sealed.shape[0]) < stream.num_sealed
     sealed_scores = jnp.where(filled[:, None, None], sealed_scores, -jnp.inf)
     probs = jax.nn.softmax(jnp.concatenate([sealed_scores, live_score[None]], axis=0), axis=0)
-    mixed = jnp.einsum("sbt,sbtd->btd", probs[:-1], sealed) + probs[-1][..., None] * live
+    mixed = (jnp.sum(probs[:-1, ..., None] * stream.sealed.astype(jnp.float32), axis=0)
+             + probs[-1][..., None] * stream.live.astype(jnp.float32))
     return mixed.astype(stream.live.dtype)
+
+
+def _normalized_score(v: jax.Array, direction: jax.Array, eps: float) -> jax.Array:
+    """<RMSNorm(v), direction> = <v, direction> / rms(v) over the last axis: v [..., D],
+    direction [D] float32 -> [...] float32."""
+    v = v.astype(jnp.float32)
+    return jnp.sum(v * direction, axis=-1) * jax.lax.rsqrt(
+        jnp.mean(jnp.square(v), axis=-1) + eps)
 
 
 class AttnResRead(nnx.Module):

@@ -62,6 +62,22 @@ def test_read_is_float32_inside_and_returns_stream_dtype():
     np.testing.assert_array_equal(out, expected)
 
 
+def test_read_and_its_gradient_are_reductions_not_matmuls():
+    """The contractions over D (against one vector) and over the few candidates are written as
+    reductions: as dots, XLA wrote the normalised float32 candidates [S, B, T, D] out, transposed
+    for a batched matmul, in every read's forward and backward."""
+    stream = random_stream(jax.random.key(5), 4, 2, dtype=jnp.bfloat16)
+
+    def loss(sealed, live, gain, query):
+        read = attn_res_read(ResidualStream(sealed, stream.num_sealed, live), gain, query, EPS)
+        return jnp.sum(read.astype(jnp.float32))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(
+        stream.sealed, stream.live, jnp.ones(8), jnp.ones(8))
+    primitives = {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
+    assert "dot_general" not in primitives and "reduce_sum" in primitives
+
+
 def literal_k3_walk(embedding, sublayers, reads, final_read, block_size):
     """K3's published bookkeeping (moe_arch.md §5.3) transcribed with a growing Python list."""
 
