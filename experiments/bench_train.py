@@ -112,17 +112,14 @@ from models import attention
 from models.attention import GatedMLA
 from models.attention import causal_document_attention as _xla_attention
 from models.config import ModelConfig, count_params, format_count, preset
-from models.lm import PROFILE_SCOPES, REMAT, HybridLM
-from models.sharding import make_mesh, state_shardings
+from models.lm import PROFILE_SCOPES, REMAT
 from moe import grouped_matmul
 from moe.experts import StableLatentMoE
-from train.checkpoint import abstract_like
 from train.data import DataConfig
 from train.loop import MeshConfig, TrainConfig, Trainer
 from train.metrics import HOPPER_PEAK_FLOPS, train_flops_per_token
-from train.optim import OptimConfig, make_optimizer
+from train.optim import OptimConfig
 from train.packing import finalize_batch
-from train.step import TrainState, stacked_axes
 
 DOCUMENTS_PER_ROW = 4
 PROFILED_OPS = 40  # rows of the `--profile` table
@@ -409,12 +406,6 @@ def _stand_in_kda_kernel(q, k, v, g, beta, **kwargs):
     return kernel_kda(path, q, k, v, g, beta, **kwargs)
 
 
-def _kda_kernel_supports(call: kda_api.KDACall) -> bool:
-    """`kda.kernels.mosaic_gpu.supports` on any backend."""
-    return (call.dtype == jnp.bfloat16 and call.key_dim == call.value_dim
-            and call.key_dim in kda_mosaic_gpu.SUPPORTED_DIMS)
-
-
 @contextlib.contextmanager
 def gpu_kernel_stand_ins():
     """Within: KDA, the MoE grouped matmuls and attention take opaque stand-ins of their H200
@@ -422,7 +413,8 @@ def gpu_kernel_stand_ins():
     with contextlib.ExitStack() as stack:
         patch = lambda *args: stack.enter_context(mock.patch.object(*args))  # noqa: E731
         patch(kda_api, "_KERNELS", [])  # a registry of the stand-in alone, restored on exit
-        kda_api.register_kernel("gpu_stand_in", _stand_in_kda_kernel, _kda_kernel_supports)
+        kda_api.register_kernel("gpu_stand_in", _stand_in_kda_kernel,
+                                kda_mosaic_gpu.covers_shapes)
         # The recurrence's split into segments follows the H200's SMs, not this machine's cores.
         patch(sequence_parallel, "_multiprocessor_count", lambda: sequence_parallel.HOPPER_SM_COUNT)
         patch(grouped_matmul, "_on_hopper", lambda: True)
@@ -447,18 +439,7 @@ def cpu_plan(setup: BenchSetup, optimizer: str) -> dict:
     """Compiles the step of `setup` on this machine with the GPU kernels stood in
     (`gpu_kernel_stand_ins`), its state abstract (nothing allocated, nothing run), and prints
     XLA's memory plan and the compile time: {compile_seconds, memory_gib}."""
-    config = train_config(setup, optimizer)
-    mesh = make_mesh(**dataclasses.asdict(config.mesh), devices=config.mesh.devices())
-
-    def build() -> TrainState:
-        model = HybridLM(config.model, rngs=nnx.Rngs(config.seed))
-        params = nnx.state(model, nnx.Param)
-        return TrainState(model, make_optimizer(config.optim, params, config.steps,
-                                                stacked_axes(model)))
-
-    graphdef, abstract = nnx.split(nnx.eval_shape(build))
-    shardings = state_shardings(abstract, mesh)
-    trainer = Trainer(config, mesh, graphdef, abstract_like(abstract, shardings), shardings)
+    trainer = Trainer.create(train_config(setup, optimizer), abstract=True)
     with gpu_kernel_stand_ins():
         compiled, seconds = compile_step(trainer, trainer.place(synthetic_batch(setup)))
     memory = memory_analysis(compiled)

@@ -185,3 +185,18 @@ def test_a_partial_result_is_reported_as_far_as_it_got():
     text = bench_train.markdown(result, "cmd")
     assert "| 500.0 ms | 256 |" in text and "| kda | 3 | 200.0 | 40% |" in text
     assert "before every layer was timed" in text
+
+
+@pytest.mark.slow  # about 25 s: the tiny step compiled twice
+def test_cpu_plan_compiles_the_step_of_an_abstract_state(capsys):
+    """`--cpu-plan` builds the trainer abstract (shapes and shardings as the real one, nothing
+    allocated) and compiles its step with the GPU kernels stood in."""
+    config = bench_train.train_config(bench_train.SMOKE, "adamw")
+    abstract = bench_train.Trainer.create(config, abstract=True).state
+    concrete = bench_train.Trainer.create(config).state
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract))
+    assert jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), abstract) == jax.tree.map(
+        lambda x: (x.shape, x.dtype, x.sharding), concrete)
+    result = bench_train.cpu_plan(bench_train.SMOKE, "adamw")
+    assert 0 < result["memory_gib"]["argument"] <= result["memory_gib"]["peak"]
+    assert "GPU kernels stood in" in capsys.readouterr().out

@@ -142,8 +142,10 @@ class Trainer:
     shardings: nnx.State
 
     @classmethod
-    def create(cls, config: TrainConfig) -> "Trainer":
-        """Initialises the model and optimizer directly in their shards on the mesh."""
+    def create(cls, config: TrainConfig, *, abstract: bool = False) -> "Trainer":
+        """Initialises the model and optimizer directly in their shards on the mesh; with
+        `abstract`, only their shapes and shardings (enough to compile the step, nothing
+        allocated)."""
         mesh = make_mesh(**dataclasses.asdict(config.mesh), devices=config.mesh.devices())
 
         def build() -> TrainState:
@@ -152,8 +154,10 @@ class Trainer:
             tx = make_optimizer(config.optim, params, config.steps, stacked_axes(model))
             return TrainState(model, tx)
 
-        graphdef, abstract = nnx.split(nnx.eval_shape(build))
-        shardings = state_shardings(abstract, mesh)
+        graphdef, shapes = nnx.split(nnx.eval_shape(build))
+        shardings = state_shardings(shapes, mesh)
+        if abstract:
+            return cls(config, mesh, graphdef, abstract_like(shapes, shardings), shardings)
         with jax.set_mesh(mesh):
             # Initialisation runs once: optimising its program would cost more than it saves.
             state = jax.jit(lambda: nnx.state(build()), out_shardings=shardings,

@@ -173,11 +173,15 @@ def supports(call: KDACall) -> bool:
     Any gate (bounded: both kernels; unbounded: plain-JAX preparation), grouped value heads,
     initial and final states, L2-normalised q/k, packed documents and any T are covered.
     """
-    return (call.backend == "gpu"
-            and call.dtype == jnp.bfloat16
+    return call.backend == "gpu" and covers_shapes(call) and _on_hopper()
+
+
+def covers_shapes(call: KDACall) -> bool:
+    """What `supports` asks of the call itself, whatever the device: bfloat16, K = V in {64,
+    128}."""
+    return (call.dtype == jnp.bfloat16
             and call.key_dim == call.value_dim
-            and call.key_dim in SUPPORTED_DIMS
-            and _on_hopper())
+            and call.key_dim in SUPPORTED_DIMS)
 
 
 register_kernel(NAME, mosaic_gpu_kda, supports)
