@@ -1,0 +1,357 @@
+"""The score-tile backward of KDA's chunk preparation in [token, key] orientation (Hopper).
+
+A drop-in for `kda.kernels.mosaic_gpu_prepare_backward._score_backward` (its kernel 2): the same
+GMEM inputs and outputs, so `score_backward` replaces it in one line. It computes, per chunk, the
+gradients through both score matrices, the direct terms, dG and its reverse cumulative sum (the
+formulas are in that module's docstring; `A[r, s] = sum_c x_r[c] k_s[c] exp(G_r[c] - G_s[c])`,
+x = q for Aqk and k for Akk).
+
+The difference is the orientation. There, the row terms of row tile i are
+`exp(G_r - b_i) (dA[tile i, :] (k exp(b_i - G)))`: the anchor belongs to the output's tile, so the
+product has M = 16 tokens, which wgmma (M = 64) can only run transposed ([key, token]), and the
+results go back through shared memory as bf16 hi/lo pairs. Here the anchor belongs to the tile of
+the *summed* token: with `b_t = G[16 t] + 7.5 L` as before,
+
+    row terms    R[r] = sum_t exp(G_r - b_t) (dA[:, tile t] F_t)[r],    F_t = (k exp(b_t - G))[t]
+    column terms Q[s] = sum_t exp(b_t - G_s) (dA[tile t, :]^T X_t)[s],  X_t = (x exp(G - b_t))[t]
+
+Every product is [64 tokens, keys] with K = 16 (one tile of summed tokens), the per-token factors
+apply to the product in float32 registers, and nothing is transposed back. `F_t` and `X_t` are
+the tile-t rows of one [64, keys] array each (`k exp(b_{r // 16} - G)`, `x exp(G - b_{r // 16})`),
+so the operands take two exp tiles and three hi/lo stores, not one per tile. The factors stay
+within e^(7.5 |L|) <= e^37.5 as in the forward: `G_r - b_t` is at most -7.5 L for r >= 16 t (and
+the rows r < 16 t, whose factor would overflow, have dA = 0 and are masked to 0), `b_t - G_s` at
+most -7.5 L for s < 16 (t + 1); a factor underflows only where the true weight is below e^-49.
+For a pair of one tile both directions use the same anchor; the operands are exact-to-2^-16 hi/lo
+pairs in both directions, as before, so the row and column terms that cancel in dG round alike.
+
+Layout: one program per (batch row, value head, chunk) with two warpgroups. They share the staged
+score cotangents (dAqk masked once, by warpgroup 0, while warpgroup 1 stores the cumulative sums'
+triangle) and take the key columns in slabs of 32 (`SLAB`): warpgroup w the slabs
+[w K / 64, (w + 1) K / 64), one after another (one slab each at K = 64, two at 128), so every
+float32 [64, 32] tile is 16 registers a thread. wgmma operands use one 32-byte swizzle in [8, 16]
+tiles (`tile16_smem`), so every 16-token slice of dA (rows, or columns) is an operand.
+
+Per slab and warpgroup: G = cumsum(g) (the exact 3-way bf16 split times the triangle, as kernel 2:
+one wgmma group behind one barrier, where a shift scan would take six) and its anchors; the column
+operands; d k_to_state's direct terms (the first part of dk's column sums); the column terms (four
+accumulators, one wait) while d q_from_state loads; the row operand over the column ones; the row
+terms (two groups of two tiles, four accumulators each) after d q_from_state's direct term and
+kernel 1's dk term; then dG, dq and dk stored, and dg = triu(1) dG (same split). Each float32
+cotangent is folded into a register sum when it is read, so it needs no memory of its own; all
+but the first slab's inputs load while other work runs, except g and d k_to_state at the start of
+a warpgroup's second slab (K = 128). Barriers per slab: 5 TMA waits, 8 shared-memory commits, 5
+wgmma waits (kernel 2: 12, 27 and 12 per 64 key columns), with no transposes or untransposes.
+
+Numerics: as kernel 2 (bf16 operands, float32 accumulation, hi/lo factors); the sums per token run
+in another order (per summed tile rather than per output tile) from differently anchored operands,
+so results differ from kernel 2's at the rounding of the hi/lo operands, not bit for bit
+(interpret mode: relative differences dq 2.4e-6, dk and dg below 2e-7).
+
+Shared memory per program, at K = 64 and 128 alike: the two score cotangents and the triangle
+(24 KiB), and per warpgroup q and k (8 KiB), four operand tiles (16 KiB) and two float32 tiles
+(16 KiB), with the vectors 109 KiB as Mosaic GPU allocates it: within the 113 KiB of two programs
+(four warpgroups) an SM, if at most 128 registers a thread. Buffers are reused in place (no
+`plgpu.RefUnion`: interpret mode checks a union's groups as whole buffers, so two warpgroups'
+halves of one union would race): A holds g, G, kernel 1's dk term and dk; B d k_to_state, d
+q_from_state, dq and dg; the operand tiles the sums' parts and both terms' operands. Interpret
+mode does not check wgmma's operand reads for races.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kda.chunked import TILE_SIZE
+from kda.kernels.mosaic_gpu_common import OPERAND_DTYPE, swizzled_smem
+from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, NUM_TILES, ROW_VECTOR, WGMMA,
+                                          COMPILER_PARAMS, cumulative_sum, exponent_from_tile,
+                                          exponent_up_to_tile, iota, load_plain, per_column,
+                                          per_row, row_anchors, same_document, state_masks,
+                                          store_anchors, store_lower_ones, store_split)
+
+WARPGROUPS = 2
+SLAB = 32  # key columns a warpgroup works on at a time
+SWIZZLE = 2 * TILE_SIZE  # bytes: one 16-token bf16 row, so every 16-token slice is tile aligned
+
+# Rows of the shared table of float32 [C] vectors.
+DOCUMENT, Q_FACTOR, K_FACTOR = range(3)
+# Rows of each warpgroup's table of float32 [SLAB] vectors: the anchors (rows 0 to NUM_TILES - 1,
+# `store_anchors`), then these.
+LAST_G, D_CHUNK_DECAY = NUM_TILES, NUM_TILES + 1
+# Each warpgroup's four bf16 [C, SLAB] operand tiles: the column terms' hi/lo pairs, then the row
+# terms' pair over the first; the cumulative sums' three parts before and after.
+Q_COLUMNS, K_COLUMNS, K_ROWS, SUM_PARTS = (0, 1), (2, 3), (0, 1), (0, 1, 2)
+OPERAND_TILES = 4
+ROW_TILES_PER_GROUP = 2  # row-term tiles issued before one wait (two accumulators each)
+
+
+def tile16_smem(shape):
+    """bf16 SMEM in [8, 16] tiles with a 32-byte swizzle: every 16-row or 16-column slice of the
+    minor two dimensions is a wgmma operand (K = 16), and all operands share the swizzle."""
+    return plgpu.SMEM(shape, OPERAND_DTYPE, transforms=(plgpu.TilingTransform((8, TILE_SIZE)),
+                                                        plgpu.SwizzleTransform(SWIZZLE)))
+
+
+def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem, k_factor_gmem,
+                           daqk_gmem, dakk_gmem, dq_state_gmem, dk_state_gmem, dk_wy_gmem,
+                           ddecay_gmem, dq_gmem, dk_gmem, dg_gmem,
+                           scores, ones, vectors, slab_vectors, qk, operands, plain,
+                           shared_loaded, shared_ready, finished, g_loaded, qk_loaded,
+                           dk_state_loaded, dq_state_loaded, late_loaded,
+                           *, lower_bound, group, slabs):
+    """One (batch row, value head, chunk) program of two warpgroups.
+
+    GMEM inputs and outputs as `kda.kernels.mosaic_gpu_prepare_backward._score_backward_kernel`:
+    q, k [B, T, H, K] bf16; g [B, T, HV, K], document [B, T], q_factor and k_factor [B, H, T]
+    float32; dAqk, dAkk [B, HV, N, C, C] bf16; d q_from_state, d k_to_state, kernel 1's dk term
+    [B, HV, N, C, K] and d chunk_decay [B, HV, N, K] float32. Outputs dq, dk, dg float32
+    [B, T, HV, K]. slabs: key slabs per warpgroup (K / 64).
+
+    Scratch (the per-warpgroup ones indexed by the warpgroup first): dAqk and dAkk, the triangle,
+    the shared vectors; per warpgroup its vectors, q and k, the operand tiles, and two float32
+    [C, SLAB] tiles: A holds g, G, kernel 1's dk term, then dk; B d k_to_state, d q_from_state,
+    then dq and dg. Each float32 cotangent is folded into a sum in registers when it is read, so
+    none needs memory of its own.
+    """
+    batch, head, chunk = (lax.axis_index(axis) for axis in ("batch", "heads", "chunks"))
+    warpgroup = lax.axis_index("warpgroup")
+    tokens = pl.ds(chunk * CHUNK, CHUNK)
+    out = (batch, head, chunk)
+    slab_shape = (CHUNK, SLAB)
+    daq, dak = scores.at[0], scores.at[1]
+    # This warpgroup's buffers and barriers.
+    my_vectors, q_smem, k_smem = (slab_vectors.at[warpgroup], qk.at[warpgroup, 0],
+                                  qk.at[warpgroup, 1])
+    plain_a, plain_b = plain.at[warpgroup, 0], plain.at[warpgroup, 1]
+    g_loaded, qk_loaded, dk_state_loaded, dq_state_loaded, late_loaded = (
+        barrier.at[warpgroup]
+        for barrier in (g_loaded, qk_loaded, dk_state_loaded, dq_state_loaded, late_loaded))
+
+    def tiles(indices):
+        return tuple(operands.at[warpgroup, index] for index in indices)
+
+    def slab_columns(step):
+        return pl.ds((warpgroup * slabs + step) * SLAB, SLAB)
+
+    def load_g_and_dk_state(columns):  # each awaited where first read
+        plgpu.copy_gmem_to_smem(g_gmem.at[batch, tokens, head, columns], plain_a, g_loaded)
+        plgpu.copy_gmem_to_smem(dk_state_gmem.at[(*out, slice(None), columns)], plain_b,
+                                dk_state_loaded)
+
+    def load_qk(columns):
+        for source, target in ((q_gmem, q_smem), (k_gmem, k_smem)):
+            plgpu.copy_gmem_to_smem(source.at[batch, tokens, head // group, columns], target,
+                                    qk_loaded)
+
+    load_g_and_dk_state(slab_columns(0))
+    load_qk(slab_columns(0))
+
+    @pl.when(warpgroup == 0)
+    def _():
+        shared = ((daqk_gmem.at[out], daq), (dakk_gmem.at[out], dak),
+                  (document_gmem.at[batch, tokens], vectors.at[DOCUMENT]),
+                  (q_factor_gmem.at[batch, head // group, tokens], vectors.at[Q_FACTOR]),
+                  (k_factor_gmem.at[batch, head // group, tokens], vectors.at[K_FACTOR]))
+        for source, target in shared:
+            plgpu.copy_gmem_to_smem(source, target, shared_loaded)
+
+    # dAqk masked in place like Aqk (causal including the diagonal, same document) by one
+    # warpgroup while the other stores the triangle; dAkk comes masked from kernel 1.
+    plgpu.barrier_wait(shared_loaded)
+
+    @pl.when(warpgroup == 0)
+    def _():
+        scores_shape = (CHUNK, CHUNK)
+        rows, columns = iota(scores_shape, 0), iota(scores_shape, 1)
+        daq[...] = jnp.where((columns <= rows) & same_document(vectors.at[DOCUMENT]),
+                             plgpu.load(daq, layout=WGMMA), 0.0)
+
+    @pl.when(warpgroup == 1)
+    def _():
+        store_lower_ones(ones)
+
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(shared_ready)
+    plgpu.barrier_wait(shared_ready)
+
+    def normalized(x_smem, factor_row):
+        x = plgpu.load(x_smem, layout=WGMMA).astype(jnp.float32)
+        return x * per_row(plgpu.load(vectors.at[factor_row], layout=ROW_VECTOR), slab_shape)
+
+    def tile_of(smem, index):  # the 16 tokens of tile `index` (rows) of a [C, n] operand
+        return smem.at[pl.ds(TILE_SIZE * index, TILE_SIZE)]
+
+    def masks():  # built where used rather than held in registers
+        return state_masks(vectors.at[DOCUMENT], slab_shape)
+
+    for step in range(slabs):
+        columns = slab_columns(step)
+        if step > 0:  # the previous slab's stores have read A and B
+            load_g_and_dk_state(columns)
+
+        # G = cumsum(g), stored over g for its anchors and last row, kept apart in a small table;
+        # then A takes kernel 1's dk term.
+        plgpu.barrier_wait(g_loaded)
+        G = cumulative_sum(load_plain(plain_a), tiles(SUM_PARTS), ones)
+        plain_a[...] = G
+        plgpu.commit_smem()
+        anchors = store_anchors(my_vectors, plain_a, lower_bound)
+        my_vectors[LAST_G] = plgpu.load(plain_a.at[CHUNK - 1], layout=COLUMN_VECTOR)
+        plgpu.commit_smem()  # G's rows are read before TMA overwrites them
+        plgpu.copy_gmem_to_smem(dk_wy_gmem.at[(*out, slice(None), columns)], plain_a,
+                                late_loaded)
+        plgpu.copy_gmem_to_smem(ddecay_gmem.at[(*out, columns)], my_vectors.at[D_CHUNK_DECAY],
+                                late_loaded)
+        last_G = plgpu.load(my_vectors.at[LAST_G], layout=COLUMN_VECTOR)
+
+        # The column terms' operands: tile t of each holds the tile's rows with the anchor b_t.
+        plgpu.barrier_wait(qk_loaded)
+        q, k = normalized(q_smem, Q_FACTOR), normalized(k_smem, K_FACTOR)
+        from_anchor = jnp.exp(G - row_anchors(anchors, slab_shape, lower_bound))
+        store_split(tiles(Q_COLUMNS), q * from_anchor)
+        store_split(tiles(K_COLUMNS), k * from_anchor)
+
+        # d k_to_state's direct terms, the first part of the column sums; B takes d q_from_state.
+        plgpu.barrier_wait(dk_state_loaded)
+        dk_to_state = (load_plain(plain_b) * jnp.exp(per_column(last_G, slab_shape) - G)
+                       * masks().writes_state)
+        last_row = jnp.sum(k * dk_to_state, axis=0)
+        plgpu.commit_smem()  # the operands are stored and B is read
+        plgpu.copy_gmem_to_smem(dq_state_gmem.at[(*out, slice(None), columns)], plain_b,
+                                dq_state_loaded)
+
+        # Column terms (both into dk): tile t's product dAqk[tile t, :]^T X_t(q) + dAkk[tile t,
+        # :]^T X_t(k), scaled by exp(b_t - G_s) (zero below the tile, where dA is zero too).
+        def column_terms(*accs):
+            for t, acc in enumerate(accs):
+                for score, parts in ((daq, tiles(Q_COLUMNS)), (dak, tiles(K_COLUMNS))):
+                    score_t = tile_of(score, t).transpose((1, 0))
+                    for part in parts:
+                        plgpu.wgmma(acc, score_t, tile_of(part, t))
+            total = dk_to_state
+            for t, acc in enumerate(accs):
+                total += jnp.exp(exponent_up_to_tile(G, anchors, t, lower_bound)) * acc[...]
+            return total
+
+        dk_columns = pl.run_scoped(column_terms,
+                                   *(plgpu.ACC(slab_shape) for _ in range(NUM_TILES)))
+
+        # The row terms' operand over the column terms' (read: their products are done).
+        k = normalized(k_smem, K_FACTOR)
+        store_split(tiles(K_ROWS), k * jnp.exp(row_anchors(anchors, slab_shape, lower_bound) - G))
+        plgpu.commit_smem()
+
+        # Row terms (dq from dAqk, dk from dAkk): tile t's products dA[:, tile t] F_t, scaled by
+        # exp(G_r - b_t) (zero above the tile, where dA is zero too), after d q_from_state's
+        # direct term and kernel 1's dk term.
+        def row_terms(tile_group, sums):
+            def products(*accs):
+                pairs = list(zip(accs[::2], accs[1::2]))
+                for t, accs_t in zip(tile_group, pairs):
+                    for acc, score in zip(accs_t, (daq, dak)):
+                        score_t = score.at[:, pl.ds(TILE_SIZE * t, TILE_SIZE)]
+                        for part in tiles(K_ROWS):
+                            plgpu.wgmma(acc, score_t, tile_of(part, t))
+                q_sum, k_sum = sums
+                for t, (q_acc, k_acc) in zip(tile_group, pairs):
+                    factor = jnp.exp(exponent_from_tile(G, anchors, t, lower_bound))
+                    q_sum += factor * q_acc[...]
+                    k_sum += factor * k_acc[...]
+                return q_sum, k_sum
+
+            return pl.run_scoped(products,
+                                 *(plgpu.ACC(slab_shape) for _ in range(2 * len(tile_group))))
+
+        plgpu.barrier_wait(dq_state_loaded)
+        plgpu.barrier_wait(late_loaded)
+        sums = (load_plain(plain_b) * jnp.exp(G) * masks().reads_state, load_plain(plain_a))
+        for first in range(0, NUM_TILES, ROW_TILES_PER_GROUP):
+            sums = row_terms(range(first, first + ROW_TILES_PER_GROUP), sums)
+        dq, dk_rows = sums
+
+        # dG, and the outputs: dq over B, dk over A (both read), dg over B once dq's store has
+        # read it.
+        q, k = normalized(q_smem, Q_FACTOR), normalized(k_smem, K_FACTOR)
+        dG = q * dq + k * (dk_rows - dk_columns)
+        last_row += (plgpu.load(my_vectors.at[D_CHUNK_DECAY], layout=COLUMN_VECTOR)
+                     * jnp.exp(last_G) * masks().keeps_state)
+        dG = dG + jnp.where(iota(slab_shape, 0) == CHUNK - 1, per_column(last_row, slab_shape),
+                            0.0)
+        target = (batch, tokens, head, columns)
+        plain_b[...] = dq
+        plain_a[...] = dk_rows + dk_columns
+        plgpu.commit_smem()  # also: q and k are read, so the next slab's load over them
+        plgpu.copy_smem_to_gmem(plain_b, dq_gmem.at[target])
+        plgpu.copy_smem_to_gmem(plain_a, dk_gmem.at[target])
+        if step + 1 < slabs:
+            load_qk(slab_columns(step + 1))
+        # dg = the sum of dG from each row to the chunk's end.
+        dg = cumulative_sum(dG, tiles(SUM_PARTS), ones, reverse=True)
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        plain_b[...] = dg
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(plain_b, dg_gmem.at[target])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # before the next slab reuses A and B
+
+    plgpu.wait_smem_to_gmem(0)
+    # No warpgroup exits while the other may still issue wgmmas.
+    plgpu.barrier_arrive(finished)
+    plgpu.barrier_wait(finished)
+
+
+def score_backward(q, k, g, document, q_factor, k_factor, dakk, dk_wy, cotangents, *,
+                   lower_bound, group):
+    """`_score_backward_kernel` over all (batch row, value head, chunk).
+
+    Args and returns as `kda.kernels.mosaic_gpu_prepare_backward._score_backward`:
+      q, k: bf16 [B, T, H, K]; g: float32 [B, T, HV, K]; document: float32 [B, T]; q_factor,
+        k_factor: float32 [B, H, T]; dakk: bf16 [B, HV, N, C, C]; dk_wy: float32
+        [B, HV, N, C, K] (T a multiple of 64, K in {64, 128}).
+      cotangents: `ChunkedInputs` (Aqk bf16; q_from_state, k_to_state, chunk_decay float32; W
+        and U unread).
+    Returns:
+      (dq, dk, dg) float32 [B, T, HV, K].
+    """
+    batch, length, num_value_heads, key_dim = g.shape
+    if key_dim % (WARPGROUPS * SLAB):
+        raise ValueError(f"g's key dimension must be a multiple of {WARPGROUPS * SLAB}, got "
+                         f"{key_dim}; use the plain-JAX VJP for other sizes")
+    slabs = key_dim // (WARPGROUPS * SLAB)
+    keyed = jax.ShapeDtypeStruct(g.shape, jnp.float32)
+    per_warpgroup = lambda *shape: (WARPGROUPS, *shape)  # noqa: E731
+    slab_shape = (CHUNK, SLAB)
+    warpgroup_barrier = functools.partial(plgpu.Barrier, num_barriers=WARPGROUPS)
+    run = plgpu.kernel(
+        functools.partial(_score_backward_kernel, lower_bound=lower_bound, group=group,
+                          slabs=slabs),
+        out_type=(keyed, keyed, keyed),
+        grid=(batch, num_value_heads, length // CHUNK),
+        grid_names=("batch", "heads", "chunks"),
+        num_threads=WARPGROUPS,
+        thread_name="warpgroup",
+        scratch_types=(
+            tile16_smem((2, CHUNK, CHUNK)),  # dAqk, dAkk
+            tile16_smem((CHUNK, CHUNK)),  # the triangle of the cumulative sums
+            plgpu.SMEM((K_FACTOR + 1, CHUNK), jnp.float32),
+            plgpu.SMEM(per_warpgroup(D_CHUNK_DECAY + 1, SLAB), jnp.float32),
+            swizzled_smem(per_warpgroup(2, *slab_shape), OPERAND_DTYPE),  # q, k
+            tile16_smem(per_warpgroup(OPERAND_TILES, *slab_shape)),
+            plgpu.SMEM(per_warpgroup(2, *slab_shape), jnp.float32),  # A and B
+            plgpu.Barrier(num_arrivals=5),  # shared_loaded
+            plgpu.Barrier(num_arrivals=WARPGROUPS),  # shared_ready
+            plgpu.Barrier(num_arrivals=WARPGROUPS),  # finished
+            warpgroup_barrier(),  # g_loaded
+            warpgroup_barrier(num_arrivals=2),  # qk_loaded
+            warpgroup_barrier(),  # dk_state_loaded
+            warpgroup_barrier(),  # dq_state_loaded
+            warpgroup_barrier(num_arrivals=2),  # late_loaded: kernel 1's dk term, d chunk_decay
+        ),
+        compiler_params=COMPILER_PARAMS,
+    )
+    return run(q, k, g, document, q_factor, k_factor, cotangents.Aqk, dakk,
+               cotangents.q_from_state, cotangents.k_to_state, dk_wy, cotangents.chunk_decay)
