@@ -51,9 +51,10 @@ def trace_device_ops(run: Callable[[], object], compiled: jax.stages.Compiled, s
     """Device ops of `steps` traced calls of `run()`, which calls `compiled` (compiled with
     `profile_compiler_options`), summed per op, the costliest first, and per named scope.
 
-    Returns dict(rows=[dict(op, calls, ms, share, hlo)], total_ms, source, scopes): per-step calls
-    and ms; `hlo` = opcode, shape and JAX source op of the op in the compiled module; `scopes` =
-    ms per step of each of `scopes` and "other" over all ops (`scope_times`). On a CPU the events
+    Returns dict(rows=[dict(op, calls, ms, share, hlo)], total_ms, source, scopes, passes):
+    per-step calls and ms; `hlo` = opcode, shape and JAX source op of the op in the compiled
+    module; `scopes` = ms per step of each of `scopes` and "other" over all ops, `passes` the
+    same split per pass, {scope: {pass: ms}} (`scope_times`). On a CPU the events
     of while loops and conditionals are left out: each spans the ops it runs, which count on their
     own. Falls back to the compiled module's `cost_analysis()` totals (rows and scopes empty) if
     the trace holds no op events.
@@ -77,7 +78,8 @@ def trace_device_ops(run: Callable[[], object], compiled: jax.stages.Compiled, s
             source = f"trace failed: {type(error).__name__}: {error}"
     if not times:
         cost = compiled.cost_analysis() or {}
-        return dict(rows=[], total_ms=0.0, source=source, scopes={}, cost_analysis=dict(cost))
+        return dict(rows=[], total_ms=0.0, source=source, scopes={}, passes={},
+                    cost_analysis=dict(cost))
     instructions = hlo_instructions(compiled.as_text())
     if source == "host threads":
         times = collections.Counter({
@@ -95,9 +97,10 @@ def trace_device_ops(run: Callable[[], object], compiled: jax.stages.Compiled, s
         for op, nanos in times.most_common(top)
     ]
     op_names = {op: instruction.op_name for op, instruction in instructions.items()}
-    per_scope = scope_times(times, op_names, scopes)
-    return dict(rows=rows, total_ms=total / steps / 1e6, source=source,
-                scopes={scope: nanos / steps / 1e6 for scope, nanos in per_scope.items()})
+    passes = {scope: {name: nanos / steps / 1e6 for name, nanos in per_pass.items()}
+              for scope, per_pass in scope_times(times, op_names, scopes).items()}
+    return dict(rows=rows, total_ms=total / steps / 1e6, source=source, passes=passes,
+                scopes={scope: sum(per_pass.values()) for scope, per_pass in passes.items()})
 
 
 def _op_times(profile) -> tuple[collections.Counter, collections.Counter, str]:
@@ -222,31 +225,49 @@ def scope_of(op_name: str, scopes: Sequence[str]) -> str | None:
     return None
 
 
+PASSES = ("forward", "recompute", "backward")
+
+
+def pass_of(op_name: str) -> str:
+    """The pass of a training step an op_name belongs to: "recompute" (a forward that
+    `jax.checkpoint` runs again in the backward pass: `.../rematted_computation/...`), "backward"
+    (under `transpose(...)`), else "forward" (the undifferentiated rest, the optimizer's update
+    too). Merged op_names (";"): the first decides."""
+    path = op_name.split(";")[0]
+    if "rematted_computation" in path:
+        return "recompute"
+    return "backward" if "transpose(" in path else "forward"
+
+
 def scope_times(op_times: Mapping[str, float], op_names: Mapping[str, str],
-                scopes: Sequence[str]) -> dict[str, float]:
+                scopes: Sequence[str]) -> dict[str, dict[str, float]]:
     """The time of every op summed per scope (`scope_of` its op_name), in the order of `scopes`,
-    then OTHER_SCOPE: the ops under none of them and those without an op_name.
+    then OTHER_SCOPE (the ops under none of them and those without an op_name), and within each
+    per pass (`pass_of`, in the order of PASSES).
 
     op_times: op (HLO instruction name) -> time; op_names: op -> op_name metadata.
     """
     if OTHER_SCOPE in scopes:
         raise ValueError(f"scopes must not contain {OTHER_SCOPE!r}, the name of the rest; "
                          f"got {tuple(scopes)}")
-    totals = dict.fromkeys((*scopes, OTHER_SCOPE), 0.0)
+    totals = {scope: dict.fromkeys(PASSES, 0.0) for scope in (*scopes, OTHER_SCOPE)}
     for op, time_taken in op_times.items():
-        totals[scope_of(op_names.get(op, ""), scopes) or OTHER_SCOPE] += time_taken
+        op_name = op_names.get(op, "")
+        totals[scope_of(op_name, scopes) or OTHER_SCOPE][pass_of(op_name)] += time_taken
     return totals
 
 
 def scopes_markdown(ops: dict, title: str) -> list[str]:
     """Markdown lines for the `scopes` of `trace_device_ops`' result under the sentence `title`:
-    each scope that took time, its ms per step and share of all ops' time (none without a
-    trace)."""
+    each scope that took time, its ms per step in each pass and in all, and its share of all ops'
+    time (none without a trace)."""
     if not ops["scopes"]:
         return []
-    lines = [title, "", "| part | ms per step | share of device time |", "|---|---:|---:|"]
+    lines = [title, "", "| part | " + " | ".join(PASSES) + " | ms per step | share of device time |",
+             "|---|" + "---:|" * (len(PASSES) + 2)]
     lines += [
-        f"| {scope} | {ms:.3f} | {ms / ops['total_ms']:.1%} |"
+        f"| {scope} | " + " | ".join(f"{ops['passes'][scope][name]:.3f}" for name in PASSES)
+        + f" | {ms:.3f} | {ms / ops['total_ms']:.1%} |"
         for scope, ms in ops["scopes"].items()
         if ms > 0
     ]

@@ -88,10 +88,14 @@ def test_scope_times_sum_every_op_and_the_rest_is_other():
     times = {"ynn_fusion.2": 1.0, "embed_fusion": 2.0, "fwd": 4.0, "bwd": 8.0, "head_grad": 16.0,
              "merged": 32.0, "adam": 64.0, "nested": 128.0, "copy.9": 256.0,
              "not_in_hlo": 512.0}
+    by_pass = lambda forward=0.0, recompute=0.0, backward=0.0: dict(  # noqa: E731
+        forward=forward, recompute=recompute, backward=backward)
     assert profiling.scope_times(times, op_names, SCOPES) == {
-        "embed": 2.0, "kda": 24.0, "attention": 1.0, "moe": 164.0, "optimizer": 64.0,
-        "other": 768.0}
-    assert profiling.scope_times(times, op_names, ()) == {"other": sum(times.values())}
+        "embed": by_pass(2.0), "kda": by_pass(recompute=8.0, backward=16.0),
+        "attention": by_pass(backward=1.0), "moe": by_pass(forward=164.0),
+        "optimizer": by_pass(64.0), "other": by_pass(768.0)}
+    assert profiling.scope_times(times, op_names, ()) == {
+        "other": by_pass(sum(times.values()) - 25.0, recompute=8.0, backward=17.0)}
     with pytest.raises(ValueError, match="scopes"):
         profiling.scope_times(times, op_names, ("kda", "other"))
 
