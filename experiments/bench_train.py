@@ -2,7 +2,7 @@
 breakdown of where the time goes (KDA, Gated MLA attention, MoE, rest).
 
     python -m experiments.bench_train --gpu     # H200: `1b` preset, 4 rows x 4096 tokens,
-                                                # bf16 compute, remat dots, layers scanned
+                                                # bf16 compute, remat dots_kernels, scanned
                                                 # -> benchmarks/train_h200.md
     python -m experiments.bench_train --smoke   # `tiny` preset at a tiny size (CPU check)
     python -m experiments.bench_train --gpu --cpu-plan   # compile only, here: memory plan
@@ -22,8 +22,8 @@ out-of-memory error names the options that shrink the step (`--remat full`, a sm
 The timed steps reuse that compiled program. Every number is printed as soon as it is measured
 and the table and .json are rewritten each time, so a run cut short keeps the step time and MFU.
 
-Why the `--gpu` setup uses remat `dots` (each layer keeps its matmul outputs and recomputes the
-rest in the backward pass, `models.lm.REMAT`): with no remat the first H200 run failed, XLA asking
+Why the `--gpu` setup uses remat `dots_kernels` (each layer keeps its matmul outputs and its GPU
+kernels' outputs and recomputes the rest in the backward pass, `models.lm.REMAT`): with no remat the first H200 run failed, XLA asking
 for 66.4 GiB of temporaries on top of the 41.6 GiB of arguments (float32 parameters, 13.9 GiB,
 and AdamW moments, 27.7 GiB, of 3.72B parameters) against the 104 GiB that JAX's allocator takes
 by default (75% of 139 GiB). `--cpu-plan` compiles the step on the CPU at the same shapes, its
@@ -36,6 +36,7 @@ gradients included; CPU compile 24-31 s each):
     dots             unrolled     28.8 GiB     28.8 GiB
     dots             scanned      37.7 GiB     28.0 GiB     28.0 GiB
     dots_no_batch    scanned      37.7 GiB
+    dots_kernels     scanned      58.3 GiB
     full             scanned      29.6 GiB
 
 (Before the AttnRes reads were written as reductions (`models.attn_res.attn_res_read`), the
@@ -55,10 +56,12 @@ still has over the unrolled one is XLA:CPU's packing of the while loops' buffers
 at the peak of the 4-row plans (the end of the forward loop scanned, the optimizer update
 unrolled) the buffers live add up to 71.3 GiB scanned and 70.6 GiB unrolled (XLA's live-range
 dump), but the scanned program's allocation spanned 86.8 GiB and the unrolled one's 70.4 (79.2
-GiB scanned since the AttnRes change). So `--gpu` runs 4 rows, scanned (79.2 GiB of the 104 GiB
-allocator by this upper bound; the H200's own plan was 84.2 GiB before the AttnRes change), with
-`dots` (it recomputes the least of the policies: elementwise work, norms, routing; every policy
-recomputes the kernels' forwards, custom VJPs being opaque to it); `--unrolled` plans 70.4 GiB
+GiB scanned since the AttnRes change). So `--gpu` runs 4 rows, scanned. With `dots` (79.2 GiB
+by this upper bound, the H200's own plan 77.3 GiB) the backward pass ran every kernel's forward
+again (KDA's preparation and recurrence, the MoE's grouped GEMMs, cuDNN attention): custom VJPs
+are opaque to the other policies. `dots_kernels` keeps those outputs too (99.8 GiB by this upper
+bound), so `--gpu` gives JAX's allocator `GPU_MEMORY_FRACTION` of the GPU (128 of 139 GiB)
+unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise; `--unrolled` plans 70.4 GiB with `dots`
 but compiles slowly (below), `--batch 2` 72.4 GiB. The step also no longer copies the AdamW
 moments (27.7 GiB) for its non-finite-step check: `train.step` applies the update under
 `lax.cond`.
@@ -109,6 +112,7 @@ from kda.kernels import sequence_parallel
 from kda.kernels.path import kernel_kda
 from kda.layer import KDA
 from models import attention
+from models import lm as models_lm
 from models.attention import GatedMLA
 from models.attention import causal_document_attention as _xla_attention
 from models.config import ModelConfig, count_params, format_count, preset
@@ -157,7 +161,11 @@ class BenchSetup:
 
 
 # The module docstring says why the GPU setup runs 4 rows, scanned, recomputing with `dots`.
-GPU = BenchSetup("1b", batch=4, seq_len=4096, steps=20, warmup=3, remat="dots")
+GPU = BenchSetup("1b", batch=4, seq_len=4096, steps=20, warmup=3, remat="dots_kernels")
+# Of the GPU's memory, what `--gpu` lets JAX's allocator take unless XLA_PYTHON_CLIENT_MEM_FRACTION
+# is set (JAX's default, 0.75, is 104 of the H200's 139 GiB; the step plans about 100 GiB with
+# `dots_kernels`). Read when the backend starts, so set before the first device call.
+GPU_MEMORY_FRACTION = "0.92"
 SMOKE = BenchSetup("tiny", batch=2, seq_len=64, steps=3, warmup=1, remat="none")
 
 
@@ -208,6 +216,8 @@ def shrink_hint(setup: BenchSetup) -> str:
     """The command-line options that make the step need less device memory."""
     options = [] if setup.remat == "full" else [
         "--remat full (each layer keeps only its input and recomputes its forward)"]
+    if setup.remat == "dots_kernels":
+        options.insert(0, "--remat dots (the kernels' forwards are recomputed)")
     if setup.batch > 1:
         options.append(f"--batch {setup.batch // 2}")
     if not options:
@@ -420,6 +430,8 @@ def gpu_kernel_stand_ins():
         patch(grouped_matmul, "_on_hopper", lambda: True)
         patch(grouped_matmul, "_mosaic_grouped_matmul", opaque_stand_in(_grouped_matmul_fwd))
         patch(attention, "causal_document_attention", _attention_stand_in)
+        # The stand-ins are host calls: `dots_kernels` keeps their outputs as it would the kernels'.
+        patch(models_lm, "KERNEL_PRIMITIVES", models_lm.KERNEL_PRIMITIVES | {"pure_callback"})
         yield
 
 
@@ -619,6 +631,8 @@ def main(argv=None) -> dict:
     setup = dataclasses.replace(setup, scan_layers=not args.unrolled, **overrides)
     if args.cpu_plan:
         return cpu_plan(setup, args.optimizer)
+    if args.gpu:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
     command = "python -m experiments.bench_train " + " ".join(
         argv if argv is not None else sys.argv[1:])
     out = args.out or ("benchmarks/train_h200.md" if args.gpu else None)

@@ -23,9 +23,10 @@ from moe.config import MoEConfig, count_moe_params
 
 # How much of each layer a backward pass recomputes instead of storing (`jax.checkpoint`):
 #   none: store everything; full: store only layer inputs; dots: store matmul outputs;
-#   dots_no_batch: store matmul outputs without batch dimensions (weights-only products).
-RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+#   dots_no_batch: store matmul outputs without batch dimensions (weights-only products);
+#   dots_kernels: store matmul outputs and the GPU kernels' outputs (`models.lm.REMAT`).
+RematPolicy = Literal["none", "full", "dots", "dots_no_batch", "dots_kernels"]
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_kernels")
 RESIDUAL_MODES = ("block_attn_res", "full_attn_res", "plain")
 
 

@@ -47,11 +47,38 @@ from models.sharding import constrain, logical
 from moe.experts import DenseFFN, StableLatentMoE, update_router_bias
 from moe.routing import RouterStats
 
+# The primitives that launch the GPU kernels: Pallas (Mosaic GPU kernels are `mpmd_map`, which
+# `plgpu.kernel` wraps in a `custom_vmap_call`), cuDNN flash attention's forward.
+KERNEL_PRIMITIVES = frozenset({"pallas_call", "mpmd_map", "dot_product_attention_fwd",
+                               "dot_product_attention_fwd_wrapper"})
+
+
+def launches_kernel(prim, **params) -> bool:
+    """Whether an equation of `prim` with `params` runs one of `KERNEL_PRIMITIVES`."""
+    if prim.name in KERNEL_PRIMITIVES:
+        return True
+    inner = params.get("call") if prim.name == "custom_vmap_call" else None
+    return inner is not None and any(launches_kernel(eqn.primitive, **eqn.params)
+                                     for eqn in inner.jaxpr.eqns)
+
+
+def dots_and_kernels_saveable(prim, *avals, **params) -> bool:
+    """The `dots_kernels` policy: matmul outputs and the GPU kernels' outputs are kept.
+
+    A kernel's `custom_vjp` forward is opaque to the other policies, so under `dots` the backward
+    pass ran every kernel's forward again to rebuild its residuals (the `1b` step on the H200:
+    KDA's preparation and recurrence, the MoE grouped GEMMs and cuDNN attention, each twice).
+    """
+    return (jax.checkpoint_policies.checkpoint_dots(prim, *avals, **params)
+            or launches_kernel(prim, **params))
+
+
 REMAT = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots_kernels": dots_and_kernels_saveable,
 }
 STREAM_AXES = ("batch", "seq", "embed")
 # The parts of a training step, each a `jax.named_scope` (`profile_scope`). A norm belongs to

@@ -25,8 +25,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kda.chunked import CHUNK_SIZE
 from models.attn_res import num_seal_slots
-from models.config import ModelConfig, count_params, format_count, preset
+from models.config import REMAT_POLICIES, ModelConfig, count_params, format_count, preset
 from models.lm import HybridLM
 from models.sharding import MESH_AXES, abstract_mesh, describe_mesh, logical_to_mesh
 
@@ -83,6 +84,20 @@ def _shard_factor(spec, sizes: Mapping[str, int]) -> int:
     return factor
 
 
+def _mixer_kernel_floats(cfg: ModelConfig, mixer: str, tensor: int) -> float:
+    """Numbers per token that a token mixer's GPU kernels write and `dots_kernels` keeps: KDA's
+    preparation operands (W, q and k factors, Aqk) and recurrence residuals (bf16 chunk states,
+    V_new) and its output; cuDNN attention's output and float32 softmax statistics. (The MoE's
+    grouped GEMM outputs are matmul outputs, already counted.)"""
+    if mixer == "kda":
+        kda = cfg.kda
+        keys = kda.num_value_heads * kda.head_dim
+        return (3 * keys + kda.num_value_heads * (CHUNK_SIZE + kda.head_dim ** 2 / CHUNK_SIZE)
+                + 2 * keys) / tensor
+    mla = cfg.mla
+    return mla.num_heads * (mla.v_head_dim + 2) / tensor
+
+
 def _layer_activation_floats(cfg: ModelConfig, mixer: str, ffn: str, tensor: int):
     """Numbers kept per token by one layer: (matmul outputs, everything else).
 
@@ -134,6 +149,9 @@ def estimate_activation_bytes(cfg: ModelConfig, sizes: Mapping[str, int], batch_
         kept = sum(m + o for m, o in per_layer)
     elif cfg.remat in ("dots", "dots_no_batch"):
         kept = sum(m for m, _ in per_layer) + cfg.num_layers * cfg.d_model
+    elif cfg.remat == "dots_kernels":
+        kept = (sum(m for m, _ in per_layer) + cfg.num_layers * cfg.d_model
+                + sum(_mixer_kernel_floats(cfg, mixer, tensor) for mixer in cfg.mixer_kinds))
     else:  # "full": each layer keeps its input; one layer at a time is recomputed
         kept = cfg.num_layers * cfg.d_model + max(m + o for m, o in per_layer)
     snapshots = (num_seal_slots(2 * cfg.num_layers, cfg.seal_period) + 1) * cfg.d_model
@@ -213,8 +231,7 @@ def main(argv=None) -> None:
                         help="axis=size pairs over data, fsdp, expert, tensor")
     parser.add_argument("--batch", type=int, default=1024, help="sequences per step")
     parser.add_argument("--seq", type=int, default=8192, help="tokens per sequence")
-    parser.add_argument("--remat", default="full", choices=("none", "full", "dots",
-                                                             "dots_no_batch"))
+    parser.add_argument("--remat", default="full", choices=REMAT_POLICIES)
     args = parser.parse_args(argv)
     cfg = preset(args.preset, remat=args.remat, scan_layers=True)
     print(f"{args.preset}: {format_count(count_params(cfg)['total'])} parameters, "

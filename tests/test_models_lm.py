@@ -20,7 +20,8 @@ from experiments import profiling
 from kda.layer import KDAConfig
 from models.attention import MLAConfig
 from models.config import count_params, preset
-from models.lm import (PROFILE_SCOPES, HybridLM, aux_loss, layer_plan, lm_head_logits,
+from models.lm import (PROFILE_SCOPES, REMAT, HybridLM, aux_loss, launches_kernel, layer_plan,
+                       lm_head_logits,
                        update_router_biases)
 from models.paged_cache import PageAllocator, pages_needed
 from moe.config import MoEConfig
@@ -343,3 +344,39 @@ def test_lm_head_backward_multiplies_in_the_compute_dtype():
     collect(jaxpr.jaxpr)
     assert len(dots) == 3  # the forward's product and the backward's two
     assert all(dtypes == [jnp.bfloat16, jnp.bfloat16] for dtypes in dots), dots
+
+
+def _kernel_launches(jaxpr) -> int:
+    """Equations of `jaxpr` (nested ones included) that launch a GPU kernel."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        if launches_kernel(eqn.primitive, **eqn.params):
+            count += 1
+            continue
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's, or a Jaxpr
+                if hasattr(inner, "eqns"):
+                    count += _kernel_launches(inner)
+    return count
+
+
+def test_dots_kernels_remat_runs_each_kernel_forward_once():
+    # KDA by its Mosaic GPU kernels (traced only: this runs on any backend) under a layer's
+    # checkpoint. `dots` cannot see into the kernels' custom VJPs, so its backward pass launches
+    # every forward kernel again to rebuild their residuals; keeping the kernels' outputs does not.
+    from kda.kernels.mosaic_gpu import mosaic_gpu_kda
+
+    def loss(q, g):
+        o, _ = mosaic_gpu_kda(q, q, q, g, jnp.full(q.shape[:3], 0.5), scale=0.125,
+                              use_qk_l2norm=True, gate_lower_bound=-5.0)
+        return jnp.sum(o.astype(jnp.float32))
+
+    q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+    g = jnp.full(q.shape, -1.0)
+    forward = _kernel_launches(jax.make_jaxpr(loss)(q, g).jaxpr)
+    launches = {policy: _kernel_launches(jax.make_jaxpr(jax.grad(
+        jax.checkpoint(loss, policy=REMAT[policy]), argnums=(0, 1)))(q, g).jaxpr)
+        for policy in ("dots", "dots_kernels")}
+    assert forward >= 2  # the preparation and the recurrence
+    assert launches["dots"] == launches["dots_kernels"] + forward

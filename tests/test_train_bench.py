@@ -107,7 +107,11 @@ def test_smoke_benchmark_reports_throughput_memory_breakdown_and_profile(tmp_pat
     assert all(scopes[part] > 0 for part in ("kda", "attention", "moe", "optimizer")), scopes
     assert sum(scopes.values()) == pytest.approx(result["ops"]["total_ms"])
     assert text.index("In-step device time by part") < text.index("Top device ops")
-    assert f"| kda | {scopes['kda']:.3f} |" in text
+    kda_passes = result["ops"]["passes"]["kda"]
+    assert kda_passes["forward"] > 0 and kda_passes["backward"] > 0, kda_passes
+    assert sum(kda_passes.values()) == pytest.approx(scopes["kda"])
+    assert f"| kda | {kda_passes['forward']:.3f} | " in text
+    assert f" | {scopes['kda']:.3f} | " in text
     assert json.loads(out.with_suffix(".json").read_text())["setup"]["preset"] == "tiny"
 
 
