@@ -72,6 +72,7 @@ def assert_kernels_agree(args, options, context=contextlib.nullcontext):
         assert relative_error(got, want) <= KERNEL_TOLERANCE[name], name
 
 
+@pytest.mark.slow  # 10-20 s each
 @pytest.mark.parametrize("dim,heads,saturated", [
     (64, (1, 2), False),  # one slab a warpgroup, grouped value heads
     (128, (1, 1), True),  # two slabs a warpgroup; g = L: the tile factors reach e^37.5

@@ -35,13 +35,15 @@ tiles (`tile16_smem`), so every 16-token slice of dA (rows, or columns) is an op
 Per slab and warpgroup: G = cumsum(g) (the exact 3-way bf16 split times the triangle, as kernel 2:
 one wgmma group behind one barrier, where a shift scan would take six) and its anchors; the column
 operands; d k_to_state's direct terms (the first part of dk's column sums); the column terms (four
-accumulators, one wait) while d q_from_state loads; the row operand over the column ones; the row
-terms (two groups of two tiles, four accumulators each) after d q_from_state's direct term and
-kernel 1's dk term; then dG, dq and dk stored, and dg = triu(1) dG (same split). Each float32
-cotangent is folded into a register sum when it is read, so it needs no memory of its own; all
-but the first slab's inputs load while other work runs, except g and d k_to_state at the start of
-a warpgroup's second slab (K = 128). Barriers per slab: 5 TMA waits, 8 shared-memory commits, 5
-wgmma waits (kernel 2: 12, 27 and 12 per 64 key columns), with no transposes or untransposes.
+accumulators) while d q_from_state loads; the row operand over the column ones; the row terms
+(two groups of two tiles, four accumulators each) after d q_from_state's direct term and kernel 1's
+dk term; then dG, dq and dk stored, and dg = triu(1) dG (same split). All products of a group are
+issued at once and each tile's accumulators are scaled and summed as soon as they are done, while
+the later tiles' products run (`wgmma_accumulator_load` with the count of later groups). Each
+float32 cotangent is folded into a register sum when it is read, so it needs no memory of its own;
+every input but g and d k_to_state of a warpgroup's second slab (K = 128) loads while other work
+runs. Barriers per slab: 5 TMA waits, 8 shared-memory commits, 4 full wgmma waits (kernel 2: 12,
+27 and 12 per 64 key columns), and no transposes or untransposes.
 
 Numerics: as kernel 2 (bf16 operands, float32 accumulation, hi/lo factors); the sums per token run
 in another order (per summed tile rather than per output tile) from differently anchored operands,
@@ -87,6 +89,7 @@ LAST_G, D_CHUNK_DECAY = NUM_TILES, NUM_TILES + 1
 # terms' pair over the first; the cumulative sums' three parts before and after.
 Q_COLUMNS, K_COLUMNS, K_ROWS, SUM_PARTS = (0, 1), (2, 3), (0, 1), (0, 1, 2)
 OPERAND_TILES = 4
+PARTS = 2  # hi and lo: the wgmmas of one operand and one score matrix
 ROW_TILES_PER_GROUP = 2  # row-term tiles issued before one wait (two accumulators each)
 
 
@@ -183,6 +186,11 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
         x = plgpu.load(x_smem, layout=WGMMA).astype(jnp.float32)
         return x * per_row(plgpu.load(vectors.at[factor_row], layout=ROW_VECTOR), slab_shape)
 
+    def done(acc, later_groups):
+        """acc's value once its products are done; the `later_groups` wgmmas issued after them
+        (each `plgpu.wgmma` commits one group) may still run."""
+        return plgpu.wgmma_accumulator_load(acc, wait_n=later_groups)
+
     def tile_of(smem, index):  # the 16 tokens of tile `index` (rows) of a [C, n] operand
         return smem.at[pl.ds(TILE_SIZE * index, TILE_SIZE)]
 
@@ -234,8 +242,9 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
                     for part in parts:
                         plgpu.wgmma(acc, score_t, tile_of(part, t))
             total = dk_to_state
-            for t, acc in enumerate(accs):
-                total += jnp.exp(exponent_up_to_tile(G, anchors, t, lower_bound)) * acc[...]
+            for t, acc in enumerate(accs):  # each tile's while the later tiles' products run
+                product = done(acc, later_groups=PARTS * 2 * (NUM_TILES - 1 - t))
+                total += jnp.exp(exponent_up_to_tile(G, anchors, t, lower_bound)) * product
             return total
 
         dk_columns = pl.run_scoped(column_terms,
@@ -258,10 +267,11 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
                         for part in tiles(K_ROWS):
                             plgpu.wgmma(acc, score_t, tile_of(part, t))
                 q_sum, k_sum = sums
-                for t, (q_acc, k_acc) in zip(tile_group, pairs):
+                for i, (t, (q_acc, k_acc)) in enumerate(zip(tile_group, pairs)):
                     factor = jnp.exp(exponent_from_tile(G, anchors, t, lower_bound))
-                    q_sum += factor * q_acc[...]
-                    k_sum += factor * k_acc[...]
+                    later_tiles = PARTS * 2 * (len(tile_group) - 1 - i)
+                    q_sum += factor * done(q_acc, later_groups=PARTS + later_tiles)
+                    k_sum += factor * done(k_acc, later_groups=later_tiles)
                 return q_sum, k_sum
 
             return pl.run_scoped(products,

@@ -1,0 +1,91 @@
+"""Times the two score-tile backward kernels of KDA's preparation on the same inputs.
+
+Kernel 2 of `kda.kernels.mosaic_gpu_prepare_backward` (`_score_backward`, two programs a chunk,
+[key, token] orientation) against `kda.kernels.mosaic_gpu_score_backward.score_backward` (one
+program of two warpgroups a chunk, [token, key] orientation), with random inputs of the shapes
+and dtypes the preparation's VJP hands them (dAkk masked like kernel 1's), and the relative
+difference of their outputs.
+
+    python -m experiments.bench_score_backward                  # a Hopper GPU: 8x2048x16x128
+    python -m experiments.bench_score_backward --smoke          # CPU: interpret mode, 2 chunks
+"""
+
+import argparse
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from experiments.profiling import median_seconds
+from kda.chunked import ChunkedInputs
+from kda.kernels.mosaic_gpu_prepare_backward import _score_backward
+from kda.kernels.mosaic_gpu_score_backward import score_backward
+from kda.kernels.mosaic_gpu_tiles import CHUNK
+
+LOWER_BOUND = -5.0
+KERNELS = {"kernel 2 (two programs a chunk)": _score_backward,
+           "[token, key] (two warpgroups a chunk)": score_backward}
+
+
+def kernel_inputs(seed, batch, length, heads, dim):
+    """The positional arguments of both kernels (one document a row, group 1)."""
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 10))
+    num_chunks = length // CHUNK
+    chunked = (batch, heads, num_chunks)
+    normal = lambda shape, dtype=jnp.float32: jax.random.normal(  # noqa: E731
+        next(keys), shape).astype(dtype)
+    tokens = jnp.arange(CHUNK)
+    dakk = jnp.where(tokens[:, None] > tokens[None, :], normal((*chunked, CHUNK, CHUNK)), 0.0)
+    cotangents = ChunkedInputs(W=None, U=None, q_from_state=normal((*chunked, CHUNK, dim)),
+                               k_to_state=normal((*chunked, CHUNK, dim)),
+                               chunk_decay=normal((*chunked, dim)),
+                               Aqk=normal((*chunked, CHUNK, CHUNK), jnp.bfloat16))
+    g = jax.random.uniform(next(keys), (batch, length, heads, dim), minval=LOWER_BOUND,
+                           maxval=0.0)
+    factor = jnp.full((batch, heads, length), dim**-0.5, jnp.float32)
+    return (normal((batch, length, heads, dim), jnp.bfloat16),
+            normal((batch, length, heads, dim), jnp.bfloat16), g,
+            jnp.zeros((batch, length), jnp.float32), factor * dim**-0.5, factor,
+            dakk.astype(jnp.bfloat16), normal((*chunked, CHUNK, dim)), cotangents)
+
+
+def relative_difference(actual, expected):
+    return float(jnp.linalg.norm(actual - expected) / jnp.linalg.norm(expected))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="8x2048x16x128", help="BxTxHxK (T a multiple of 64)")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU: interpret mode at 1x128x1xK, one timed call")
+    options = parser.parse_args()
+    batch, length, heads, dim = (int(x) for x in options.shape.split("x"))
+    context = contextlib.nullcontext()
+    repeats, warmup = options.repeats, 3
+    if options.smoke:
+        batch, length, heads, repeats, warmup = 1, 128, 1, 1, 0
+        hopper = AbstractMesh((), (), abstract_device=AbstractDevice(
+            device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
+        context = contextlib.ExitStack()
+        context.enter_context(jax.sharding.use_abstract_mesh(hopper))
+        context.enter_context(plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()))
+    inputs = kernel_inputs(0, batch, length, heads, dim)
+    print(f"score-tile backward, {batch}x{length}x{heads}x{dim}, median of {repeats}")
+    outputs = []
+    with context:
+        for name, kernel in KERNELS.items():
+            run = jax.jit(functools.partial(kernel, lower_bound=LOWER_BOUND, group=1))
+            milliseconds = 1e3 * median_seconds(lambda run=run: run(*inputs), repeats, warmup)
+            outputs.append(jax.block_until_ready(run(*inputs)))
+            print(f"  {name}: {milliseconds:.3f} ms")
+    differences = ", ".join(f"{name} {relative_difference(new, old):.1e}"
+                            for name, new, old in zip(("dq", "dk", "dg"), *outputs[::-1]))
+    print(f"  relative difference of the outputs: {differences}")
+
+
+if __name__ == "__main__":
+    main()
