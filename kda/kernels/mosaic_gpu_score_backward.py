@@ -35,15 +35,16 @@ tiles (`tile16_smem`), so every 16-token slice of dA (rows, or columns) is an op
 Per slab and warpgroup: G = cumsum(g) (the exact 3-way bf16 split times the triangle, as kernel 2:
 one wgmma group behind one barrier, where a shift scan would take six) and its anchors; the column
 operands; d k_to_state's direct terms (the first part of dk's column sums); the column terms (four
-accumulators) while d q_from_state loads; the row operand over the column ones; the row terms
-(two groups of two tiles, four accumulators each) after d q_from_state's direct term and kernel 1's
-dk term; then dG, dq and dk stored, and dg = triu(1) dG (same split). All products of a group are
+accumulators) while d q_from_state loads; the row operand over the column ones, d q_from_state's
+direct terms (the first part of dq's row sums), and dk's column sums set aside in shared memory (out
+of the registers the row terms need); the row terms (two groups of two tiles, four accumulators
+each); then dG, dq and dk stored, and dg = triu(1) dG (same split). All products of a group are
 issued at once and each tile's accumulators are scaled and summed as soon as they are done, while
-the later tiles' products run (`wgmma_accumulator_load` with the count of later groups). Each
-float32 cotangent is folded into a register sum when it is read, so it needs no memory of its own;
-every input but g and d k_to_state of a warpgroup's second slab (K = 128) loads while other work
-runs. Barriers per slab: 5 TMA waits, 8 shared-memory commits, 4 full wgmma waits (kernel 2: 12,
-27 and 12 per 64 key columns), and no transposes or untransposes.
+the later tiles' products run (`wgmma_accumulator_load` with the count of later groups). The float32
+cotangents are folded into sums as they are read, so none needs memory of its own, and every input
+but g and d k_to_state of a warpgroup's second slab (K = 128) loads while other work runs. Barriers
+per slab: 5 TMA waits, 8 shared-memory commits, 4 full wgmma waits (kernel 2: 12, 27 and 12 per 64
+key columns), and no transposes or untransposes.
 
 Numerics: as kernel 2 (bf16 operands, float32 accumulation, hi/lo factors); the sums per token run
 in another order (per summed tile rather than per output tile) from differently anchored operands,
@@ -53,11 +54,12 @@ so results differ from kernel 2's at the rounding of the hi/lo operands, not bit
 Shared memory per program, at K = 64 and 128 alike: the two score cotangents and the triangle
 (24 KiB), and per warpgroup q and k (8 KiB), four operand tiles (16 KiB) and two float32 tiles
 (16 KiB), with the vectors 109 KiB as Mosaic GPU allocates it: within the 113 KiB of two programs
-(four warpgroups) an SM, if at most 128 registers a thread. Buffers are reused in place (no
-`plgpu.RefUnion`: interpret mode checks a union's groups as whole buffers, so two warpgroups'
-halves of one union would race): A holds g, G, kernel 1's dk term and dk; B d k_to_state, d
-q_from_state, dq and dg; the operand tiles the sums' parts and both terms' operands. Interpret
-mode does not check wgmma's operand reads for races.
+(four warpgroups) an SM, if ptxas needs at most 128 registers a thread (kernel 2 used 255 and
+spilled). Buffers are reused in place (no `plgpu.RefUnion`: interpret mode checks a union's groups
+as whole buffers, so two warpgroups' halves of one union would race): A holds g, G, kernel 1's dk
+term and dk; B d k_to_state, d q_from_state, dk's column sums, dq and dg; the operand tiles the
+sums' parts and both terms' operands. Interpret mode does not check wgmma's operand reads for
+races.
 """
 
 import functools
@@ -115,11 +117,8 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
     [B, HV, N, C, K] and d chunk_decay [B, HV, N, K] float32. Outputs dq, dk, dg float32
     [B, T, HV, K]. slabs: key slabs per warpgroup (K / 64).
 
-    Scratch (the per-warpgroup ones indexed by the warpgroup first): dAqk and dAkk, the triangle,
-    the shared vectors; per warpgroup its vectors, q and k, the operand tiles, and two float32
-    [C, SLAB] tiles: A holds g, G, kernel 1's dk term, then dk; B d k_to_state, d q_from_state,
-    then dq and dg. Each float32 cotangent is folded into a sum in registers when it is read, so
-    none needs memory of its own.
+    Scratch as the module docstring's shared-memory paragraph has it (the per-warpgroup buffers
+    indexed by the warpgroup first).
     """
     batch, head, chunk = (lax.axis_index(axis) for axis in ("batch", "heads", "chunks"))
     warpgroup = lax.axis_index("warpgroup")
@@ -250,14 +249,18 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
         dk_columns = pl.run_scoped(column_terms,
                                    *(plgpu.ACC(slab_shape) for _ in range(NUM_TILES)))
 
-        # The row terms' operand over the column terms' (read: their products are done).
+        # The row terms' operand over the column terms' (read: their products are done), and
+        # d q_from_state's direct term, the first part of dq's row sums; the column sums wait in
+        # B (read), out of the registers the row terms need.
         k = normalized(k_smem, K_FACTOR)
         store_split(tiles(K_ROWS), k * jnp.exp(row_anchors(anchors, slab_shape, lower_bound) - G))
+        plgpu.barrier_wait(dq_state_loaded)
+        dq_direct = load_plain(plain_b) * jnp.exp(G) * masks().reads_state
         plgpu.commit_smem()
+        plain_b[...] = dk_columns
 
         # Row terms (dq from dAqk, dk from dAkk): tile t's products dA[:, tile t] F_t, scaled by
-        # exp(G_r - b_t) (zero above the tile, where dA is zero too), after d q_from_state's
-        # direct term and kernel 1's dk term.
+        # exp(G_r - b_t) (zero above the tile, where dA is zero too).
         def row_terms(tile_group, sums):
             def products(*accs):
                 pairs = list(zip(accs[::2], accs[1::2]))
@@ -277,15 +280,16 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
             return pl.run_scoped(products,
                                  *(plgpu.ACC(slab_shape) for _ in range(2 * len(tile_group))))
 
-        plgpu.barrier_wait(dq_state_loaded)
-        plgpu.barrier_wait(late_loaded)
-        sums = (load_plain(plain_b) * jnp.exp(G) * masks().reads_state, load_plain(plain_a))
+        sums = (dq_direct, jnp.zeros_like(dq_direct))
         for first in range(0, NUM_TILES, ROW_TILES_PER_GROUP):
             sums = row_terms(range(first, first + ROW_TILES_PER_GROUP), sums)
         dq, dk_rows = sums
 
         # dG, and the outputs: dq over B, dk over A (both read), dg over B once dq's store has
         # read it.
+        plgpu.barrier_wait(late_loaded)
+        dk_rows += load_plain(plain_a)
+        dk_columns = load_plain(plain_b)
         q, k = normalized(q_smem, Q_FACTOR), normalized(k_smem, K_FACTOR)
         dG = q * dq + k * (dk_rows - dk_columns)
         last_row += (plgpu.load(my_vectors.at[D_CHUNK_DECAY], layout=COLUMN_VECTOR)
