@@ -22,12 +22,18 @@ from jax.sharding import AbstractDevice, AbstractMesh
 from experiments.profiling import median_seconds
 from kda.chunked import ChunkedInputs
 from kda.kernels.mosaic_gpu_prepare_backward import _score_backward
-from kda.kernels.mosaic_gpu_score_backward import score_backward
+from kda.kernels.mosaic_gpu_score_backward import SLAB, score_backward
 from kda.kernels.mosaic_gpu_tiles import CHUNK
 
 LOWER_BOUND = -5.0
-KERNELS = {"kernel 2 (two programs a chunk)": _score_backward,
-           "[token, key] (two warpgroups a chunk)": score_backward}
+
+def kernels(dim):
+    """name -> kernel: kernel 2 first, then the new one with two warpgroups (and K / 32)."""
+    variants = {"kernel 2 (two programs a chunk)": _score_backward}
+    for warpgroups in sorted({2, dim // SLAB}):
+        variants[f"[token, key], {warpgroups} warpgroups a chunk"] = functools.partial(
+            score_backward, warpgroups=warpgroups)
+    return variants
 
 
 def kernel_inputs(seed, batch, length, heads, dim):
@@ -75,16 +81,18 @@ def main():
         context.enter_context(plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()))
     inputs = kernel_inputs(0, batch, length, heads, dim)
     print(f"score-tile backward, {batch}x{length}x{heads}x{dim}, median of {repeats}")
-    outputs = []
+    reference = None
     with context:
-        for name, kernel in KERNELS.items():
+        for name, kernel in kernels(dim).items():
             run = jax.jit(functools.partial(kernel, lower_bound=LOWER_BOUND, group=1))
             milliseconds = 1e3 * median_seconds(lambda run=run: run(*inputs), repeats, warmup)
-            outputs.append(jax.block_until_ready(run(*inputs)))
-            print(f"  {name}: {milliseconds:.3f} ms")
-    differences = ", ".join(f"{name} {relative_difference(new, old):.1e}"
-                            for name, new, old in zip(("dq", "dk", "dg"), *outputs[::-1]))
-    print(f"  relative difference of the outputs: {differences}")
+            outputs = jax.block_until_ready(run(*inputs))
+            if reference is None:
+                reference = outputs
+            differences = ", ".join(f"{output} {relative_difference(new, old):.1e}"
+                                    for output, new, old in zip(("dq", "dk", "dg"), outputs,
+                                                                reference))
+            print(f"  {name}: {milliseconds:.3f} ms (relative to kernel 2: {differences})")
 
 
 if __name__ == "__main__":

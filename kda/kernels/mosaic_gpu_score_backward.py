@@ -25,12 +25,13 @@ most -7.5 L for s < 16 (t + 1); a factor underflows only where the true weight i
 For a pair of one tile both directions use the same anchor; the operands are exact-to-2^-16 hi/lo
 pairs in both directions, as before, so the row and column terms that cancel in dG round alike.
 
-Layout: one program per (batch row, value head, chunk) with two warpgroups. They share the staged
-score cotangents (dAqk masked once, by warpgroup 0, while warpgroup 1 stores the cumulative sums'
-triangle) and take the key columns in slabs of 32 (`SLAB`): warpgroup w the slabs
-[w K / 64, (w + 1) K / 64), one after another (one slab each at K = 64, two at 128), so every
-float32 [64, 32] tile is 16 registers a thread. wgmma operands use one 32-byte swizzle in [8, 16]
-tiles (`tile16_smem`), so every 16-token slice of dA (rows, or columns) is an operand.
+Layout: one program per (batch row, value head, chunk) with two warpgroups (by default;
+`score_backward`'s `warpgroups`). They share the staged score cotangents (dAqk masked once, by
+warpgroup 0, while warpgroup 1 stores the cumulative sums' triangle) and take the key columns in
+slabs of 32 (`SLAB`), each warpgroup K / (32 warpgroups) of them one after another (with two: one
+slab each at K = 64, two at 128), so every float32 [64, 32] tile is 16 registers a thread. wgmma
+operands use one 32-byte swizzle in [8, 16] tiles (`tile16_smem`), so every 16-token slice of dA
+(rows, or columns) is an operand.
 
 Per slab and warpgroup: G = cumsum(g) (the exact 3-way bf16 split times the triangle, as kernel 2:
 one wgmma group behind one barrier, where a shift scan would take six) and its anchors; the column
@@ -78,7 +79,7 @@ from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, NUM_TILES, ROW_V
                                           per_row, row_anchors, same_document, state_masks,
                                           store_anchors, store_lower_ones, store_split)
 
-WARPGROUPS = 2
+WARPGROUPS = 2  # the default; at least two (one masks dAqk while another stores the triangle)
 SLAB = 32  # key columns a warpgroup works on at a time
 SWIZZLE = 2 * TILE_SIZE  # bytes: one 16-token bf16 row, so every 16-token slice is tile aligned
 
@@ -109,13 +110,13 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
                            shared_loaded, shared_ready, finished, g_loaded, qk_loaded,
                            dk_state_loaded, dq_state_loaded, late_loaded,
                            *, lower_bound, group, slabs):
-    """One (batch row, value head, chunk) program of two warpgroups.
+    """One (batch row, value head, chunk) program of (usually) two warpgroups.
 
     GMEM inputs and outputs as `kda.kernels.mosaic_gpu_prepare_backward._score_backward_kernel`:
     q, k [B, T, H, K] bf16; g [B, T, HV, K], document [B, T], q_factor and k_factor [B, H, T]
     float32; dAqk, dAkk [B, HV, N, C, C] bf16; d q_from_state, d k_to_state, kernel 1's dk term
     [B, HV, N, C, K] and d chunk_decay [B, HV, N, K] float32. Outputs dq, dk, dg float32
-    [B, T, HV, K]. slabs: key slabs per warpgroup (K / 64).
+    [B, T, HV, K]. slabs: key slabs per warpgroup (K / (32 warpgroups)).
 
     Scratch as the module docstring's shared-memory paragraph has it (the per-warpgroup buffers
     indexed by the warpgroup first).
@@ -319,8 +320,12 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
 
 
 def score_backward(q, k, g, document, q_factor, k_factor, dakk, dk_wy, cotangents, *,
-                   lower_bound, group):
+                   lower_bound, group, warpgroups=WARPGROUPS):
     """`_score_backward_kernel` over all (batch row, value head, chunk).
+
+    With `warpgroups = K / 32` (4 at K = 128) every warpgroup takes one slab: the chunk's chain is
+    half as long, but the program's 190 KiB of shared memory leave one program an SM (the same 16
+    warps as two programs of two warpgroups).
 
     Args and returns as `kda.kernels.mosaic_gpu_prepare_backward._score_backward`:
       q, k: bf16 [B, T, H, K]; g: float32 [B, T, HV, K]; document: float32 [B, T]; q_factor,
@@ -332,21 +337,24 @@ def score_backward(q, k, g, document, q_factor, k_factor, dakk, dk_wy, cotangent
       (dq, dk, dg) float32 [B, T, HV, K].
     """
     batch, length, num_value_heads, key_dim = g.shape
-    if key_dim % (WARPGROUPS * SLAB):
-        raise ValueError(f"g's key dimension must be a multiple of {WARPGROUPS * SLAB}, got "
-                         f"{key_dim}; use the plain-JAX VJP for other sizes")
-    slabs = key_dim // (WARPGROUPS * SLAB)
+    if warpgroups < 2:
+        raise ValueError(f"warpgroups must be at least 2, got {warpgroups}")
+    if key_dim % (warpgroups * SLAB):
+        raise ValueError(f"g's key dimension must be a multiple of {warpgroups * SLAB} for "
+                         f"{warpgroups} warpgroups, got {key_dim}; use the plain-JAX VJP for "
+                         "other sizes")
+    slabs = key_dim // (warpgroups * SLAB)
     keyed = jax.ShapeDtypeStruct(g.shape, jnp.float32)
-    per_warpgroup = lambda *shape: (WARPGROUPS, *shape)  # noqa: E731
+    per_warpgroup = lambda *shape: (warpgroups, *shape)  # noqa: E731
     slab_shape = (CHUNK, SLAB)
-    warpgroup_barrier = functools.partial(plgpu.Barrier, num_barriers=WARPGROUPS)
+    warpgroup_barrier = functools.partial(plgpu.Barrier, num_barriers=warpgroups)
     run = plgpu.kernel(
         functools.partial(_score_backward_kernel, lower_bound=lower_bound, group=group,
                           slabs=slabs),
         out_type=(keyed, keyed, keyed),
         grid=(batch, num_value_heads, length // CHUNK),
         grid_names=("batch", "heads", "chunks"),
-        num_threads=WARPGROUPS,
+        num_threads=warpgroups,
         thread_name="warpgroup",
         scratch_types=(
             tile16_smem((2, CHUNK, CHUNK)),  # dAqk, dAkk
@@ -357,8 +365,8 @@ def score_backward(q, k, g, document, q_factor, k_factor, dakk, dk_wy, cotangent
             tile16_smem(per_warpgroup(OPERAND_TILES, *slab_shape)),
             plgpu.SMEM(per_warpgroup(2, *slab_shape), jnp.float32),  # A and B
             plgpu.Barrier(num_arrivals=5),  # shared_loaded
-            plgpu.Barrier(num_arrivals=WARPGROUPS),  # shared_ready
-            plgpu.Barrier(num_arrivals=WARPGROUPS),  # finished
+            plgpu.Barrier(num_arrivals=warpgroups),  # shared_ready
+            plgpu.Barrier(num_arrivals=warpgroups),  # finished
             warpgroup_barrier(),  # g_loaded
             warpgroup_barrier(num_arrivals=2),  # qk_loaded
             warpgroup_barrier(),  # dk_state_loaded
