@@ -78,15 +78,18 @@ class ResidualStream:
     def seal(self, when: bool | jax.Array = True) -> "ResidualStream":
         """Seals the live sum into the next slot and restarts it at zero, if `when` holds.
 
-        `when` may be a Python bool (static layer index) or a traced bool (scanned layers).
+        `when` may be a Python bool (static layer index) or a traced bool (scanned layers). Only
+        the next slot is written, with the live sum or its own content: selecting between whole
+        buffers made every scanned sub-layer copy all of [S, B, T, D] (and its gradient).
         """
         if isinstance(when, bool) and not when:
             return self
-        sealed = jax.lax.dynamic_update_index_in_dim(self.sealed, self.live, self.num_sealed, 0)
-        sealed_stream = ResidualStream(sealed, self.num_sealed + 1, jnp.zeros_like(self.live))
-        if isinstance(when, bool):
-            return sealed_stream
-        return jax.tree.map(lambda new, old: jnp.where(when, new, old), sealed_stream, self)
+        when = jnp.asarray(when)
+        slot = jax.lax.dynamic_index_in_dim(self.sealed, self.num_sealed, 0, keepdims=False)
+        sealed = jax.lax.dynamic_update_index_in_dim(
+            self.sealed, jnp.where(when, self.live, slot), self.num_sealed, 0)
+        return ResidualStream(sealed, self.num_sealed + when.astype(jnp.int32),
+                              jnp.where(when, jnp.zeros_like(self.live), self.live))
 
 
 def attn_res_read(stream: ResidualStream, gain: jax.Array, query: jax.Array, eps: float):
