@@ -112,13 +112,15 @@ def assert_preparation_matches_plain_jax(inputs, dim, prepare_kernel=prepare_chu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dim,batch,length,heads,use_qk_l2norm,saturated", [
-    (64, 2, 200, (1, 2), True, False),  # four chunks, a padded tail, grouped value heads
-    (128, 1, 64, (1, 1), False, False),
-    (64, 1, 128, (1, 1), True, True),  # g = L everywhere: the tile factors reach e^37.5
+@pytest.mark.parametrize("dim,batch,length,heads,use_qk_l2norm,saturated,save_for_backward", [
+    # Four chunks, a padded tail, grouped value heads; the residuals written too (their values
+    # are checked where the backward reads them, `tests/test_kda_kernels_prepare_backward.py`).
+    (64, 2, 200, (1, 2), True, False, True),
+    (128, 1, 64, (1, 1), False, False, False),
+    (64, 1, 128, (1, 1), True, True, False),  # g = L everywhere: the tile factors reach e^37.5
 ])
 def test_interpreted_preparation_matches_plain_jax(dim, batch, length, heads, use_qk_l2norm,
-                                                   saturated):
+                                                   saturated, save_for_backward):
     inputs = bf16_inputs(9, batch, length, *heads, dim, segments=True)
     if saturated:
         inputs["g"] = jnp.full_like(inputs["g"], -5.0)
@@ -126,8 +128,13 @@ def test_interpreted_preparation_matches_plain_jax(dim, batch, length, heads, us
         for name in ("q", "k"):
             inputs[name] = l2_normalize(inputs[name].astype(jnp.float32)).astype(jnp.bfloat16)
         inputs["use_qk_l2norm"] = False
+
+    def prepare_kernel(*args, **options):  # the operands, whether or not residuals come too
+        prepared = prepare_chunks_kernel(*args, save_for_backward=save_for_backward, **options)
+        return prepared[0] if save_for_backward else prepared
+
     with interpreted_on_simulated_hopper():
-        assert_preparation_matches_plain_jax(inputs, dim)
+        assert_preparation_matches_plain_jax(inputs, dim, prepare_kernel)
 
 
 @pytest.mark.parametrize("dim", [64, 128])
@@ -149,14 +156,16 @@ def test_kernel_lowers_for_hopper(dim, gate_lower_bound):
 TWO_PROGRAMS_PER_SM = 113 * 1024
 
 
+@pytest.mark.parametrize("save_for_backward", [False, True])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_preparation_kernel_fits_two_programs_per_sm(dim):
+def test_preparation_kernel_fits_two_programs_per_sm(dim, save_for_backward):
     """Two programs an SM overlap one's TMA traffic and waits with the other's math; Mosaic GPU
     checks the kernel's shared memory (scratch, reduction scratch, alignment) as it lowers."""
     inputs = bf16_inputs(2, 1, 128, 1, 1, dim, segments=True)
     args = [inputs[name] for name in ("q", "k", "v", "g", "beta")]
     options = preparation_options(inputs, dim)
-    preparation = jax.jit(lambda *xs: prepare_chunks_kernel(*xs, **options))
+    preparation = jax.jit(lambda *xs: prepare_chunks_kernel(
+        *xs, save_for_backward=save_for_backward, **options))
     with (jax.sharding.use_abstract_mesh(HOPPER),
           mosaic_gpu_core.artificial_shared_memory_limit(TWO_PROGRAMS_PER_SM)):
         preparation.trace(*args).lower(lowering_platforms=("cuda",))

@@ -3,7 +3,8 @@
 On CPU the kernels run in Mosaic GPU interpret mode (simulated Hopper, race detection) at small
 shapes and are lowered for Hopper at K = 64 and 128 within the shared memory of two programs an
 SM (the score-tile kernel: three); on a Hopper GPU (`gpu` marker) they run at real shapes.
-Cotangents are random normal `ChunkedInputs`, as the recurrence's backward would hand them.
+Cotangents are random normal `ChunkedInputs`, as the recurrence's backward would hand them; the
+residuals the backward reads are the preparation kernel's (`save_for_backward`).
 """
 
 import jax
@@ -11,9 +12,11 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 
-from kda.chunked import ChunkedInputs, prepare_chunks
+from kda.chunked import CHUNK_SIZE, ChunkedInputs, prepare_chunks
 from kda.common import l2_normalize
+from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
 from kda.kernels.mosaic_gpu_prepare_backward import _score_backward, prepare_chunks_vjp_kernel
+from kda.kernels.mosaic_gpu_tiles import pad_to_chunks
 from kda_inputs import relative_error
 from test_kda_kernels import (HOPPER, TWO_PROGRAMS_PER_SM, bf16_inputs,
                                interpreted_on_simulated_hopper)
@@ -44,11 +47,41 @@ def preparation_case(seed, batch, length, heads, dim, *, segments, use_qk_l2norm
     return [inputs[name] for name in INPUT_NAMES], options, cotangents
 
 
+def saved_residuals(args, options):
+    """What the preparation kernel saves for the backward on these inputs."""
+    _, residuals = jax.jit(lambda *xs: prepare_chunks_kernel(*xs, save_for_backward=True,
+                                                             **options))(*args)
+    return residuals
+
+
+def assert_residuals_are_consistent(residuals, g, beta):
+    """G is the chunks' cumulative sum of g (to float32 rounding), Akk strictly lower, and T's
+    parts sum to the inverse of I + beta Akk (to the bf16 rounding of its operands: 1.8e-4 at
+    most in the interpreted cases)."""
+    batch, _, heads, key_dim = g.shape
+    num_chunks = residuals.G.shape[2]
+    chunks = pad_to_chunks(g, jnp.float32, num_chunks * CHUNK_SIZE).reshape(
+        batch, num_chunks, CHUNK_SIZE, heads, key_dim)
+    expected_G = jnp.moveaxis(jnp.cumsum(chunks, axis=2), 3, 1)
+    assert relative_error(residuals.G, expected_G) <= 1e-6
+    akk = residuals.Akk.astype(jnp.float32)
+    assert not jnp.any(jnp.triu(akk)), "Akk has entries on or above the diagonal"
+    beta = jnp.moveaxis(pad_to_chunks(beta, jnp.float32, num_chunks * CHUNK_SIZE), 1, 2)
+    unit_lower = jnp.eye(CHUNK_SIZE) + beta.reshape(*akk.shape[:-1], 1) * akk
+    inverse = residuals.inverse.astype(jnp.float32).sum(axis=3)
+    identity = jnp.broadcast_to(jnp.eye(CHUNK_SIZE), akk.shape)
+    assert relative_error(inverse @ unit_lower, identity) <= 1e-3
+
+
 def assert_vjp_matches_plain_jax(args, options, cotangents):
     _, plain_vjp = jax.vjp(lambda *xs: prepare_chunks(*xs, chunk_size=64, **options), *args)
     expected = plain_vjp(cotangents)
-    actual = jax.jit(lambda c, *xs: prepare_chunks_vjp_kernel(*xs, cotangents=c, **options))(
-        cotangents, *args)
+    residuals = saved_residuals(args, options)
+    assert_residuals_are_consistent(residuals, args[INPUT_NAMES.index("g")],
+                                    args[INPUT_NAMES.index("beta")])
+    vjp = jax.jit(lambda r, c, *xs: prepare_chunks_vjp_kernel(*xs, residuals=r, cotangents=c,
+                                                              **options))
+    actual = vjp(residuals, cotangents, *args)
     for name, got, want in zip(INPUT_NAMES, actual, expected):
         assert got.shape == want.shape and got.dtype == want.dtype, name
         assert relative_error(got, want) <= BF16_TOLERANCE[name], name
@@ -78,10 +111,13 @@ def test_vjp_lowers_for_hopper_two_programs_per_sm(dim):
     kernel's shared memory (scratch, reduction scratch, alignment) against two programs an SM."""
     args, options, cotangents = preparation_case(12, 2, 200, (2, 4), dim, segments=True,
                                                  use_qk_l2norm=True)
-    vjp = jax.jit(lambda c, *xs: prepare_chunks_vjp_kernel(*xs, cotangents=c, **options))
+    residuals = jax.eval_shape(lambda *xs: prepare_chunks_kernel(*xs, save_for_backward=True,
+                                                                 **options)[1], *args)
+    vjp = jax.jit(lambda r, c, *xs: prepare_chunks_vjp_kernel(*xs, residuals=r, cotangents=c,
+                                                              **options))
     with (jax.sharding.use_abstract_mesh(HOPPER),
           mosaic_gpu_core.artificial_shared_memory_limit(TWO_PROGRAMS_PER_SM)):
-        lowered = vjp.trace(cotangents, *args).lower(lowering_platforms=("cuda",))
+        lowered = vjp.trace(residuals, cotangents, *args).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("mosaic_gpu") >= 2
 
 
@@ -125,7 +161,7 @@ def test_unsupported_calls_are_refused(dims, lower_bound, message):
     with pytest.raises(ValueError, match=message):
         prepare_chunks_vjp_kernel(q, k, v, g, jnp.zeros((1, 64, 1)), scale=1.0, segment_ids=None,
                                   use_qk_l2norm=False, gate_lower_bound=lower_bound,
-                                  cotangents=None)
+                                  residuals=None, cotangents=None)
 
 
 @pytest.mark.gpu

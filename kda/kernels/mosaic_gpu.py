@@ -12,8 +12,9 @@ Backward (`jax.custom_vjp`s): the forward recurrence also writes the state enter
 and V_new; the recurrence's VJP is the reversed recurrence kernel and batched matmuls over all
 chunks (`kda.kernels.mosaic_gpu_backward.recurrence_vjp`). With unbounded gates JAX
 differentiates the plain-JAX preparation around it (`kernel_recurrence`); with bounded gates
-(`_bounded_kda`) the forward keeps the preparation kernel's operands, and the backward maps the
-recurrence's cotangents through the preparation-backward kernels
+(`_bounded_kda`) the forward keeps the preparation kernel's operands and what that kernel saves for
+its backward (`PreparationResiduals`: G, Akk and the inverse, written only when a backward will
+run), and the backward maps the recurrence's cotangents through the preparation-backward kernels
 (`kda.kernels.mosaic_gpu_prepare_backward`), those that the kernels round to bf16 anyway
 (`ROUNDED_COTANGENTS`) handed over in bf16.
 
@@ -96,14 +97,19 @@ kernel_recurrence.defvjp(_kernel_recurrence_fwd, _kernel_recurrence_bwd)
 
 def _bounded_forward(q, k, v, g, beta, initial_state, segment_ids, options, save_for_backward):
     """Both kernels, preparation then recurrence: (o [B, T, HV, V], final_state [B, HV, K, V]),
-    then, with `save_for_backward`, (operands, `RecurrenceResiduals`)."""
+    then (operands, `PreparationResiduals`, `RecurrenceResiduals`), the residuals only with
+    `save_for_backward` (else None and nothing: neither kernel writes them)."""
     batch, length, num_value_heads, value_dim = v.shape
-    operands = prepare_chunks_kernel(q, k, v, g, beta, segment_ids=segment_ids,
-                                     **options._asdict())
-    o, final_state, *saved = sequence_parallel_recurrence(operands, initial_state, v.dtype,
-                                                          save_for_backward=save_for_backward)
+    prepare = functools.partial(prepare_chunks_kernel, q, k, v, g, beta, segment_ids=segment_ids,
+                                **options._asdict())
+    if save_for_backward:
+        operands, preparation_residuals = prepare(save_for_backward=True)
+    else:
+        operands, preparation_residuals = prepare(), None
+    o, final_state, *recurrence_residuals = sequence_parallel_recurrence(
+        operands, initial_state, v.dtype, save_for_backward=save_for_backward)
     o = jnp.moveaxis(o, 1, 3).reshape(batch, -1, num_value_heads, value_dim)
-    return (o[:, :length], final_state), (operands, *saved)
+    return (o[:, :length], final_state), (operands, preparation_residuals, *recurrence_residuals)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -117,14 +123,16 @@ def _bounded_kda(q, k, v, g, beta, initial_state, segment_ids, options: BoundedO
 def _bounded_kda_fwd(q, k, v, g, beta, initial_state, segment_ids, options):
     # The operands are kept rather than recomputed: the preparation kernel writes them to GMEM
     # anyway, so keeping them costs memory (U is dropped: the backward reads no U) but no time.
-    outputs, (operands, residuals) = _bounded_forward(
+    # Its residuals cost both, and are written only here.
+    outputs, (operands, preparation_residuals, recurrence_residuals) = _bounded_forward(
         q, k, v, g, beta, initial_state, segment_ids, options, save_for_backward=True)
-    return outputs, ((q, k, v, g, beta), segment_ids, operands._replace(U=None), residuals)
+    return outputs, ((q, k, v, g, beta), segment_ids, operands._replace(U=None),
+                     preparation_residuals, recurrence_residuals)
 
 
 def _bounded_kda_bwd(options, saved, cotangents):
     """The recurrence's VJP by kernels, then the preparation's VJP by kernels."""
-    inputs, segment_ids, operands, residuals = saved
+    inputs, segment_ids, operands, preparation_residuals, recurrence_residuals = saved
     d_o, d_final_state = cotangents
     batch, length, num_value_heads, value_dim = d_o.shape
     num_chunks = operands.W.shape[2]
@@ -132,9 +140,10 @@ def _bounded_kda_bwd(options, saved, cotangents):
     d_o = jnp.pad(d_o, ((0, 0), (0, num_chunks * CHUNK_SIZE - length), (0, 0), (0, 0)))
     d_o = jnp.moveaxis(d_o.reshape(batch, num_chunks, CHUNK_SIZE, num_value_heads, value_dim),
                        3, 1)
-    d_chunks, d_initial_state = recurrence_vjp(operands, residuals, d_o, d_final_state,
+    d_chunks, d_initial_state = recurrence_vjp(operands, recurrence_residuals, d_o, d_final_state,
                                                rounded=ROUNDED_COTANGENTS)
-    d_inputs = prepare_chunks_vjp_kernel(*inputs, segment_ids=segment_ids, cotangents=d_chunks,
+    d_inputs = prepare_chunks_vjp_kernel(*inputs, segment_ids=segment_ids,
+                                         residuals=preparation_residuals, cotangents=d_chunks,
                                          **options._asdict())
     return (*d_inputs, d_initial_state, None)
 

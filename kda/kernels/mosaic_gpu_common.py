@@ -1,6 +1,6 @@
 """What the Mosaic GPU KDA kernels share: operand dtype, SMEM tile layouts, the recurrence
 kernel's operands (the contract between the chunk preparation and the recurrence over chunks) and
-its residuals (the contract between the forward and the backward recurrence)."""
+the residuals of both forward kernels (their contracts with their backward kernels)."""
 
 from typing import NamedTuple
 
@@ -53,6 +53,15 @@ class RecurrenceOperands(NamedTuple):
     k_to_state_t: jax.Array  # bf16 [B, HV, N, K, C]   k_to_state transposed: the wgmma lhs
     Aqk: jax.Array  # bf16 [B, HV, N, C, C]
     chunk_decay: jax.Array  # float32 [B, HV, N, K]
+
+
+class PreparationResiduals(NamedTuple):
+    """What the preparation kernel writes, when a backward will run, for the UT/WY kernel of its
+    backward (`kda.kernels.mosaic_gpu_prepare_backward`), which would otherwise recompute them."""
+
+    G: jax.Array  # float32 [B, HV, N, C, K]   cumsum(g) within the chunk
+    Akk: jax.Array  # bf16 [B, HV, N, C, C]   k's scores, strictly lower, same document, no beta
+    inverse: jax.Array  # bf16 [B, HV, N, 2, C, C]   (I + beta Akk)^-1 as hi and lo parts
 
 
 class RecurrenceResiduals(NamedTuple):

@@ -27,6 +27,13 @@ accumulators), from the building blocks of `kda.kernels.mosaic_gpu_tiles` (named
 5. `W = (I + N)^-1 (beta k exp(G))` and `U = (I + N)^-1 (beta v)` (`matmul_of_splits`), and the
    state factors.
 
+When a backward will run (`save_for_backward`, a static flag: a forward alone writes none of it),
+the kernel also writes what the UT/WY kernel of its backward would otherwise recompute
+(`PreparationResiduals`): G (float32 [C, K], stored from g's buffer once step 2 is done), Akk
+(bf16 [C, C], masked, without beta: one more buffer, written beside N) and `(I + N)^-1` as the
+bf16 hi/lo pair step 5 multiplies with (stored from its operand buffers), 4 C K + 6 C^2 bytes a
+chunk: 56 KiB at K = 128 (its other outputs are 88.5 KiB) and 40 KiB at 64.
+
 Numerics: matmul operands are bfloat16, accumulators and everything elementwise float32 (exp and
 rsqrt approximate, to a few float32 ulp); U and chunk_decay are written in float32, the other
 outputs in bf16 (what the recurrence kernel reads). W and U come from hi/lo bf16 splits of both
@@ -34,18 +41,20 @@ factors; the scores and the inverse use plain bf16 operands. Against the oracle,
 give o within 3.2e-3 and the final state within 2.1e-3 relative error (interpret mode, K = 64
 and 128), against fla's bars of 5e-3.
 
-Shared memory: 101 KiB a program at K = V = 128 (was 205) and 69 KiB at 64 (was 125), as Mosaic GPU
-allocates it (with its 2 KiB reduction scratch and 1 KiB alignment), so two programs share an SM at
-K = 128 (an SM has 228 KiB and reserves 1 KiB a program; 64K registers allow two warpgroups at up to
-255 registers a thread) and, if at most 168 registers a thread, three at 64: one program's TMA
-traffic and waits overlap another's math. Buffers whose lifetimes do not overlap share memory
+Shared memory: 101 KiB a program at K = V = 128 (was 205; 109 with `save_for_backward`) and 69 KiB
+at 64 (was 125; 77), as Mosaic GPU allocates it (with its 2 KiB reduction scratch and 1 KiB
+alignment), so two programs share an SM at K = 128 (an SM has 228 KiB and reserves 1 KiB a program;
+64K registers allow two warpgroups at up to 255 registers a thread) and, if at most 168 registers a
+thread, three at 64 without `save_for_backward` (with it, 77 KiB exceeds their 75): one program's
+TMA traffic and waits overlap another's math. Buffers whose lifetimes do not overlap share memory
 (`plgpu.RefUnion`, whose groups are used one after another): q's tile holds q_from_state, a column
 factor, k again, (beta v)_lo and W; k's holds k_to_state^T, the other column factor, v and (beta
 v)_hi; g's float32 tile holds two bf16 parts of g, then G, then the parts of beta k exp(G), then U;
-a fourth region holds g's third part and the triangle, then the scaled score rows, then Aqk, N and
-the inverse's buffers. So k is read from GMEM twice (its second TMA load and v's run during the
-inverse), an output's buffer is reused only after its TMA store has read it, and a buffer read into
-registers in one layout is overwritten in another only after a warpgroup barrier (`commit_smem`).
+a fourth region holds g's third part and the triangle, then the scaled score rows, then Aqk, N, the
+inverse's buffers and Akk (when saved). So k is read from GMEM twice (its second TMA load and v's
+run during the inverse), an output's buffer is reused only after its TMA store has read it, and a
+buffer read into registers in one layout is overwritten in another only after a warpgroup barrier
+(`commit_smem`).
 
 Its backward is `kda.kernels.mosaic_gpu_prepare_backward`; `kda.kernels.mosaic_gpu` composes the
 two under a `jax.custom_vjp`.
@@ -60,7 +69,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.common import L2_NORM_EPS
-from kda.kernels.mosaic_gpu_common import OPERAND_DTYPE, RecurrenceOperands, swizzled_smem
+from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, PreparationResiduals,
+                                           RecurrenceOperands, swizzled_smem)
 from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, COMPILER_PARAMS, ROW_VECTOR,
                                           WGMMA, cumulative_sum, documents_in_chunk, iota,
                                           load_plain, matmul_of_splits, pad_to_chunks,
@@ -71,25 +81,29 @@ from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, COMPILER_PARAMS,
 
 def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
                     w_gmem, u_gmem, q_state_gmem, k_state_t_gmem, aqk_gmem, decay_gmem,
-                    *, scale, use_qk_l2norm, lower_bound, group):
+                    *residual_gmems, scale, use_qk_l2norm, lower_bound, group):
     """The body of one (batch row, value head, chunk) program; see the module docstring.
 
     GMEM inputs: q, k [B, T, H, K] and v [B, T, HV, V] in bf16; g [B, T, HV, K], beta [B, HV, T]
     and document [B, T] (`documents_in_chunk`) in float32; T is a multiple of 64 and K = V.
-    Outputs: the fields of `RecurrenceOperands`, [B, HV, N, ...].
+    Outputs: the fields of `RecurrenceOperands`, [B, HV, N, ...], then, when a backward will run,
+    those of `PreparationResiduals` (their presence is the static flag).
     """
     key_dim, value_dim = q_gmem.shape[-1], v_gmem.shape[-1]
     batch, head, chunk = (lax.axis_index(axis) for axis in ("batch", "heads", "chunks"))
     tokens = pl.ds(chunk * CHUNK, CHUNK)
     out = (batch, head, chunk)
     keys_shape, scores_shape = (CHUNK, key_dim), (CHUNK, CHUNK)
+    residuals = PreparationResiduals(*residual_gmems) if residual_gmems else None
 
     def body(q_smem, k_union, g_union, rows_union, beta_smem, document_smem, decay_smem,
              barriers):
         # Each union's groups are used one after another (module docstring, "Shared memory").
         k_smem, k_state_t_smem, v_smem = k_union
         g_smem, g_parts = g_union
-        (g_part, ones), (q_rows, k_rows), (aqk, unit_lower, product, inverse_smem) = rows_union
+        (g_part, ones), (q_rows, k_rows), score_tiles = rows_union
+        aqk, unit_lower, product, inverse_smem = score_tiles[:4]
+        akk_smem = score_tiles[4] if residuals else None
         # g first: the cumulative sum runs while the other inputs arrive.
         inputs = ((g_gmem.at[batch, tokens, head], g_smem),
                   (q_gmem.at[batch, tokens, head // group], q_smem),
@@ -116,6 +130,8 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
         masks = state_masks(document_smem, keys_shape)
         g_smem[...] = G
         plgpu.commit_smem()
+        if residuals:  # read by TMA before step 5 overwrites it (the wait in 3b)
+            plgpu.copy_smem_to_gmem(g_smem, residuals.G.at[out])
         last_G = plgpu.load(g_smem.at[CHUNK - 1], layout=COLUMN_VECTOR)
         decay_smem[...] = jnp.exp(last_G) * masks.keeps_state
 
@@ -136,7 +152,8 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
 
         # 3b. Transposed scores ([s, r] layout: the column index is the row r of A), then masked.
         # The column factors reuse q's and k's buffers once their stores have read them.
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # all but chunk_decay's, issued last
+        # All but chunk_decay's, issued last (G's, if any, was issued first).
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
         qk_t, kk_t = transposed_scores(k, G, g_smem, (q_rows, k_rows), (q_smem, k_smem),
                                        lower_bound)
         # k again and v, for step 5, load into the free buffers while the inverse is computed.
@@ -148,12 +165,16 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
         in_document = same_document(document_smem)
         aqk.transpose((1, 0))[...] = jnp.where((columns >= rows) & in_document, qk_t,
                                                0.0).astype(OPERAND_DTYPE)
+        akk_t = jnp.where((columns > rows) & in_document, kk_t, 0.0)  # strictly lower
+        if residuals:
+            akk_smem.transpose((1, 0))[...] = akk_t.astype(OPERAND_DTYPE)
         beta_of_column = plgpu.load(beta_smem, layout=COLUMN_VECTOR)
-        n_t = jnp.where((columns > rows) & in_document,
-                        kk_t * per_column(beta_of_column, scores_shape), 0.0)
-        unit_lower.transpose((1, 0))[...] = n_t.astype(OPERAND_DTYPE)  # N: strictly lower
+        unit_lower.transpose((1, 0))[...] = (  # N
+            akk_t * per_column(beta_of_column, scores_shape)).astype(OPERAND_DTYPE)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(aqk, aqk_gmem.at[out])
+        if residuals:
+            plgpu.copy_smem_to_gmem(akk_smem, residuals.Akk.at[out])
 
         # 4. (I + N)^-1 by recursive doubling of the inverted diagonal blocks.
         inverse = unit_lower_inverse(unit_lower, (unit_lower, product, inverse_smem))  # N's
@@ -170,6 +191,9 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
         k_rhs = normalized(q_smem) * jnp.exp(load_plain(g_smem)) * beta * masks.reads_state
         v_rhs = plgpu.load(v_smem, layout=WGMMA).astype(jnp.float32) * beta
         plgpu.commit_smem()  # every thread has read G before the parts overwrite it
+        if residuals:  # the parts are only read from here on
+            for index, part in enumerate(inverse_parts):
+                plgpu.copy_smem_to_gmem(part, residuals.inverse.at[(*out, index)])
         k_rhs_parts, v_rhs_parts = g_parts, (v_smem, q_smem)
         store_split(k_rhs_parts, k_rhs)
         store_split(v_rhs_parts, v_rhs)
@@ -196,10 +220,10 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
         plgpu.RefUnion(plgpu.SMEM(keys_shape, jnp.float32),
                        (operand(keys_shape), operand(keys_shape))),
         # The cumulative sum's third part and its triangle, then the scores' scaled rows, then
-        # Aqk, N, and the inverse's scratch and parts.
+        # Aqk, N, the inverse's scratch and parts, and Akk when a backward will run.
         plgpu.RefUnion((operand(keys_shape), operand(scores_shape)),
                        (operand(keys_shape), operand(keys_shape)),
-                       tuple(operand(scores_shape) for _ in range(4))),
+                       tuple(operand(scores_shape) for _ in range(5 if residuals else 4))),
         plgpu.SMEM((CHUNK,), jnp.float32),  # beta
         plgpu.SMEM((CHUNK,), jnp.float32),  # document
         plgpu.SMEM((key_dim,), jnp.float32),  # chunk_decay
@@ -208,7 +232,7 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
 
 
 def prepare_chunks_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm,
-                          gate_lower_bound) -> RecurrenceOperands:
+                          gate_lower_bound, save_for_backward=False):
     """`kda.chunked.prepare_chunks` (chunk 64, bounded gates) by the Mosaic GPU kernel.
 
     Args:
@@ -216,8 +240,11 @@ def prepare_chunks_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm
         g >= gate_lower_bound; beta: [B, T, HV].
       scale, segment_ids, use_qk_l2norm: as in `kda.chunked.chunk_kda`.
       gate_lower_bound: L in [-5, 0).
+      save_for_backward: also write what the backward's UT/WY kernel reads
+        (`kda.kernels.mosaic_gpu_prepare_backward`); the forward alone does not pay the stores.
     Returns:
-      `RecurrenceOperands` [B, HV, N, ...], N = ceil(T / 64).
+      `RecurrenceOperands` [B, HV, N, ...], N = ceil(T / 64); with `save_for_backward`,
+      (`RecurrenceOperands`, `PreparationResiduals`).
     """
     batch, length, num_value_heads, value_dim = v.shape
     key_dim = q.shape[-1]
@@ -225,18 +252,21 @@ def prepare_chunks_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm
     padded_length = num_chunks * CHUNK
 
     padded = functools.partial(pad_to_chunks, padded_length=padded_length)
-    chunked = lambda *tail: (batch, num_value_heads, num_chunks, *tail)  # noqa: E731
+    chunked = lambda dtype, *tail: jax.ShapeDtypeStruct(  # noqa: E731
+        (batch, num_value_heads, num_chunks, *tail), dtype)
+    operands_type = RecurrenceOperands(
+        W=chunked(OPERAND_DTYPE, CHUNK, key_dim), U=chunked(jnp.float32, CHUNK, value_dim),
+        q_from_state=chunked(OPERAND_DTYPE, CHUNK, key_dim),
+        k_to_state_t=chunked(OPERAND_DTYPE, key_dim, CHUNK),
+        Aqk=chunked(OPERAND_DTYPE, CHUNK, CHUNK), chunk_decay=chunked(jnp.float32, key_dim))
+    residuals_type = PreparationResiduals(
+        G=chunked(jnp.float32, CHUNK, key_dim), Akk=chunked(OPERAND_DTYPE, CHUNK, CHUNK),
+        inverse=chunked(OPERAND_DTYPE, 2, CHUNK, CHUNK)) if save_for_backward else ()
     run = plgpu.kernel(
         functools.partial(_prepare_kernel, scale=float(scale), use_qk_l2norm=use_qk_l2norm,
                           lower_bound=float(gate_lower_bound),
                           group=num_value_heads // q.shape[2]),
-        out_type=RecurrenceOperands(
-            W=jax.ShapeDtypeStruct(chunked(CHUNK, key_dim), OPERAND_DTYPE),
-            U=jax.ShapeDtypeStruct(chunked(CHUNK, value_dim), jnp.float32),
-            q_from_state=jax.ShapeDtypeStruct(chunked(CHUNK, key_dim), OPERAND_DTYPE),
-            k_to_state_t=jax.ShapeDtypeStruct(chunked(key_dim, CHUNK), OPERAND_DTYPE),
-            Aqk=jax.ShapeDtypeStruct(chunked(CHUNK, CHUNK), OPERAND_DTYPE),
-            chunk_decay=jax.ShapeDtypeStruct(chunked(key_dim), jnp.float32)),
+        out_type=(*operands_type, *residuals_type),
         grid=(batch, num_value_heads, num_chunks),
         grid_names=("batch", "heads", "chunks"),
         compiler_params=COMPILER_PARAMS,
@@ -244,4 +274,7 @@ def prepare_chunks_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm
     outputs = run(padded(q, OPERAND_DTYPE), padded(k, OPERAND_DTYPE), padded(v, OPERAND_DTYPE),
                   padded(g, jnp.float32), jnp.moveaxis(padded(beta, jnp.float32), 1, 2),
                   documents_in_chunk(segment_ids, batch, padded_length))
-    return RecurrenceOperands(*outputs)
+    operands = RecurrenceOperands(*outputs[:len(operands_type)])
+    if save_for_backward:
+        return operands, PreparationResiduals(*outputs[len(operands_type):])
+    return operands

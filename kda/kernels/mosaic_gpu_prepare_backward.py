@@ -27,11 +27,12 @@ is below e^-49, as in the forward (`kda.kernels.mosaic_gpu_prepare`).
 
 Two kernels, like peers' "WY" and "intra" backward kernels:
 
-1. `_wy_backward_kernel`, one program per (batch row, value head, chunk), all of K: recomputes G,
-   Akk and T with the forward kernel's building blocks (`kda.kernels.mosaic_gpu_tiles`, the same
-   arithmetic), then the gradients through the UT transform: dv, dbeta, dAkk (written in bf16, a
-   matmul operand of kernel 2) and `beta E reads d rhs_k` (float32), the right-hand sides of the
-   UT transform (v, then k) in steps of 64 columns, dT accumulating over the steps.
+1. `_wy_backward_kernel`, one program per (batch row, value head, chunk), all of K: reads G, Akk
+   and T's hi/lo parts as the forward kernel saved them (`PreparationResiduals`: the values W and U
+   were made with, so it recomputes nothing of the forward), then computes the gradients through
+   the UT transform: dv, dbeta, dAkk (written in bf16, a matmul operand of kernel 2) and
+   `beta E reads d rhs_k` (float32), the right-hand sides of the UT transform (v, then k) in steps
+   of 64 columns, dT accumulating over the steps.
 2. `_score_backward_kernel`, one program per (batch row, value head, chunk, 64 key columns): the
    score terms of both score matrices, computed transposed (`[key column, token]`: wgmma's M = 64
    runs over key columns, N = 16 over the tokens of one tile, so no product is wasted) and turned
@@ -43,35 +44,34 @@ Around the kernels, plain JAX computes the q/k inverse norms, and applies the VJ
 `kda.common.prepare_qk` (`prepare_qk_vjp`: the scale, the L2 norm's backward and the sum over the
 value heads of a group), crops the padded tail and casts.
 
-Numerics: matmul operands bf16, accumulation and everything elementwise float32. T is used as a
-hi/lo bf16 pair where it produces dv and dk directly; dT, dN and the score cotangents are single
-bf16; the factors of the score terms are hi/lo pairs. Against `jax.vjp` of the plain-JAX
+Numerics: matmul operands bf16, accumulation and everything elementwise float32. T (the forward's)
+is used as a hi/lo bf16 pair where it produces dv and dk directly; dT, dN and the score cotangents
+are single bf16; the factors of the score terms are hi/lo pairs. Against `jax.vjp` of the plain-JAX
 preparation (float32, random normal cotangents, interpret mode, K = 64, documents, saturated gates
 included), relative errors are dq 2.4-2.8e-3, dk 0.7-1.9e-3, dv 2.8e-3, dg 1.9-2.5e-3 and dbeta
 1.7-1.8e-3 (fla's bf16 bars: 8e-3 and 2e-2).
 
 Shared memory per program (the launch's dynamic SMEM: buffers, 1 KiB alignment, barriers and the
-2 KiB reduction scratch): kernel 1 107 KiB at K = V = 128 (91 KiB at 64; 206 and 126 KiB before),
-so two programs share an SM (228 KiB, 1 KiB of it reserved a program) and hide each other's
-latencies; kernel 2 69 KiB at any K (it sees 64 key columns; 206, then 101 KiB before), within the
-75 KiB of three programs an SM (which also need at most 168 registers a thread). Both give buffers
-with disjoint lifetimes one memory (`plgpu.RefUnion`, so interpret mode's race detection checks the
-reuse), and await each input where it is first read. Kernel 1: k with the cumulative sum's
-operands, then Akk's operands, then Akk, T and the steps' inputs; N (then dT) and a step's
-right-hand side, then its float32 output. The cumulative sum runs 64 columns at a time and the
-right-hand sides in 64-column steps (the dU or dW slice, bf16 as given, and the v or k columns of a
-step in one of two slots, the step after next's loading while a step computes; the wgmmas read the
-cotangent where TMA put it), so only G and Akk's operands span all of K. Kernel 2: g, then the four
-bf16 operands of the cumulative sums, row terms and column terms (q's and k's column factors take
-turns in two hi/lo pairs rather than holding four), between those two the untransposes' hi/lo parts
-and d q_from_state (then dq) in the operands' place; dAqk (bf16 as given, masked in place) and
-dAkk, then d k_to_state and dg; q and k, then kernel 1's dk term, dk's row terms and dk. So its
-three float32 [C, 64] cotangents load once their memory is free rather than at the start:
-d q_from_state after the row terms and kernel 1's dk term once q is read (both while other work
-runs), d k_to_state after the column terms (its latency exposed: nothing is free while they run).
-Its anchors and G's last row are kept apart from G (`StoredAnchors`, 3 KiB instead of G's 16), the
-score cotangents are transposed in place after the row terms, and dq is stored as soon as it is
-done (its TMA has read it before the column terms take the memory back).
+2 KiB reduction scratch): kernel 1 107 KiB at K = V = 128 (91 KiB at 64; 206 and 126 KiB before), so
+two programs share an SM (228 KiB, 1 KiB of it reserved a program) and hide each other's latencies;
+kernel 2 69 KiB at any K (it sees 64 key columns; 206, then 101 KiB before), within the 75 KiB of
+three programs an SM (which also need at most 168 registers a thread). Both give buffers with
+disjoint lifetimes one memory (`plgpu.RefUnion`, so interpret mode's race detection checks the
+reuse), and await each input where it is first read. Kernel 1: G (float32), Akk, T's two parts and
+two steps' inputs, each in its own buffer; dT (then dAkk) and a step's bf16 right-hand side (then
+T^T dT), then a step's float32 output. The right-hand sides run in 64-column steps (the dU or dW
+slice, bf16 as given, and the v or k columns of a step in one of two slots, the step after next's
+loading while a step computes; the wgmmas read the cotangent where TMA put it), so only G spans all
+of K. Kernel 2: g, then the four bf16 operands of the cumulative sums, row terms and column terms
+(q's and k's column factors take turns in two hi/lo pairs rather than holding four), between those
+two the untransposes' hi/lo parts and d q_from_state (then dq) in the operands' place; dAqk (bf16 as
+given, masked in place) and dAkk, then d k_to_state and dg; q and k, then kernel 1's dk term, dk's
+row terms and dk. So its three float32 [C, 64] cotangents load once their memory is free rather than
+at the start: d q_from_state after the row terms and kernel 1's dk term once q is read (both while
+other work runs), d k_to_state after the column terms (its latency exposed: nothing is free while
+they run). Its anchors and G's last row are kept apart from G (`StoredAnchors`, 3 KiB instead of G's
+16), the score cotangents are transposed in place after the row terms, and dq is stored as soon as
+it is done (its TMA has read it before the column terms take the memory back).
 """
 
 import functools
@@ -84,14 +84,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.chunked import TILE_SIZE, ChunkedInputs
 from kda.common import L2_NORM_EPS, prepare_qk_vjp
-from kda.kernels.mosaic_gpu_common import OPERAND_DTYPE, SUPPORTED_DIMS, swizzled_smem
+from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, SUPPORTED_DIMS, PreparationResiduals,
+                                           swizzled_smem)
 from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, COMPILER_PARAMS, NUM_TILES,
                                           ROW_VECTOR, WGMMA, cumulative_sum, documents_in_chunk,
                                           exponent_from_tile, exponent_up_to_tile, iota,
                                           load_plain, matmul, matmul_of_splits, pad_to_chunks,
                                           per_column, per_row, row_anchors, same_document,
                                           state_masks, store_anchors, store_lower_ones,
-                                          store_split, transposed_scores, unit_lower_inverse)
+                                          store_split)
 
 KEY_SLICE = 64  # key columns per program of the score kernel (wgmma's M)
 # The cotangents (`ChunkedInputs` fields) the kernels use only as bf16 matmul operands: given in
@@ -106,14 +107,15 @@ HALF = 64  # key or value columns a step of kernel 1's right-hand sides covers
 BETA, WY_DOCUMENT, WY_K_FACTOR, D_BETA = range(4)
 
 
-def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_factor_gmem,
-                        dw_gmem, du_gmem, dv_gmem, dbeta_gmem, dakk_gmem, dk_wy_gmem,
-                        *, lower_bound, group):
+def _wy_backward_kernel(k_gmem, v_gmem, beta_gmem, document_gmem, k_factor_gmem, G_gmem,
+                        akk_gmem, inverse_gmem, dw_gmem, du_gmem,
+                        dv_gmem, dbeta_gmem, dakk_gmem, dk_wy_gmem, *, group):
     """One (batch row, value head, chunk) program.
 
-    GMEM inputs: k [B, T, H, K] and v [B, T, HV, V] in bf16; g [B, T, HV, K], beta [B, HV, T],
-    document [B, T], k_factor [B, H, T] (k's inverse norm) in float32; the cotangents dW
-    [B, HV, N, C, K] and dU [B, HV, N, C, V] in bf16. T is a multiple of 64.
+    GMEM inputs: k [B, T, H, K] and v [B, T, HV, V] in bf16; beta [B, HV, T], document [B, T],
+    k_factor [B, H, T] (k's inverse norm) in float32; the forward's `PreparationResiduals`: G
+    [B, HV, N, C, K] float32, Akk [B, HV, N, C, C] and T's hi/lo parts [B, HV, N, 2, C, C] bf16;
+    the cotangents dW [B, HV, N, C, K] and dU [B, HV, N, C, V] in bf16. T is a multiple of 64.
     Outputs: dv [B, T, HV, V] bf16, dbeta [B, HV, T] float32, dAkk [B, HV, N, C, C] bf16 (masked,
     beta included), `beta E reads d rhs_k` [B, HV, N, C, K] float32.
     """
@@ -121,59 +123,37 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
     batch, head, chunk = (lax.axis_index(axis) for axis in ("batch", "heads", "chunks"))
     tokens = pl.ds(chunk * CHUNK, CHUNK)
     out = (batch, head, chunk)
-    keys_shape, half_shape, scores_shape = (CHUNK, key_dim), (CHUNK, HALF), (CHUNK, CHUNK)
+    half_shape, scores_shape = (CHUNK, HALF), (CHUNK, CHUNK)
     # The right-hand sides' steps: (v or k, 64-column half), the v steps first.
     steps = [(part, half) for part in "vk" for half in range(key_dim // HALF)]
+    first_k_step = key_dim // HALF
 
-    def body(vectors, G_smem, work, products, barriers):
-        # work: k, the ones and the cumulative sum's parts; then Akk's operands; then Akk, T's
-        # bf16 hi/lo parts and two steps' inputs (k or v columns, dU or dW columns). products:
-        # N (then dT, then dAkk) and a step's bf16 right-hand side (first a scratch of the
-        # inverse), then a step's float32 output.
-        ((k_smem, ones, cumsum_parts), (k_rows, *column_buffers),
-         (akk, inverse_hi, inverse_lo, x_buffers, cotangent_buffers)) = work
-        inverse_parts = (inverse_hi, inverse_lo)
-        (unit_lower, rhs), out_staging = products
+    def body(vectors, G_smem, akk, inverse_smem, x_buffers, cotangent_buffers, products,
+             barriers):
+        # products: dT (then dAkk) and a step's bf16 right-hand side (then T^T dT), then a
+        # step's float32 output.
+        (dT_smem, rhs), out_staging = products
+        inverse_t = tuple(inverse_smem.at[part].transpose((1, 0)) for part in range(2))  # T^T
         beta_smem, document_smem, k_factor_smem, dbeta_smem = (
             vectors.at[row] for row in (BETA, WY_DOCUMENT, WY_K_FACTOR, D_BETA))
-        # In the order of first use; each awaited where first read.
-        inputs = ((g_gmem.at[batch, tokens, head], G_smem),
-                  (k_gmem.at[batch, tokens, head // group], k_smem),
+        # In the order of first use, each awaited where first read; the first two steps' inputs
+        # load between those the v steps read and those the k steps read.
+        inputs = ((document_gmem.at[batch, tokens], document_smem),
+                  (beta_gmem.at[batch, head, tokens], beta_smem),
+                  (inverse_gmem.at[out], inverse_smem),
                   (k_factor_gmem.at[batch, head // group, tokens], k_factor_smem),
-                  (document_gmem.at[batch, tokens], document_smem),
-                  (beta_gmem.at[batch, head, tokens], beta_smem))
-        for index, (source, target) in enumerate(inputs):
-            plgpu.copy_gmem_to_smem(source, target, barriers.at[index])
-        g_loaded, k_loaded, k_factor_loaded, document_loaded, beta_loaded = (
-            barriers.at[index] for index in range(len(inputs)))
+                  (G_gmem.at[out], G_smem),
+                  (akk_gmem.at[out], akk))
+        (document_loaded, beta_loaded, inverse_loaded, k_factor_loaded, G_loaded,
+         akk_loaded) = (barriers.at[index] for index in range(len(inputs)))
         x_loaded, cotangent_loaded = (
             tuple(barriers.at[len(inputs) + 2 * role + slot] for slot in range(2))
             for role in range(2))
 
-        rows, columns = iota(scores_shape, 0), iota(scores_shape, 1)
-
-        def normalized_k(smem, shape):
-            k = plgpu.load(smem, layout=WGMMA).astype(jnp.float32)
-            return k * per_row(plgpu.load(k_factor_smem, layout=ROW_VECTOR), shape)
-
-        # G = cumsum(g), stored over g, 64 columns at a time (each column's sum is its own).
-        store_lower_ones(ones)
-        plgpu.barrier_wait(g_loaded)
-        for half in range(key_dim // HALF):
-            G_half = G_smem.at[:, pl.ds(HALF * half, HALF)]
-            G_half[...] = cumulative_sum(load_plain(G_half), cumsum_parts, ones)
-        plgpu.commit_smem()
-
-        # Akk as the forward computes it: transposed tiles (rows s, columns r), each row tile i of
-        # k scaled by exp(G_r - b_i) times the columns k exp(b_i - G_s), s < 16 (i + 1).
-        plgpu.barrier_wait(k_loaded)
-        plgpu.barrier_wait(k_factor_loaded)
-        k = normalized_k(k_smem, keys_shape)
-        G = load_plain(G_smem)
-        plgpu.commit_smem()  # k is read before its memory takes Akk's operands
-        k_rows[...] = (k * jnp.exp(G - row_anchors(G_smem, keys_shape, lower_bound))).astype(
-            OPERAND_DTYPE)
-        (kk_t,) = transposed_scores(k, G, G_smem, (k_rows,), column_buffers, lower_bound)
+        def load_inputs(indices):
+            for index in indices:
+                source, target = inputs[index]
+                plgpu.copy_gmem_to_smem(source, target, barriers.at[index])
 
         def load_step_inputs(index):
             """Step index's 64 columns of v and dU or of k and dW, into the step's slot of two."""
@@ -188,32 +168,24 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
             plgpu.copy_gmem_to_smem(cotangent_source.at[(*out, slice(None), keys)],
                                     cotangent_buffers[slot], cotangent_loaded[slot])
 
-        # The first two steps' inputs load while T is computed.
+        load_inputs(range(3))
         load_step_inputs(0)
         load_step_inputs(1)
-
-        # [s, r] layout: the column index is the row r of Akk.
-        plgpu.barrier_wait(document_loaded)
-        akk_t = jnp.where((columns > rows) & same_document(document_smem), kk_t, 0.0)  # symmetric
-        akk.transpose((1, 0))[...] = akk_t.astype(OPERAND_DTYPE)
-        plgpu.barrier_wait(beta_loaded)
-        beta_of_column = plgpu.load(beta_smem, layout=COLUMN_VECTOR)
-        unit_lower.transpose((1, 0))[...] = (
-            akk_t * per_column(beta_of_column, scores_shape)).astype(OPERAND_DTYPE)
-        plgpu.commit_smem()
-
-        # T = (I + N)^-1, kept as bf16 hi and lo parts; T^T is their transposed view.
-        inverse = unit_lower_inverse(unit_lower, (rhs, *inverse_parts))
-        store_split(inverse_parts, inverse)
-        inverse_t = tuple(part.transpose((1, 0)) for part in inverse_parts)
+        load_inputs(range(3, len(inputs)))
 
         # Step by step: the cotangent (of U or W, bf16 from GMEM) and the right-hand side (rhs_v =
         # beta v or rhs_k = beta k E reads) of 64 columns; dT accumulates dU rhs_v^T + dW rhs_k^T;
         # then dv = beta T^T dU (over rhs_v) or dk's UT term beta E reads T^T dW, and dbeta's v or
         # k term. The step after next's inputs load while this one computes.
+        plgpu.barrier_wait(document_loaded)
         reads_state = state_masks(document_smem, half_shape).reads_state
+        plgpu.barrier_wait(beta_loaded)
         beta_of_row = plgpu.load(beta_smem, layout=ROW_VECTOR)
         beta = per_row(beta_of_row, half_shape)
+
+        def normalized_k(smem):
+            k = plgpu.load(smem, layout=WGMMA).astype(jnp.float32)
+            return k * per_row(plgpu.load(k_factor_smem, layout=ROW_VECTOR), half_shape)
 
         def decay_read(keys):  # E reads, recomputed where needed rather than held in registers
             return jnp.exp(load_plain(G_smem.at[:, keys])) * reads_state
@@ -228,10 +200,13 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
                     return plgpu.load(x_smem, layout=WGMMA).astype(jnp.float32)
 
                 def load_k():
-                    return normalized_k(x_smem, half_shape)
+                    return normalized_k(x_smem)
 
                 plgpu.barrier_wait(x_loaded[index % 2])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's output is read
+                if index == first_k_step:
+                    plgpu.barrier_wait(k_factor_loaded)
+                    plgpu.barrier_wait(G_loaded)
                 if part == "v":
                     rhs[...] = (beta * load_v()).astype(OPERAND_DTYPE)
                 else:
@@ -239,6 +214,8 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
                 plgpu.commit_smem()
                 plgpu.barrier_wait(cotangent_loaded[index % 2])
                 plgpu.wgmma(d_inverse, cotangent, rhs.transpose((1, 0)))
+                if index == 0:
+                    plgpu.barrier_wait(inverse_loaded)
                 d_rhs = matmul_of_splits(inverse_t, (cotangent,), half_shape)
                 if part == "v":  # dv, over rhs_v (its product is done)
                     term = jnp.sum(d_rhs * load_v(), axis=1)
@@ -260,13 +237,15 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
 
         # dN = -T^T dT T^T on the entries N has (strict lower, same document); dAkk = beta dN.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's output is read
-        dT_smem, product = unit_lower, rhs
+        product = rhs
         dT_smem[...] = dT.astype(OPERAND_DTYPE)
         plgpu.commit_smem()
         product[...] = matmul(inverse_t[0], dT_smem, scores_shape).astype(OPERAND_DTYPE)
         plgpu.commit_smem()
         dN = -matmul(product, inverse_t[0], scores_shape)
+        rows, columns = iota(scores_shape, 0), iota(scores_shape, 1)
         dN = jnp.where((columns < rows) & same_document(document_smem), dN, 0.0)
+        plgpu.barrier_wait(akk_loaded)
         dbeta += jnp.sum(dN * plgpu.load(akk, layout=WGMMA).astype(jnp.float32), axis=1)
         dakk = dT_smem  # dT's product is done
         dakk[...] = (per_row(beta_of_row, scores_shape) * dN).astype(OPERAND_DTYPE)
@@ -277,16 +256,16 @@ def _wy_backward_kernel(k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem, k_fact
         plgpu.wait_smem_to_gmem(0)
 
     tile = swizzled_smem(half_shape, OPERAND_DTYPE)  # [C, 64] = [C, C] bf16
-    keys_tile = swizzled_smem(keys_shape, OPERAND_DTYPE)
     pl.run_scoped(
         body,
         plgpu.SMEM((D_BETA + 1, CHUNK), jnp.float32),  # the vectors (rows above)
-        plgpu.SMEM(keys_shape, jnp.float32),  # g, then G (plain rows: read one by one)
-        plgpu.RefUnion((keys_tile, tile, (tile, tile, tile)),
-                       (keys_tile, keys_tile, keys_tile),
-                       (tile, tile, tile, (tile, tile), (tile, tile))),
+        plgpu.SMEM((CHUNK, key_dim), jnp.float32),  # G (plain rows: read by column halves)
+        tile,  # Akk
+        swizzled_smem((2, *scores_shape), OPERAND_DTYPE),  # T's hi and lo parts
+        (tile, tile),  # two steps' v or k columns
+        (tile, tile),  # two steps' dU or dW columns
         plgpu.RefUnion((tile, tile), swizzled_smem(half_shape, jnp.float32)),
-        plgpu.Barrier(num_barriers=9),
+        plgpu.Barrier(num_barriers=10),
     )
 
 
@@ -542,7 +521,8 @@ def _inverse_norms(x, use_qk_l2norm, padded_length):
 
 
 def prepare_chunks_vjp_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm,
-                              gate_lower_bound, cotangents: ChunkedInputs):
+                              gate_lower_bound, residuals: PreparationResiduals,
+                              cotangents: ChunkedInputs):
     """The VJP of `kda.chunked.prepare_chunks` (chunk 64, bounded gates) by the two kernels.
 
     Args:
@@ -550,6 +530,8 @@ def prepare_chunks_vjp_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2
         g >= gate_lower_bound; beta: [B, T, HV].
       scale, segment_ids, use_qk_l2norm: as in `kda.chunked.chunk_kda`.
       gate_lower_bound: L in [-5, 0).
+      residuals: what the preparation kernel saved for its backward on these inputs
+        (`kda.kernels.mosaic_gpu_prepare.prepare_chunks_kernel` with `save_for_backward`).
       cotangents: `ChunkedInputs` [B, HV, N, ...], N = ceil(T / 64) (k_to_state [C, K], not
         transposed). The kernels read W, U and Aqk in bf16 (`ROUNDED_COTANGENTS`: they use them
         only as bf16 matmul operands; a caller that can produce them in bf16 saves the bytes) and
@@ -571,7 +553,6 @@ def prepare_chunks_vjp_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2
     padded = functools.partial(pad_to_chunks, padded_length=padded_length)
     group = num_value_heads // num_heads
     q_bf16, k_bf16 = padded(q, OPERAND_DTYPE), padded(k, OPERAND_DTYPE)
-    g_padded = padded(g, jnp.float32)
     document = documents_in_chunk(segment_ids, batch, padded_length)
     k_factor = _inverse_norms(k, use_qk_l2norm, padded_length)
     q_factor = _inverse_norms(q, use_qk_l2norm, padded_length) * scale
@@ -582,7 +563,7 @@ def prepare_chunks_vjp_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2
     lower_bound = float(gate_lower_bound)
 
     wy_backward = plgpu.kernel(
-        functools.partial(_wy_backward_kernel, lower_bound=lower_bound, group=group),
+        functools.partial(_wy_backward_kernel, group=group),
         out_type=(jax.ShapeDtypeStruct((batch, padded_length, num_value_heads, value_dim),
                                        OPERAND_DTYPE),
                   jax.ShapeDtypeStruct((batch, num_value_heads, padded_length), jnp.float32),
@@ -593,11 +574,12 @@ def prepare_chunks_vjp_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2
         compiler_params=COMPILER_PARAMS,
     )
     dv, dbeta, dakk, dk_wy = wy_backward(
-        k_bf16, padded(v, OPERAND_DTYPE), g_padded, jnp.moveaxis(padded(beta, jnp.float32), 1, 2),
-        document, k_factor, cotangents.W, cotangents.U)
+        k_bf16, padded(v, OPERAND_DTYPE), jnp.moveaxis(padded(beta, jnp.float32), 1, 2),
+        document, k_factor, *residuals, cotangents.W, cotangents.U)
 
-    dq, dk, dg = _score_backward(q_bf16, k_bf16, g_padded, document, q_factor, k_factor, dakk,
-                                 dk_wy, cotangents, lower_bound=lower_bound, group=group)
+    dq, dk, dg = _score_backward(q_bf16, k_bf16, padded(g, jnp.float32), document, q_factor,
+                                 k_factor, dakk, dk_wy, cotangents, lower_bound=lower_bound,
+                                 group=group)
 
     # The scale, the L2 norm's backward and the sum over each group's value heads.
     dq, dk = prepare_qk_vjp(q, k, dq[:, :length], dk[:, :length], scale=scale,
