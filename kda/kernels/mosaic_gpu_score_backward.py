@@ -34,17 +34,19 @@ operands use one 32-byte swizzle in [8, 16] tiles (`tile16_smem`), so every 16-t
 (rows, or columns) is an operand.
 
 Per slab and warpgroup: G = cumsum(g) (the exact 3-way bf16 split times the triangle, as kernel 2:
-one wgmma group behind one barrier, where a shift scan would take six) and its anchors; the column
-operands; d k_to_state's direct terms (the first part of dk's column sums); the column terms (four
-accumulators) while d q_from_state loads; the row operand over the column ones, d q_from_state's
-direct terms (the first part of dq's row sums), and dk's column sums set aside in shared memory (out
-of the registers the row terms need); the row terms (two groups of two tiles, four accumulators
-each); then dG, dq and dk stored, and dg = triu(1) dG (same split). All products of a group are
+one wgmma group behind one barrier, where a shift scan would take six) and its anchors; d
+k_to_state's direct terms (the first part of dk's column sums) and their cumulative sum, whose last
+row is dG's last-row sum (a sum over rows would go through Mosaic GPU's reduction scratch, which
+both warpgroups would share); the column operands; the column terms (four accumulators) while d
+q_from_state loads; the row operand over the column ones, d q_from_state's direct terms (the first
+part of dq's row sums), and dk's column sums set aside in shared memory (out of the registers the
+row terms need); the row terms (two groups of two tiles, four accumulators each) while kernel 1's dk
+term loads; then dG, dq and dk stored, and dg = triu(1) dG (same split). All products of a group are
 issued at once and each tile's accumulators are scaled and summed as soon as they are done, while
 the later tiles' products run (`wgmma_accumulator_load` with the count of later groups). The float32
 cotangents are folded into sums as they are read, so none needs memory of its own, and every input
 but g and d k_to_state of a warpgroup's second slab (K = 128) loads while other work runs. Barriers
-per slab: 5 TMA waits, 8 shared-memory commits, 4 full wgmma waits (kernel 2: 12, 27 and 12 per 64
+per slab: 5 TMA waits, 9 shared-memory commits, 6 full wgmma waits (kernel 2: 12, 27 and 12 per 64
 key columns), and no transposes or untransposes.
 
 Numerics: as kernel 2 (bf16 operands, float32 accumulation, hi/lo factors); the sums per token run
@@ -202,36 +204,35 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
         if step > 0:  # the previous slab's stores have read A and B
             load_g_and_dk_state(columns)
 
-        # G = cumsum(g), stored over g for its anchors and last row, kept apart in a small table;
-        # then A takes kernel 1's dk term.
+        # G = cumsum(g), stored over g for its anchors and last row, kept apart in a small table.
         plgpu.barrier_wait(g_loaded)
         G = cumulative_sum(load_plain(plain_a), tiles(SUM_PARTS), ones)
         plain_a[...] = G
         plgpu.commit_smem()
         anchors = store_anchors(my_vectors, plain_a, lower_bound)
         my_vectors[LAST_G] = plgpu.load(plain_a.at[CHUNK - 1], layout=COLUMN_VECTOR)
-        plgpu.commit_smem()  # G's rows are read before TMA overwrites them
-        plgpu.copy_gmem_to_smem(dk_wy_gmem.at[(*out, slice(None), columns)], plain_a,
-                                late_loaded)
-        plgpu.copy_gmem_to_smem(ddecay_gmem.at[(*out, columns)], my_vectors.at[D_CHUNK_DECAY],
-                                late_loaded)
+        plgpu.commit_smem()
         last_G = plgpu.load(my_vectors.at[LAST_G], layout=COLUMN_VECTOR)
 
-        # The column terms' operands: tile t of each holds the tile's rows with the anchor b_t.
+        # d k_to_state's direct terms: the first part of dk's column sums, and the sum of
+        # k d k_to_state over the chunk (dG's last row) as the last row of its cumulative sum
+        # (over G, read), not as a sum over rows: that would go through the reduction scratch,
+        # which both warpgroups would share.
         plgpu.barrier_wait(qk_loaded)
         q, k = normalized(q_smem, Q_FACTOR), normalized(k_smem, K_FACTOR)
-        from_anchor = jnp.exp(G - row_anchors(anchors, slab_shape, lower_bound))
-        store_split(tiles(Q_COLUMNS), q * from_anchor)
-        store_split(tiles(K_COLUMNS), k * from_anchor)
-
-        # d k_to_state's direct terms, the first part of the column sums; B takes d q_from_state.
         plgpu.barrier_wait(dk_state_loaded)
         dk_to_state = (load_plain(plain_b) * jnp.exp(per_column(last_G, slab_shape) - G)
                        * masks().writes_state)
-        last_row = jnp.sum(k * dk_to_state, axis=0)
-        plgpu.commit_smem()  # the operands are stored and B is read
+        plain_a[...] = cumulative_sum(k * dk_to_state, tiles(SUM_PARTS), ones)
+
+        # The column terms' operands: tile t of each holds the tile's rows with the anchor b_t.
+        from_anchor = jnp.exp(G - row_anchors(anchors, slab_shape, lower_bound))
+        store_split(tiles(Q_COLUMNS), q * from_anchor)
+        store_split(tiles(K_COLUMNS), k * from_anchor)
+        plgpu.commit_smem()  # the operands and the cumulative sum are stored, B is read
         plgpu.copy_gmem_to_smem(dq_state_gmem.at[(*out, slice(None), columns)], plain_b,
                                 dq_state_loaded)
+        last_row = plgpu.load(plain_a.at[CHUNK - 1], layout=COLUMN_VECTOR)
 
         # Column terms (both into dk): tile t's product dAqk[tile t, :]^T X_t(q) + dAkk[tile t,
         # :]^T X_t(k), scaled by exp(b_t - G_s) (zero below the tile, where dA is zero too).
@@ -257,8 +258,12 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
         store_split(tiles(K_ROWS), k * jnp.exp(row_anchors(anchors, slab_shape, lower_bound) - G))
         plgpu.barrier_wait(dq_state_loaded)
         dq_direct = load_plain(plain_b) * jnp.exp(G) * masks().reads_state
-        plgpu.commit_smem()
+        plgpu.commit_smem()  # also: A's last row is read
         plain_b[...] = dk_columns
+        plgpu.copy_gmem_to_smem(dk_wy_gmem.at[(*out, slice(None), columns)], plain_a,
+                                late_loaded)
+        plgpu.copy_gmem_to_smem(ddecay_gmem.at[(*out, columns)], my_vectors.at[D_CHUNK_DECAY],
+                                late_loaded)
 
         # Row terms (dq from dAqk, dk from dAkk): tile t's products dA[:, tile t] F_t, scaled by
         # exp(G_r - b_t) (zero above the tile, where dA is zero too).
