@@ -7,7 +7,12 @@ and dtypes the preparation's VJP hands them (dAkk masked like kernel 1's), and t
 difference of their outputs.
 
     python -m experiments.bench_score_backward                  # a Hopper GPU: 8x2048x16x128
+    MOSAIC_GPU_DUMP_PTXAS=1 python -m experiments.bench_score_backward --repeats 1  # + registers
     python -m experiments.bench_score_backward --smoke          # CPU: interpret mode, 2 chunks
+
+At K = 128 it compiles three kernels, in this order (ptxas's reports come in it): kernel 2, the
+new one with two warpgroups (two programs an SM need at most 128 registers a thread), and with
+four (one program an SM, likewise).
 """
 
 import argparse

@@ -165,8 +165,13 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
         for source, target in shared:
             plgpu.copy_gmem_to_smem(source, target, shared_loaded)
 
-    # dAqk masked in place like Aqk (causal including the diagonal, same document) by one
-    # warpgroup while the other stores the triangle; dAkk comes masked from kernel 1.
+    # One warpgroup stores the triangle while the loads run; the other masks dAqk in place like
+    # Aqk (causal including the diagonal, same document) once loaded. dAkk comes masked from
+    # kernel 1.
+    @pl.when(warpgroup == 1)
+    def _():
+        store_lower_ones(ones)
+
     plgpu.barrier_wait(shared_loaded)
 
     @pl.when(warpgroup == 0)
@@ -175,10 +180,6 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
         rows, columns = iota(scores_shape, 0), iota(scores_shape, 1)
         daq[...] = jnp.where((columns <= rows) & same_document(vectors.at[DOCUMENT]),
                              plgpu.load(daq, layout=WGMMA), 0.0)
-
-    @pl.when(warpgroup == 1)
-    def _():
-        store_lower_ones(ones)
 
     plgpu.commit_smem()
     plgpu.barrier_arrive(shared_ready)
