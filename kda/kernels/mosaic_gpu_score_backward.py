@@ -54,15 +54,15 @@ in another order (per summed tile rather than per output tile) from differently 
 so results differ from kernel 2's at the rounding of the hi/lo operands, not bit for bit
 (interpret mode: relative differences dq 2.4e-6, dk and dg below 2e-7).
 
-Shared memory per program, at K = 64 and 128 alike: the two score cotangents and the triangle
-(24 KiB), and per warpgroup q and k (8 KiB), four operand tiles (16 KiB) and two float32 tiles
-(16 KiB), with the vectors 109 KiB as Mosaic GPU allocates it: within the 113 KiB of two programs
-(four warpgroups) an SM, if ptxas needs at most 128 registers a thread (kernel 2 used 255 and
-spilled). Buffers are reused in place (no `plgpu.RefUnion`: interpret mode checks a union's groups
-as whole buffers, so two warpgroups' halves of one union would race): A holds g, G, kernel 1's dk
-term and dk; B d k_to_state, d q_from_state, dk's column sums, dq and dg; the operand tiles the
-sums' parts and both terms' operands. Interpret mode does not check wgmma's operand reads for
-races.
+Shared memory per program, at K = 64 and 128 alike: the two score cotangents and the triangle (24
+KiB), and per warpgroup q and k (8 KiB), four operand tiles (16 KiB) and two float32 tiles (16 KiB),
+with the vectors 109 KiB as Mosaic GPU allocates it (190 KiB with four warpgroups): within the 113
+KiB of two programs (four warpgroups) an SM, if ptxas needs at most 128 registers a thread (kernel 2
+used 255 and spilled). Buffers are reused in place (no `plgpu.RefUnion`: interpret mode checks a
+union's groups as whole buffers, so two warpgroups' halves of one union would race): A holds g, G,
+the cumulative sum of k d k_to_state, kernel 1's dk term and dk; B d k_to_state, d q_from_state,
+dk's column sums, dq and dg; the operand tiles the sums' parts and both terms' operands. Interpret
+mode does not check wgmma's operand reads for races.
 """
 
 import functools
@@ -75,15 +75,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.chunked import TILE_SIZE
 from kda.kernels.mosaic_gpu_common import OPERAND_DTYPE, swizzled_smem
-from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, NUM_TILES, ROW_VECTOR, WGMMA,
-                                          COMPILER_PARAMS, cumulative_sum, exponent_from_tile,
+from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, COMPILER_PARAMS, NUM_TILES,
+                                          ROW_VECTOR, WGMMA, cumulative_sum, exponent_from_tile,
                                           exponent_up_to_tile, iota, load_plain, per_column,
                                           per_row, row_anchors, same_document, state_masks,
                                           store_anchors, store_lower_ones, store_split)
 
 WARPGROUPS = 2  # the default; at least two (one masks dAqk while another stores the triangle)
 SLAB = 32  # key columns a warpgroup works on at a time
-SWIZZLE = 2 * TILE_SIZE  # bytes: one 16-token bf16 row, so every 16-token slice is tile aligned
+SWIZZLE = 2 * TILE_SIZE  # bytes: 16 bf16 columns, so every 16-token slice is tile aligned
 
 # Rows of the shared table of float32 [C] vectors.
 DOCUMENT, Q_FACTOR, K_FACTOR = range(3)
