@@ -37,17 +37,17 @@ Per slab and warpgroup: G = cumsum(g) (the exact 3-way bf16 split times the tria
 one wgmma group behind one barrier, where a shift scan would take six) and its anchors; d
 k_to_state's direct terms (the first part of dk's column sums) and their cumulative sum, whose last
 row is dG's last-row sum (a sum over rows would go through Mosaic GPU's reduction scratch, which
-both warpgroups would share); the column operands; the column terms (four accumulators) while d
-q_from_state loads; the row operand over the column ones, d q_from_state's direct terms (the first
-part of dq's row sums), and dk's column sums set aside in shared memory (out of the registers the
-row terms need); the row terms (two groups of two tiles, four accumulators each) while kernel 1's dk
-term loads; then dG, dq and dk stored, and dg = triu(1) dG (same split). All products of a group are
-issued at once and each tile's accumulators are scaled and summed as soon as they are done, while
-the later tiles' products run (`wgmma_accumulator_load` with the count of later groups). The float32
-cotangents are folded into sums as they are read, so none needs memory of its own, and every input
-but g and d k_to_state of a warpgroup's second slab (K = 128) loads while other work runs. Barriers
-per slab: 5 TMA waits, 9 shared-memory commits, 6 full wgmma waits (kernel 2: 12, 27 and 12 per 64
-key columns), and no transposes or untransposes.
+both warpgroups would share); the column operands; the column terms while d q_from_state loads; the
+row operand over the column ones, d q_from_state's direct terms (the first part of dq's row sums),
+and dk's column sums set aside in shared memory (out of the registers the row terms need); the row
+terms while kernel 1's dk term loads; then dG, dq and dk stored, and dg = triu(1) dG (same split).
+The terms' products are issued in groups of tiles (`COLUMN_TILES_PER_GROUP`, `ROW_TILES_PER_GROUP`)
+and each tile's accumulators scaled and summed as soon as they are done, while the group's later
+products run (`wgmma_accumulator_load` with the count of later groups). The float32 cotangents are
+folded into sums as they are read, so none needs memory of its own, and every input but g and d
+k_to_state of a warpgroup's second slab (K = 128) loads while other work runs. Barriers per slab: 5
+TMA waits, 9 shared-memory commits, 9 full wgmma waits (kernel 2: 12, 27 and 12 per 64 key columns),
+and no transposes or untransposes.
 
 Numerics: as kernel 2 (bf16 operands, float32 accumulation, hi/lo factors); the sums per token run
 in another order (per summed tile rather than per output tile) from differently anchored operands,
@@ -95,7 +95,11 @@ LAST_G, D_CHUNK_DECAY = NUM_TILES, NUM_TILES + 1
 Q_COLUMNS, K_COLUMNS, K_ROWS, SUM_PARTS = (0, 1), (2, 3), (0, 1), (0, 1, 2)
 OPERAND_TILES = 4
 PARTS = 2  # hi and lo: the wgmmas of one operand and one score matrix
-ROW_TILES_PER_GROUP = 2  # row-term tiles issued before one wait (two accumulators each)
+# Tiles of column terms (one accumulator each) and of row terms (two each) issued together; each
+# tile's accumulators are read once done, while the group's later products run. Small groups keep
+# the registers a thread needs low (16 an accumulator): two programs of two warpgroups an SM, or
+# one of four, allow 128.
+COLUMN_TILES_PER_GROUP, ROW_TILES_PER_GROUP = 2, 1
 
 
 def tile16_smem(shape):
@@ -237,20 +241,24 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
 
         # Column terms (both into dk): tile t's product dAqk[tile t, :]^T X_t(q) + dAkk[tile t,
         # :]^T X_t(k), scaled by exp(b_t - G_s) (zero below the tile, where dA is zero too).
-        def column_terms(*accs):
-            for t, acc in enumerate(accs):
-                for score, parts in ((daq, tiles(Q_COLUMNS)), (dak, tiles(K_COLUMNS))):
-                    score_t = tile_of(score, t).transpose((1, 0))
-                    for part in parts:
-                        plgpu.wgmma(acc, score_t, tile_of(part, t))
-            total = dk_to_state
-            for t, acc in enumerate(accs):  # each tile's while the later tiles' products run
-                product = done(acc, later_groups=PARTS * 2 * (NUM_TILES - 1 - t))
-                total += jnp.exp(exponent_up_to_tile(G, anchors, t, lower_bound)) * product
-            return total
+        def column_terms(tile_group, sums):
+            def products(*accs):
+                for t, acc in zip(tile_group, accs):
+                    for score, parts in ((daq, tiles(Q_COLUMNS)), (dak, tiles(K_COLUMNS))):
+                        score_t = tile_of(score, t).transpose((1, 0))
+                        for part in parts:
+                            plgpu.wgmma(acc, score_t, tile_of(part, t))
+                total = sums
+                for i, (t, acc) in enumerate(zip(tile_group, accs)):
+                    product = done(acc, later_groups=PARTS * 2 * (len(tile_group) - 1 - i))
+                    total += jnp.exp(exponent_up_to_tile(G, anchors, t, lower_bound)) * product
+                return total
 
-        dk_columns = pl.run_scoped(column_terms,
-                                   *(plgpu.ACC(slab_shape) for _ in range(NUM_TILES)))
+            return pl.run_scoped(products, *(plgpu.ACC(slab_shape) for _ in tile_group))
+
+        dk_columns = dk_to_state
+        for first in range(0, NUM_TILES, COLUMN_TILES_PER_GROUP):
+            dk_columns = column_terms(range(first, first + COLUMN_TILES_PER_GROUP), dk_columns)
 
         # The row terms' operand over the column terms' (read: their products are done), and
         # d q_from_state's direct term, the first part of dq's row sums; the column sums wait in
