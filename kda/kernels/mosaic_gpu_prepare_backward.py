@@ -86,6 +86,7 @@ from kda.chunked import TILE_SIZE, ChunkedInputs
 from kda.common import L2_NORM_EPS, prepare_qk_vjp
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, SUPPORTED_DIMS, PreparationResiduals,
                                            swizzled_smem)
+from kda.kernels.mosaic_gpu_score_backward import score_backward
 from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, COMPILER_PARAMS, NUM_TILES,
                                           ROW_VECTOR, WGMMA, cumulative_sum, documents_in_chunk,
                                           exponent_from_tile, exponent_up_to_tile, iota,
@@ -577,9 +578,9 @@ def prepare_chunks_vjp_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2
         k_bf16, padded(v, OPERAND_DTYPE), jnp.moveaxis(padded(beta, jnp.float32), 1, 2),
         document, k_factor, *residuals, cotangents.W, cotangents.U)
 
-    dq, dk, dg = _score_backward(q_bf16, k_bf16, padded(g, jnp.float32), document, q_factor,
-                                 k_factor, dakk, dk_wy, cotangents, lower_bound=lower_bound,
-                                 group=group)
+    dq, dk, dg = score_backward(q_bf16, k_bf16, padded(g, jnp.float32), document, q_factor,
+                                k_factor, dakk, dk_wy, cotangents, lower_bound=lower_bound,
+                                group=group)
 
     # The scale, the L2 norm's backward and the sum over each group's value heads.
     dq, dk = prepare_qk_vjp(q, k, dq[:, :length], dk[:, :length], scale=scale,
