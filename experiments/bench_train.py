@@ -105,7 +105,7 @@ import numpy as np
 from flax import nnx
 
 from experiments.profiling import (median_seconds, ops_markdown, profile_compiler_options,
-                                  scopes_markdown, trace_device_ops)
+                                  scope_ops_markdown, scopes_markdown, trace_device_ops)
 from kda import api as kda_api
 from kda.kernels import mosaic_gpu as kda_mosaic_gpu
 from kda.kernels import sequence_parallel
@@ -127,6 +127,7 @@ from train.packing import finalize_batch
 
 DOCUMENTS_PER_ROW = 4
 PROFILED_OPS = 40  # rows of the `--profile` table
+PROFILED_OPS_PER_PART = 6  # rows of each part's table
 PROFILED_STEPS = 3  # traced steps of `--profile`
 IN_STEP_TITLE = (
     f"In-step device time by part (per step, {PROFILED_STEPS} steps traced): every device op "
@@ -508,7 +509,8 @@ def run(setup: BenchSetup, optimizer: str,
         report(result)
         if profile:
             result["ops"] = trace_device_ops(step, compiled, PROFILED_STEPS, PROFILED_OPS,
-                                             scopes=PROFILE_SCOPES)
+                                             scopes=PROFILE_SCOPES,
+                                             top_per_scope=PROFILED_OPS_PER_PART)
             print("in-step device time by part: " + ", ".join(
                 f"{scope} {ms:.1f} ms" for scope, ms in result["ops"]["scopes"].items() if ms > 0
             ), flush=True)
@@ -586,6 +588,8 @@ def markdown(result: dict, command: str) -> str:
         lines += ops_markdown(
             result["ops"], "Top device ops of the step, compiled without command buffers (the "
             "timed step above was compiled the same way)")
+        lines += scope_ops_markdown(result["ops"], "The costliest device ops of each part:",
+                                    PROFILED_OPS_PER_PART)
     return "\n".join(lines) + "\n"
 
 

@@ -47,14 +47,15 @@ def profile_device_ops(step: Callable, args: tuple, steps: int, top: int = 25,
 
 
 def trace_device_ops(run: Callable[[], object], compiled: jax.stages.Compiled, steps: int,
-                     top: int = 25, scopes: Sequence[str] = ()) -> dict:
+                     top: int = 25, scopes: Sequence[str] = (), top_per_scope: int = 8) -> dict:
     """Device ops of `steps` traced calls of `run()`, which calls `compiled` (compiled with
     `profile_compiler_options`), summed per op, the costliest first, and per named scope.
 
-    Returns dict(rows=[dict(op, calls, ms, share, hlo)], total_ms, source, scopes, passes):
-    per-step calls and ms; `hlo` = opcode, shape and JAX source op of the op in the compiled
-    module; `scopes` = ms per step of each of `scopes` and "other" over all ops, `passes` the
-    same split per pass, {scope: {pass: ms}} (`scope_times`). On a CPU the events
+    Returns dict(rows=[dict(op, calls, ms, share, hlo)], total_ms, source, scopes, passes,
+    scope_rows): per-step calls and ms; `hlo` = opcode, shape and JAX source op of the op in the
+    compiled module; `scopes` = ms per step of each of `scopes` and "other" over all ops, `passes`
+    the same split per pass, {scope: {pass: ms}} (`scope_times`); `scope_rows` = the
+    `top_per_scope` costliest rows of each scope. On a CPU the events
     of while loops and conditionals are left out: each spans the ops it runs, which count on their
     own. Falls back to the compiled module's `cost_analysis()` totals (rows and scopes empty) if
     the trace holds no op events.
@@ -78,7 +79,7 @@ def trace_device_ops(run: Callable[[], object], compiled: jax.stages.Compiled, s
             source = f"trace failed: {type(error).__name__}: {error}"
     if not times:
         cost = compiled.cost_analysis() or {}
-        return dict(rows=[], total_ms=0.0, source=source, scopes={}, passes={},
+        return dict(rows=[], total_ms=0.0, source=source, scopes={}, passes={}, scope_rows={},
                     cost_analysis=dict(cost))
     instructions = hlo_instructions(compiled.as_text())
     if source == "host threads":
@@ -86,21 +87,21 @@ def trace_device_ops(run: Callable[[], object], compiled: jax.stages.Compiled, s
             op: nanos for op, nanos in times.items()
             if op not in instructions or instructions[op].opcode not in CONTROL_FLOW_OPCODES})
     total = sum(times.values())
-    rows = [
-        dict(
-            op=op,
-            calls=calls[op] / steps,
-            ms=nanos / steps / 1e6,
-            share=nanos / total,
-            hlo=instructions[op].description if op in instructions else "",
-        )
-        for op, nanos in times.most_common(top)
-    ]
+
+    def row(op, nanos):
+        return dict(op=op, calls=calls[op] / steps, ms=nanos / steps / 1e6, share=nanos / total,
+                    hlo=instructions[op].description if op in instructions else "")
+
     op_names = {op: instruction.op_name for op, instruction in instructions.items()}
     passes = {scope: {name: nanos / steps / 1e6 for name, nanos in per_pass.items()}
               for scope, per_pass in scope_times(times, op_names, scopes).items()}
-    return dict(rows=rows, total_ms=total / steps / 1e6, source=source, passes=passes,
-                scopes={scope: sum(per_pass.values()) for scope, per_pass in passes.items()})
+    by_scope = collections.defaultdict(list)  # scope -> its ops, costliest first
+    for op, nanos in times.most_common():
+        by_scope[scope_of(op_names.get(op, ""), scopes) or OTHER_SCOPE].append(row(op, nanos))
+    return dict(rows=[row(op, nanos) for op, nanos in times.most_common(top)],
+                total_ms=total / steps / 1e6, source=source, passes=passes,
+                scopes={scope: sum(per_pass.values()) for scope, per_pass in passes.items()},
+                scope_rows={scope: by_scope[scope][:top_per_scope] for scope in passes})
 
 
 def _op_times(profile) -> tuple[collections.Counter, collections.Counter, str]:
@@ -283,15 +284,30 @@ def ops_markdown(ops: dict, title: str) -> list[str]:
             f"{ops['cost_analysis']}",
             "",
         ]
-    lines += [
-        f"Total op time per step: {ops['total_ms']:.3f} ms.",
-        "",
-        "| op | calls/step | ms/step | share | HLO (opcode shape kind source) |",
-        "|---|---:|---:|---:|---|",
-    ]
+    return lines + [f"Total op time per step: {ops['total_ms']:.3f} ms.", ""] + _rows_markdown(
+        ops["rows"])
+
+
+def scope_ops_markdown(ops: dict, title: str, per_scope: int) -> list[str]:
+    """Markdown lines for the `per_scope` costliest ops of each scope that took time
+    (`trace_device_ops`' `scope_rows`) under the sentence `title`."""
+    if not ops["scopes"]:
+        return []
+    lines = [title, ""]
+    for scope, ms in ops["scopes"].items():
+        if ms > 0:
+            lines += [f"`{scope}` ({ms:.3f} ms per step):", ""]
+            lines += _rows_markdown(ops["scope_rows"][scope][:per_scope])
+    return lines
+
+
+def _rows_markdown(rows: list[dict]) -> list[str]:
+    """A markdown table of op rows (`trace_device_ops`), then a blank line."""
+    lines = ["| op | calls/step | ms/step | share | HLO (opcode shape kind source) |",
+             "|---|---:|---:|---:|---|"]
     lines += [
         f"| {row['op']} | {row['calls']:g} | {row['ms']:.3f} | {row['share']:.1%} | "
         f"{row['hlo'].replace('|', '/')} |"
-        for row in ops["rows"]
+        for row in rows
     ]
     return lines + [""]

@@ -112,6 +112,10 @@ def test_smoke_benchmark_reports_throughput_memory_breakdown_and_profile(tmp_pat
     assert sum(kda_passes.values()) == pytest.approx(scopes["kda"])
     assert f"| kda | {kda_passes['forward']:.3f} | " in text
     assert f" | {scopes['kda']:.3f} | " in text
+    kda_rows = result["ops"]["scope_rows"]["kda"]
+    assert 0 < len(kda_rows) <= bench_train.PROFILED_OPS_PER_PART
+    assert sum(row["ms"] for row in kda_rows) <= scopes["kda"] + 1e-9
+    assert f"`kda` ({scopes['kda']:.3f} ms per step)" in text
     assert json.loads(out.with_suffix(".json").read_text())["setup"]["preset"] == "tiny"
 
 
