@@ -2,7 +2,7 @@
 
 On CPU the kernels run in Mosaic GPU interpret mode (simulated Hopper, race detection) at small
 shapes and are lowered for Hopper at K = 64 and 128 within the shared memory of two programs an
-SM (the score-tile kernel: three); on a Hopper GPU (`gpu` marker) they run at real shapes.
+SM; on a Hopper GPU (`gpu` marker) they run at real shapes.
 Cotangents are random normal `ChunkedInputs`, as the recurrence's backward would hand them; the
 residuals the backward reads are the preparation kernel's (`save_for_backward`).
 """
@@ -15,7 +15,7 @@ from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 from kda.chunked import CHUNK_SIZE, ChunkedInputs, prepare_chunks
 from kda.common import l2_normalize
 from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
-from kda.kernels.mosaic_gpu_prepare_backward import _score_backward, prepare_chunks_vjp_kernel
+from kda.kernels.mosaic_gpu_prepare_backward import prepare_chunks_vjp_kernel
 from kda.kernels.mosaic_gpu_tiles import pad_to_chunks
 from kda_inputs import relative_error
 from test_kda_kernels import (HOPPER, TWO_PROGRAMS_PER_SM, bf16_inputs,
@@ -23,8 +23,6 @@ from test_kda_kernels import (HOPPER, TWO_PROGRAMS_PER_SM, bf16_inputs,
 from test_kda_ops import BF16_TOLERANCE
 
 LOWER_BOUND = -5.0
-# An H100/H200 SM has 228 KiB of shared memory and reserves 1 KiB a program.
-THREE_PROGRAMS_PER_SM = 75 * 1024
 INPUT_NAMES = ("q", "k", "v", "g", "beta")
 
 
@@ -54,16 +52,22 @@ def saved_residuals(args, options):
     return residuals
 
 
+def chunk_cumulative_sum(g):
+    """G = cumsum(g) within each chunk of 64 (the tail padded with zeros): float32
+    [B, HV, N, C, K] from g [B, T, HV, K], as the preparation kernel saves it."""
+    batch, length, heads, key_dim = g.shape
+    num_chunks = -(-length // CHUNK_SIZE)
+    chunks = pad_to_chunks(g, jnp.float32, num_chunks * CHUNK_SIZE).reshape(
+        batch, num_chunks, CHUNK_SIZE, heads, key_dim)
+    return jnp.moveaxis(jnp.cumsum(chunks, axis=2), 3, 1)
+
+
 def assert_residuals_are_consistent(residuals, g, beta):
     """G is the chunks' cumulative sum of g (to float32 rounding), Akk strictly lower, and T's
     parts sum to the inverse of I + beta Akk (to the bf16 rounding of its operands: 1.8e-4 at
     most in the interpreted cases)."""
-    batch, _, heads, key_dim = g.shape
     num_chunks = residuals.G.shape[2]
-    chunks = pad_to_chunks(g, jnp.float32, num_chunks * CHUNK_SIZE).reshape(
-        batch, num_chunks, CHUNK_SIZE, heads, key_dim)
-    expected_G = jnp.moveaxis(jnp.cumsum(chunks, axis=2), 3, 1)
-    assert relative_error(residuals.G, expected_G) <= 1e-6
+    assert relative_error(residuals.G, chunk_cumulative_sum(g)) <= 1e-6
     akk = residuals.Akk.astype(jnp.float32)
     assert not jnp.any(jnp.triu(akk)), "Akk has entries on or above the diagonal"
     beta = jnp.moveaxis(pad_to_chunks(beta, jnp.float32, num_chunks * CHUNK_SIZE), 1, 2)
@@ -92,8 +96,8 @@ def assert_vjp_matches_plain_jax(args, options, cotangents):
     (64, (1, 1), 64, False, False, False),
     (150, (1, 2), 64, True, True, False),  # three chunks, a padded tail, grouped value heads
     (128, (1, 1), 64, True, False, True),  # g = L: the row and column terms of dG nearly cancel
-    # K = 128: kernel 1 takes its right-hand sides in two 64-column halves, kernel 2 runs two
-    # programs a chunk.
+    # K = 128: kernel 1 takes its right-hand sides in two 64-column halves, each of the score
+    # kernel's warpgroups two slabs.
     (150, (1, 2), 128, True, True, False),
 ])
 def test_interpreted_vjp_matches_plain_jax(length, heads, dim, segments, use_qk_l2norm,
@@ -119,32 +123,6 @@ def test_vjp_lowers_for_hopper_two_programs_per_sm(dim):
           mosaic_gpu_core.artificial_shared_memory_limit(TWO_PROGRAMS_PER_SM)):
         lowered = vjp.trace(residuals, cotangents, *args).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("mosaic_gpu") >= 2
-
-
-@pytest.mark.parametrize("dim", [64, 128])
-def test_score_kernel_lowers_for_hopper_three_programs_per_sm(dim):
-    """The score-tile kernel alone (any K: it sees 64 key columns) within three programs' shared
-    memory an SM."""
-    batch, num_chunks, heads, value_heads = 2, 3, 2, 4
-    length = num_chunks * 64
-    f32, bf16 = jnp.float32, jnp.bfloat16
-    tokens = lambda *tail: jax.ShapeDtypeStruct((batch, length, *tail), f32)  # noqa: E731
-    chunked = lambda dtype, *tail: jax.ShapeDtypeStruct(  # noqa: E731
-        (batch, value_heads, num_chunks, *tail), dtype)
-    by_head = jax.ShapeDtypeStruct((batch, heads, length), f32)
-    qk = jax.ShapeDtypeStruct((batch, length, heads, dim), bf16)
-    cotangents = ChunkedInputs(W=None, U=None, q_from_state=chunked(f32, 64, dim),
-                               k_to_state=chunked(f32, 64, dim), chunk_decay=chunked(f32, dim),
-                               Aqk=chunked(bf16, 64, 64))
-    score_backward = jax.jit(lambda *args: _score_backward(
-        *args, lower_bound=LOWER_BOUND, group=value_heads // heads))
-    with (jax.sharding.use_abstract_mesh(HOPPER),
-          mosaic_gpu_core.artificial_shared_memory_limit(THREE_PROGRAMS_PER_SM)):
-        lowered = score_backward.trace(
-            qk, qk, tokens(value_heads, dim), tokens(), by_head, by_head,
-            chunked(bf16, 64, 64), chunked(f32, 64, dim), cotangents).lower(
-                lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
 
 
 @pytest.mark.parametrize("dims,lower_bound,message", [

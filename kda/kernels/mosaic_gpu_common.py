@@ -56,8 +56,9 @@ class RecurrenceOperands(NamedTuple):
 
 
 class PreparationResiduals(NamedTuple):
-    """What the preparation kernel writes, when a backward will run, for the UT/WY kernel of its
-    backward (`kda.kernels.mosaic_gpu_prepare_backward`), which would otherwise recompute them."""
+    """What the preparation kernel writes, when a backward will run, for the kernels of its
+    backward (`kda.kernels.mosaic_gpu_prepare_backward`: the UT/WY kernel reads all three, the
+    score-tile kernel G), which would otherwise recompute them."""
 
     G: jax.Array  # float32 [B, HV, N, C, K]   cumsum(g) within the chunk
     Akk: jax.Array  # bf16 [B, HV, N, C, C]   k's scores, strictly lower, same document, no beta

@@ -1,16 +1,16 @@
 """The score-tile backward of KDA's chunk preparation in [token, key] orientation (Hopper).
 
-A drop-in for `kda.kernels.mosaic_gpu_prepare_backward._score_backward` (its kernel 2): the same
-GMEM inputs and outputs, so `score_backward` replaces it in one line. It computes, per chunk, the
+The second kernel of `kda.kernels.mosaic_gpu_prepare_backward.prepare_chunks_vjp_kernel`, after
+its UT/WY kernel (kernel 1, whose dAkk and dk term it reads). It computes, per chunk, the
 gradients through both score matrices, the direct terms, dG and its reverse cumulative sum (the
 formulas are in that module's docstring; `A[r, s] = sum_c x_r[c] k_s[c] exp(G_r[c] - G_s[c])`,
 x = q for Aqk and k for Akk).
 
-The difference is the orientation. There, the row terms of row tile i are
-`exp(G_r - b_i) (dA[tile i, :] (k exp(b_i - G)))`: the anchor belongs to the output's tile, so the
-product has M = 16 tokens, which wgmma (M = 64) can only run transposed ([key, token]), and the
-results go back through shared memory as bf16 hi/lo pairs. Here the anchor belongs to the tile of
-the *summed* token: with `b_t = G[16 t] + 7.5 L` as before,
+It replaced a [key, token] kernel ("kernel 2", removed; its timings are in
+`benchmarks/kda_h200.md`), which anchored the row terms of row tile i at the output's tile,
+`exp(G_r - b_i) (dA[tile i, :] (k exp(b_i - G)))`: a product of M = 16 tokens, which wgmma
+(M = 64) can only run transposed, the results going back through shared memory as bf16 hi/lo
+pairs. Here the anchor belongs to the tile of the *summed* token: with `b_t = G[16 t] + 7.5 L`,
 
     row terms    R[r] = sum_t exp(G_r - b_t) (dA[:, tile t] F_t)[r],    F_t = (k exp(b_t - G))[t]
     column terms Q[s] = sum_t exp(b_t - G_s) (dA[tile t, :]^T X_t)[s],  X_t = (x exp(G - b_t))[t]
@@ -33,33 +33,37 @@ slab each at K = 64, two at 128), so every float32 [64, 32] tile is 16 registers
 operands use one 32-byte swizzle in [8, 16] tiles (`tile16_smem`), so every 16-token slice of dA
 (rows, or columns) is an operand.
 
-Per slab and warpgroup: G = cumsum(g) (the exact 3-way bf16 split times the triangle, as kernel 2:
-one wgmma group behind one barrier, where a shift scan would take six) and its anchors; d
-k_to_state's direct terms (the first part of dk's column sums) and their cumulative sum, whose last
-row is dG's last-row sum (a sum over rows would go through Mosaic GPU's reduction scratch, which
-both warpgroups would share); the column operands; the column terms while d q_from_state loads; the
-row operand over the column ones, d q_from_state's direct terms (the first part of dq's row sums),
-and dk's column sums set aside in shared memory (out of the registers the row terms need); the row
-terms while kernel 1's dk term loads; then dG, dq and dk stored, and dg = triu(1) dG (same split).
-The terms' products are issued in groups of tiles (`COLUMN_TILES_PER_GROUP`, `ROW_TILES_PER_GROUP`)
-and each tile's accumulators scaled and summed as soon as they are done, while the group's later
-products run (`wgmma_accumulator_load` with the count of later groups). The float32 cotangents are
-folded into sums as they are read, so none needs memory of its own, and every input but g and d
-k_to_state of a warpgroup's second slab (K = 128) loads while other work runs. Barriers per slab: 5
-TMA waits, 9 shared-memory commits, 9 full wgmma waits (kernel 2: 12, 27 and 12 per 64 key columns),
-and no transposes or untransposes.
+Per slab and warpgroup: G as the forward saved it (`PreparationResiduals.G`, the values its score
+tiles were made with) and its anchors; d k_to_state's direct terms (the first part of dk's column
+sums) and their cumulative sum (the exact 3-way bf16 split times the triangle: one wgmma group
+behind one barrier, where a shift scan would take six), whose last row is dG's last-row sum (a sum
+over rows would go through Mosaic GPU's reduction scratch, which both warpgroups would share); the
+column operands; the column terms while d q_from_state loads; the row operand over the column ones,
+d q_from_state's direct terms (the first part of dq's row sums), and dk's column sums set aside in
+shared memory (out of the registers the row terms need); the row terms while kernel 1's dk term
+loads; then dG, dq and dk stored, and dg = triu(1) dG (same split). The terms' products are issued
+in groups of tiles (`COLUMN_TILES_PER_GROUP`, `ROW_TILES_PER_GROUP`) and each tile's accumulators
+scaled and summed as soon as they are done, while the group's later products run
+(`wgmma_accumulator_load` with the count of later groups). The float32 cotangents are folded into
+sums as they are read, so none needs memory of its own, and every input but G and d k_to_state of a
+warpgroup's second slab (K = 128) loads while other work runs. Barriers per slab: 5 TMA waits, 7
+shared-memory commits, 8 full wgmma waits (kernel 2: 12, 27 and 12 per 64 key columns), and no
+transposes or untransposes.
 
-Numerics: as kernel 2 (bf16 operands, float32 accumulation, hi/lo factors); the sums per token run
+Numerics: bf16 operands, float32 accumulation, hi/lo factors, as kernel 2; the sums per token run
 in another order (per summed tile rather than per output tile) from differently anchored operands,
-so results differ from kernel 2's at the rounding of the hi/lo operands, not bit for bit
-(interpret mode: relative differences dq 2.4e-6, dk and dg below 2e-7).
+so results differed from kernel 2's at the rounding of the hi/lo operands, not bit for bit
+(interpret mode: relative differences dq 2.4e-6, dk and dg below 2e-7). Reading the forward's G
+instead of summing g itself changed nothing where the forward summed g as this kernel did (the
+triangular product; interpret mode: the VJP's five gradients bit-identical at K = 64 and 128);
+a forward whose sum rounds otherwise moves the results by its rounding, amplified by |G|.
 
 Shared memory per program, at K = 64 and 128 alike: the two score cotangents and the triangle (24
 KiB), and per warpgroup q and k (8 KiB), four operand tiles (16 KiB) and two float32 tiles (16 KiB),
 with the vectors 109 KiB as Mosaic GPU allocates it (190 KiB with four warpgroups): within the 113
 KiB of two programs (four warpgroups) an SM, if ptxas needs at most 128 registers a thread (kernel 2
 used 255 and spilled). Buffers are reused in place (no `plgpu.RefUnion`: interpret mode checks a
-union's groups as whole buffers, so two warpgroups' halves of one union would race): A holds g, G,
+union's groups as whole buffers, so two warpgroups' halves of one union would race): A holds G,
 the cumulative sum of k d k_to_state, kernel 1's dk term and dk; B d k_to_state, d q_from_state,
 dk's column sums, dq and dg; the operand tiles the sums' parts and both terms' operands. Interpret
 mode does not check wgmma's operand reads for races.
@@ -109,20 +113,20 @@ def tile16_smem(shape):
                                                         plgpu.SwizzleTransform(SWIZZLE)))
 
 
-def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem, k_factor_gmem,
+def _score_backward_kernel(q_gmem, k_gmem, G_gmem, document_gmem, q_factor_gmem, k_factor_gmem,
                            daqk_gmem, dakk_gmem, dq_state_gmem, dk_state_gmem, dk_wy_gmem,
                            ddecay_gmem, dq_gmem, dk_gmem, dg_gmem,
                            scores, ones, vectors, slab_vectors, qk, operands, plain,
-                           shared_loaded, shared_ready, finished, g_loaded, qk_loaded,
+                           shared_loaded, shared_ready, finished, G_loaded, qk_loaded,
                            dk_state_loaded, dq_state_loaded, late_loaded,
                            *, lower_bound, group, slabs):
     """One (batch row, value head, chunk) program of (usually) two warpgroups.
 
-    GMEM inputs and outputs as `kda.kernels.mosaic_gpu_prepare_backward._score_backward_kernel`:
-    q, k [B, T, H, K] bf16; g [B, T, HV, K], document [B, T], q_factor and k_factor [B, H, T]
-    float32; dAqk, dAkk [B, HV, N, C, C] bf16; d q_from_state, d k_to_state, kernel 1's dk term
-    [B, HV, N, C, K] and d chunk_decay [B, HV, N, K] float32. Outputs dq, dk, dg float32
-    [B, T, HV, K]. slabs: key slabs per warpgroup (K / (32 warpgroups)).
+    GMEM inputs: q, k [B, T, H, K] bf16; the forward's G [B, HV, N, C, K], document [B, T],
+    q_factor and k_factor [B, H, T] (inverse norms, q's times the scale) float32; dAqk, dAkk
+    [B, HV, N, C, C] bf16; d q_from_state, d k_to_state, kernel 1's dk term [B, HV, N, C, K] and
+    d chunk_decay [B, HV, N, K] float32. Outputs dq, dk (of the normalised, scaled q and k), dg
+    float32 [B, T, HV, K]. slabs: key slabs per warpgroup (K / (32 warpgroups)).
 
     Scratch as the module docstring's shared-memory paragraph has it (the per-warpgroup buffers
     indexed by the warpgroup first).
@@ -137,9 +141,9 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
     my_vectors, q_smem, k_smem = (slab_vectors.at[warpgroup], qk.at[warpgroup, 0],
                                   qk.at[warpgroup, 1])
     plain_a, plain_b = plain.at[warpgroup, 0], plain.at[warpgroup, 1]
-    g_loaded, qk_loaded, dk_state_loaded, dq_state_loaded, late_loaded = (
+    G_loaded, qk_loaded, dk_state_loaded, dq_state_loaded, late_loaded = (
         barrier.at[warpgroup]
-        for barrier in (g_loaded, qk_loaded, dk_state_loaded, dq_state_loaded, late_loaded))
+        for barrier in (G_loaded, qk_loaded, dk_state_loaded, dq_state_loaded, late_loaded))
 
     def tiles(indices):
         return tuple(operands.at[warpgroup, index] for index in indices)
@@ -147,8 +151,8 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
     def slab_columns(step):
         return pl.ds((warpgroup * slabs + step) * SLAB, SLAB)
 
-    def load_g_and_dk_state(columns):  # each awaited where first read
-        plgpu.copy_gmem_to_smem(g_gmem.at[batch, tokens, head, columns], plain_a, g_loaded)
+    def load_G_and_dk_state(columns):  # each awaited where first read
+        plgpu.copy_gmem_to_smem(G_gmem.at[(*out, slice(None), columns)], plain_a, G_loaded)
         plgpu.copy_gmem_to_smem(dk_state_gmem.at[(*out, slice(None), columns)], plain_b,
                                 dk_state_loaded)
 
@@ -157,7 +161,7 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
             plgpu.copy_gmem_to_smem(source.at[batch, tokens, head // group, columns], target,
                                     qk_loaded)
 
-    load_g_and_dk_state(slab_columns(0))
+    load_G_and_dk_state(slab_columns(0))
     load_qk(slab_columns(0))
 
     @pl.when(warpgroup == 0)
@@ -207,13 +211,11 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
     for step in range(slabs):
         columns = slab_columns(step)
         if step > 0:  # the previous slab's stores have read A and B
-            load_g_and_dk_state(columns)
+            load_G_and_dk_state(columns)
 
-        # G = cumsum(g), stored over g for its anchors and last row, kept apart in a small table.
-        plgpu.barrier_wait(g_loaded)
-        G = cumulative_sum(load_plain(plain_a), tiles(SUM_PARTS), ones)
-        plain_a[...] = G
-        plgpu.commit_smem()
+        # G's anchors and last row, kept apart in a small table: A takes other values below.
+        plgpu.barrier_wait(G_loaded)
+        G = load_plain(plain_a)
         anchors = store_anchors(my_vectors, plain_a, lower_bound)
         my_vectors[LAST_G] = plgpu.load(plain_a.at[CHUNK - 1], layout=COLUMN_VECTOR)
         plgpu.commit_smem()
@@ -333,7 +335,7 @@ def _score_backward_kernel(q_gmem, k_gmem, g_gmem, document_gmem, q_factor_gmem,
     plgpu.barrier_wait(finished)
 
 
-def score_backward(q, k, g, document, q_factor, k_factor, dakk, dk_wy, cotangents, *,
+def score_backward(q, k, G, document, q_factor, k_factor, dakk, dk_wy, cotangents, *,
                    lower_bound, group, warpgroups=WARPGROUPS):
     """`_score_backward_kernel` over all (batch row, value head, chunk).
 
@@ -341,8 +343,9 @@ def score_backward(q, k, g, document, q_factor, k_factor, dakk, dk_wy, cotangent
     half as long, but the program's 190 KiB of shared memory leave one program an SM (the same 16
     warps as two programs of two warpgroups).
 
-    Args and returns as `kda.kernels.mosaic_gpu_prepare_backward._score_backward`:
-      q, k: bf16 [B, T, H, K]; g: float32 [B, T, HV, K]; document: float32 [B, T]; q_factor,
+    Args:
+      q, k: bf16 [B, T, H, K]; G: float32 [B, HV, N, C, K], the forward's
+        (`PreparationResiduals.G`: cumsum(g) within each chunk); document: float32 [B, T]; q_factor,
         k_factor: float32 [B, H, T]; dakk: bf16 [B, HV, N, C, C]; dk_wy: float32
         [B, HV, N, C, K] (T a multiple of 64, K in {64, 128}).
       cotangents: `ChunkedInputs` (Aqk bf16; q_from_state, k_to_state, chunk_decay float32; W
@@ -350,15 +353,16 @@ def score_backward(q, k, g, document, q_factor, k_factor, dakk, dk_wy, cotangent
     Returns:
       (dq, dk, dg) float32 [B, T, HV, K].
     """
-    batch, length, num_value_heads, key_dim = g.shape
+    batch, num_value_heads, num_chunks, _, key_dim = G.shape
     if warpgroups < 2:
         raise ValueError(f"warpgroups must be at least 2, got {warpgroups}")
     if key_dim % (warpgroups * SLAB):
-        raise ValueError(f"g's key dimension must be a multiple of {warpgroups * SLAB} for "
+        raise ValueError(f"G's key dimension must be a multiple of {warpgroups * SLAB} for "
                          f"{warpgroups} warpgroups, got {key_dim}; use the plain-JAX VJP for "
                          "other sizes")
     slabs = key_dim // (warpgroups * SLAB)
-    keyed = jax.ShapeDtypeStruct(g.shape, jnp.float32)
+    keyed = jax.ShapeDtypeStruct((batch, num_chunks * CHUNK, num_value_heads, key_dim),
+                                 jnp.float32)
     per_warpgroup = lambda *shape: (warpgroups, *shape)  # noqa: E731
     slab_shape = (CHUNK, SLAB)
     warpgroup_barrier = functools.partial(plgpu.Barrier, num_barriers=warpgroups)
@@ -366,7 +370,7 @@ def score_backward(q, k, g, document, q_factor, k_factor, dakk, dk_wy, cotangent
         functools.partial(_score_backward_kernel, lower_bound=lower_bound, group=group,
                           slabs=slabs),
         out_type=(keyed, keyed, keyed),
-        grid=(batch, num_value_heads, length // CHUNK),
+        grid=(batch, num_value_heads, num_chunks),
         grid_names=("batch", "heads", "chunks"),
         num_threads=warpgroups,
         thread_name="warpgroup",
@@ -381,7 +385,7 @@ def score_backward(q, k, g, document, q_factor, k_factor, dakk, dk_wy, cotangent
             plgpu.Barrier(num_arrivals=5),  # shared_loaded
             plgpu.Barrier(num_arrivals=warpgroups),  # shared_ready
             plgpu.Barrier(num_arrivals=warpgroups),  # finished
-            warpgroup_barrier(),  # g_loaded
+            warpgroup_barrier(),  # G_loaded
             warpgroup_barrier(num_arrivals=2),  # qk_loaded
             warpgroup_barrier(),  # dk_state_loaded
             warpgroup_barrier(),  # dq_state_loaded
@@ -389,5 +393,5 @@ def score_backward(q, k, g, document, q_factor, k_factor, dakk, dk_wy, cotangent
         ),
         compiler_params=COMPILER_PARAMS,
     )
-    return run(q, k, g, document, q_factor, k_factor, cotangents.Aqk, dakk,
+    return run(q, k, G, document, q_factor, k_factor, cotangents.Aqk, dakk,
                cotangents.q_from_state, cotangents.k_to_state, dk_wy, cotangents.chunk_decay)
