@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh
 
@@ -29,6 +30,7 @@ from kda.kernels import mosaic_gpu
 from kda.kernels import triton as triton_path
 from kda.kernels.mosaic_gpu_common import recurrence_operands
 from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
+from kda.kernels.mosaic_gpu_tiles import COMPILER_PARAMS, scanned_cumulative_sum
 from kda_inputs import make_inputs, relative_error
 from test_kda_ops import BF16_TOLERANCE, _loss_and_grads, run
 
@@ -169,6 +171,39 @@ def test_preparation_kernel_fits_two_programs_per_sm(dim, save_for_backward):
     with (jax.sharding.use_abstract_mesh(HOPPER),
           mosaic_gpu_core.artificial_shared_memory_limit(TWO_PROGRAMS_PER_SM)):
         preparation.trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def scanned_in_a_kernel(x):
+    """`scanned_cumulative_sum` of float32 x [64, 128] in a one-program kernel."""
+
+    def kernel(x_gmem, out_gmem):
+        def body(x_smem, barrier):
+            plgpu.copy_gmem_to_smem(x_gmem, x_smem, barrier)
+            plgpu.barrier_wait(barrier)
+            scanned_cumulative_sum(x_smem)
+            plgpu.copy_smem_to_gmem(x_smem, out_gmem)
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(body, plgpu.SMEM(x.shape, jnp.float32), plgpu.Barrier())
+
+    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                        compiler_params=COMPILER_PARAMS)(x)
+
+
+@pytest.mark.slow  # about 10 s: interpret mode runs the 64 rows' two-sums one by one
+def test_interpreted_scanned_cumulative_sum_is_float32_accurate():
+    """Within an ulp of the exact sums everywhere (a plain float32 scan is off by up to 3.5 ulp
+    on these gates: its rounding errors add up)."""
+    g = -5.0 * jax.random.uniform(jax.random.PRNGKey(0), (64, 128), jnp.float32)
+    with interpreted_on_simulated_hopper():
+        G = np.asarray(jax.jit(scanned_in_a_kernel)(g))
+    exact = np.cumsum(np.asarray(g, np.float64), axis=0)
+    assert np.all(np.abs(G - exact) <= np.spacing(np.abs(exact).astype(np.float32)))
+
+
+def test_scanned_cumulative_sum_refuses_other_widths():
+    with pytest.raises(ValueError, match=r"x_smem must be \[64, 128\] .* got \(64, 64\)"):
+        jax.jit(scanned_in_a_kernel).trace(jnp.zeros((64, 64), jnp.float32))
 
 
 def test_unsupported_head_sizes_are_refused():

@@ -8,9 +8,10 @@ beta and document index by TMA and, in one warpgroup, computes with wgmma (bf16 
 accumulators), from the building blocks of `kda.kernels.mosaic_gpu_tiles` (named below):
 
 1. L2 norm and scale of q and k (in float32 registers).
-2. `G = cumsum(g)` as `tril(1) @ g`, with g split exactly into three bf16 parts
-   (g = hi + mid + lo to float32 precision), so the cumulative log-decay is float32-accurate
-   (`cumulative_sum`).
+2. `G = cumsum(g)`, float32-accurate: at K = 128 a compensated scan, each thread adding up one
+   column (`scanned_cumulative_sum`: no products, one store); at K = 64 (half the threads would
+   idle) `tril(1) @ g`, with g split exactly into three bf16 parts (g = hi + mid + lo to float32
+   precision, `cumulative_sum`).
 3. The score tiles of `kda/chunked.py`, every 16x16 tile a bf16 matmul. Each row tile i has the
    causal anchor `b_i = G[16 i] + 7.5 L`; rows are scaled by `exp(G_r - b_i)` and the columns
    `s < 16 (i + 1)` of the tile's products by `exp(b_i - G_s)`. On the diagonal this is
@@ -49,12 +50,12 @@ thread, three at 64 without `save_for_backward` (with it, 77 KiB exceeds their 7
 TMA traffic and waits overlap another's math. Buffers whose lifetimes do not overlap share memory
 (`plgpu.RefUnion`, whose groups are used one after another): q's tile holds q_from_state, a column
 factor, k again, (beta v)_lo and W; k's holds k_to_state^T, the other column factor, v and (beta
-v)_hi; g's float32 tile holds two bf16 parts of g, then G, then the parts of beta k exp(G), then U;
-a fourth region holds g's third part and the triangle, then the scaled score rows, then Aqk, N, the
-inverse's buffers and Akk (when saved). So k is read from GMEM twice (its second TMA load and v's
-run during the inverse), an output's buffer is reused only after its TMA store has read it, and a
-buffer read into registers in one layout is overwritten in another only after a warpgroup barrier
-(`commit_smem`).
+v)_hi; g's float32 tile holds two bf16 parts of g (K = 64), then G, then the parts of beta k exp(G),
+then U; a fourth region holds g's third part and the triangle (K = 64), then the scaled score rows,
+then Aqk, N, the inverse's buffers and Akk (when saved). So k is read from GMEM twice (its second
+TMA load and v's run during the inverse), an output's buffer is reused only after its TMA store has
+read it, and a buffer read into registers in one layout is overwritten in another only after a
+warpgroup barrier (`commit_smem`).
 
 Its backward is `kda.kernels.mosaic_gpu_prepare_backward`; `kda.kernels.mosaic_gpu` composes the
 two under a `jax.custom_vjp`.
@@ -72,9 +73,10 @@ from kda.common import L2_NORM_EPS
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, PreparationResiduals,
                                            RecurrenceOperands, swizzled_smem)
 from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, COMPILER_PARAMS, ROW_VECTOR,
-                                          WGMMA, cumulative_sum, documents_in_chunk, iota,
-                                          load_plain, matmul_of_splits, pad_to_chunks,
-                                          per_column, per_row, row_anchors, same_document,
+                                          WARPGROUP_THREADS, WGMMA, cumulative_sum,
+                                          documents_in_chunk, iota, load_plain,
+                                          matmul_of_splits, pad_to_chunks, per_column, per_row,
+                                          row_anchors, same_document, scanned_cumulative_sum,
                                           state_masks, store_lower_ones, store_split,
                                           transposed_scores, unit_lower_inverse)
 
@@ -119,17 +121,22 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
                 x = x * per_row(lax.rsqrt(jnp.sum(x * x, axis=1) + L2_NORM_EPS), x.shape)
             return x
 
-        # 1-2. G = tril(1) @ (hi + mid + lo), then stored over g for row reads.
-        store_lower_ones(ones)
+        # 1-2. G in g's place (for row reads): a scan at K = 128, else tril(1) @ (hi + mid + lo).
+        scanned = key_dim == WARPGROUP_THREADS
+        if not scanned:
+            store_lower_ones(ones)
         plgpu.barrier_wait(barriers.at[0])
-        g = load_plain(g_smem)
-        plgpu.commit_smem()  # every thread has read g before the parts overwrite it
-        G = cumulative_sum(g, (*g_parts, g_part), ones)
+        if scanned:
+            G = scanned_cumulative_sum(g_smem)
+        else:
+            g = load_plain(g_smem)
+            plgpu.commit_smem()  # every thread has read g before the parts overwrite it
+            G = cumulative_sum(g, (*g_parts, g_part), ones)
+            g_smem[...] = G
+            plgpu.commit_smem()
         for index in range(1, len(inputs)):
             plgpu.barrier_wait(barriers.at[index])
         masks = state_masks(document_smem, keys_shape)
-        g_smem[...] = G
-        plgpu.commit_smem()
         if residuals:  # read by TMA before step 5 overwrites it (the wait in 3b)
             plgpu.copy_smem_to_gmem(g_smem, residuals.G.at[out])
         last_G = plgpu.load(g_smem.at[CHUNK - 1], layout=COLUMN_VECTOR)

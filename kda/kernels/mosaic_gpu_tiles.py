@@ -9,7 +9,8 @@ warpgroup under `COMPILER_PARAMS` (Lane semantics), register values float32 in t
 * Layout helpers: `per_row`, `per_column`, `iota`, `load_plain`.
 * Exact bf16 splits and the products of their parts: `split_bf16`, `store_split`, `matmul`,
   `matmul_of_splits`.
-* The chunk cumulative sum as a triangular wgmma: `store_lower_ones`, `cumulative_sum`.
+* The chunk cumulative sum as a triangular wgmma: `store_lower_ones`, `cumulative_sum`; or, over
+  128 columns, as a compensated scan with one thread a column: `scanned_cumulative_sum`.
 * The causal anchors `b_i = G[16 i] + 7.5 L` of the score tiles: `anchor`, `row_anchors`,
   `exponent_up_to_tile`, `exponent_from_tile`, and the transposed score tiles `transposed_scores`
   (the module docstring of `kda.kernels.mosaic_gpu_prepare` explains the anchors); they read the
@@ -35,6 +36,7 @@ from kda.kernels.mosaic_gpu_common import OPERAND_DTYPE
 
 CHUNK = CHUNK_SIZE
 NUM_TILES = CHUNK // TILE_SIZE
+WARPGROUP_THREADS = 128
 WGMMA = plgpu.Layout.WGMMA
 ROW_VECTOR = WGMMA.reduce(1)  # a [rows] vector of a WGMMA-layout matrix
 COLUMN_VECTOR = WGMMA.reduce(0)  # a [columns] vector of a WGMMA-layout matrix
@@ -135,6 +137,36 @@ def cumulative_sum(x, parts, ones, *, reverse=False):
         return acc[...]
 
     return pl.run_scoped(product, plgpu.ACC(x.shape))
+
+
+def scanned_cumulative_sum(x_smem):
+    """`cumsum(x)` down the rows of x, in place, by a scan: thread t adds up column t row by row.
+
+    Compensated (each addition's rounding error, exact by Knuth's two-sum, is carried and added
+    back), so every sum is float32-accurate, without splits or products: the rows load one by one
+    and the sums store at once (a store is a warpgroup barrier either side).
+
+    Args:
+      x_smem: float32 [C, 128] plain SMEM: x, then its cumulative sum (committed).
+    Returns:
+      float32 [C, 128], the cumulative sum in the WGMMA layout.
+    """
+    if x_smem.shape != (CHUNK, WARPGROUP_THREADS):
+        raise ValueError(f"x_smem must be [{CHUNK}, {WARPGROUP_THREADS}] (a column a thread), got "
+                         f"{x_smem.shape}; use cumulative_sum for other widths")
+    row_layout = plgpu.Layout.WG_STRIDED((1, WARPGROUP_THREADS), 1)  # thread t: column t
+    total = plgpu.load(x_smem.at[pl.ds(0, 1)], layout=row_layout)
+    sums, carried = [total], None
+    for row in range(1, CHUNK):
+        x = plgpu.load(x_smem.at[pl.ds(row, 1)], layout=row_layout)
+        new_total = total + x
+        x_part = new_total - total
+        error = (total - (new_total - x_part)) + (x - x_part)  # total + x - new_total, exactly
+        total, carried = new_total, error if carried is None else carried + error
+        sums.append(total + carried)
+    x_smem[...] = jnp.concatenate(sums, axis=0)  # thread t still holds column t
+    plgpu.commit_smem()
+    return load_plain(x_smem)
 
 
 class StoredAnchors(NamedTuple):
