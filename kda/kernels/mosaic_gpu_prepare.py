@@ -29,8 +29,8 @@ accumulators), from the building blocks of `kda.kernels.mosaic_gpu_tiles` (named
    state factors.
 
 When a backward will run (`save_for_backward`, a static flag: a forward alone writes none of it),
-the kernel also writes what the UT/WY kernel of its backward would otherwise recompute
-(`PreparationResiduals`): G (float32 [C, K], stored from g's buffer once step 2 is done), Akk
+the kernel also writes what its backward's kernels would otherwise recompute
+(`PreparationResiduals`; the UT/WY kernel reads all three, the score-tile kernel G): G (float32 [C, K], stored from g's buffer once step 2 is done), Akk
 (bf16 [C, C], masked, without beta: one more buffer, written beside N) and `(I + N)^-1` as the
 bf16 hi/lo pair step 5 multiplies with (stored from its operand buffers), 4 C K + 6 C^2 bytes a
 chunk: 56 KiB at K = 128 (its other outputs are 88.5 KiB) and 40 KiB at 64.
@@ -247,7 +247,7 @@ def prepare_chunks_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm
         g >= gate_lower_bound; beta: [B, T, HV].
       scale, segment_ids, use_qk_l2norm: as in `kda.chunked.chunk_kda`.
       gate_lower_bound: L in [-5, 0).
-      save_for_backward: also write what the backward's UT/WY kernel reads
+      save_for_backward: also write what the backward's kernels read
         (`kda.kernels.mosaic_gpu_prepare_backward`); the forward alone does not pay the stores.
     Returns:
       `RecurrenceOperands` [B, HV, N, ...], N = ceil(T / 64); with `save_for_backward`,
