@@ -47,19 +47,30 @@ from models.sharding import constrain, logical
 from moe.experts import DenseFFN, StableLatentMoE, update_router_bias
 from moe.routing import RouterStats
 
-# The primitives that launch the GPU kernels: Pallas (Mosaic GPU kernels are `mpmd_map`, which
-# `plgpu.kernel` wraps in a `custom_vmap_call`), cuDNN flash attention's forward.
+# The primitives that launch the GPU kernels: Pallas (a Mosaic GPU kernel is an `mpmd_map`),
+# cuDNN flash attention's forward.
 KERNEL_PRIMITIVES = frozenset({"pallas_call", "mpmd_map", "dot_product_attention_fwd",
                                "dot_product_attention_fwd_wrapper"})
 
 
 def launches_kernel(prim, **params) -> bool:
-    """Whether an equation of `prim` with `params` runs one of `KERNEL_PRIMITIVES`."""
+    """Whether an equation of `prim` with `params` runs one of `KERNEL_PRIMITIVES`, itself or in a
+    jaxpr it calls: `plgpu.kernel` wraps its `mpmd_map` in a `custom_vmap_call`, and a custom VJP
+    whose forward rule calls its own function (the MoE's grouped GEMM) is one `custom_vjp_call`
+    there, which the checkpoint policy sees whole."""
     if prim.name in KERNEL_PRIMITIVES:
         return True
-    inner = params.get("call") if prim.name == "custom_vmap_call" else None
-    return inner is not None and any(launches_kernel(eqn.primitive, **eqn.params)
-                                     for eqn in inner.jaxpr.eqns)
+    return any(launches_kernel(eqn.primitive, **eqn.params)
+               for jaxpr in _called_jaxprs(params) for eqn in jaxpr.eqns)
+
+
+def _called_jaxprs(params):
+    """The jaxprs among an equation's parameters (closed ones opened)."""
+    for value in params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            jaxpr = getattr(item, "jaxpr", item)
+            if hasattr(jaxpr, "eqns"):
+                yield jaxpr
 
 
 def dots_and_kernels_saveable(prim, *avals, **params) -> bool:
@@ -68,6 +79,7 @@ def dots_and_kernels_saveable(prim, *avals, **params) -> bool:
     A kernel's `custom_vjp` forward is opaque to the other policies, so under `dots` the backward
     pass ran every kernel's forward again to rebuild its residuals (the `1b` step on the H200:
     KDA's preparation and recurrence, the MoE grouped GEMMs and cuDNN attention, each twice).
+    A whole call that launches a kernel counts as one (`launches_kernel`): its outputs are kept.
     """
     return (jax.checkpoint_policies.checkpoint_dots(prim, *avals, **params)
             or launches_kernel(prim, **params))

@@ -20,9 +20,8 @@ from experiments import profiling
 from kda.layer import KDAConfig
 from models.attention import MLAConfig
 from models.config import count_params, preset
-from models.lm import (PROFILE_SCOPES, REMAT, HybridLM, aux_loss, launches_kernel, layer_plan,
-                       lm_head_logits,
-                       update_router_biases)
+from models.lm import (KERNEL_PRIMITIVES, PROFILE_SCOPES, REMAT, HybridLM, aux_loss, layer_plan,
+                       lm_head_logits, update_router_biases)
 from models.paged_cache import PageAllocator, pages_needed
 from moe.config import MoEConfig
 from kda_inputs import relative_error
@@ -347,12 +346,10 @@ def test_lm_head_backward_multiplies_in_the_compute_dtype():
 
 
 def _kernel_launches(jaxpr) -> int:
-    """Equations of `jaxpr` (nested ones included) that launch a GPU kernel."""
+    """Kernel launches (`KERNEL_PRIMITIVES` equations) in `jaxpr`, nested jaxprs included."""
     count = 0
     for eqn in jaxpr.eqns:
-        if launches_kernel(eqn.primitive, **eqn.params):
-            count += 1
-            continue
+        count += eqn.primitive.name in KERNEL_PRIMITIVES
         for param in eqn.params.values():
             for inner in param if isinstance(param, (tuple, list)) else (param,):
                 inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's, or a Jaxpr
@@ -361,10 +358,20 @@ def _kernel_launches(jaxpr) -> int:
     return count
 
 
+def _launches_under_each_policy(loss, *args) -> dict:
+    """Kernel launches of `loss`'s forward alone and of its gradient under `dots` and
+    `dots_kernels` checkpoints (traced only: GPU kernels trace on any backend)."""
+    grads = lambda policy: jax.make_jaxpr(jax.grad(  # noqa: E731
+        jax.checkpoint(loss, policy=REMAT[policy]), argnums=tuple(range(len(args)))))(*args)
+    return dict(forward=_kernel_launches(jax.make_jaxpr(loss)(*args).jaxpr),
+                **{policy: _kernel_launches(grads(policy).jaxpr)
+                   for policy in ("dots", "dots_kernels")})
+
+
 def test_dots_kernels_remat_runs_each_kernel_forward_once():
-    # KDA by its Mosaic GPU kernels (traced only: this runs on any backend) under a layer's
-    # checkpoint. `dots` cannot see into the kernels' custom VJPs, so its backward pass launches
-    # every forward kernel again to rebuild their residuals; keeping the kernels' outputs does not.
+    # KDA by its Mosaic GPU kernels under a layer's checkpoint. `dots` cannot see into the
+    # kernels' custom VJPs, so its backward pass launches every forward kernel again to rebuild
+    # their residuals; keeping the kernels' outputs does not.
     from kda.kernels.mosaic_gpu import mosaic_gpu_kda
 
     def loss(q, g):
@@ -373,10 +380,28 @@ def test_dots_kernels_remat_runs_each_kernel_forward_once():
         return jnp.sum(o.astype(jnp.float32))
 
     q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
-    g = jnp.full(q.shape, -1.0)
-    forward = _kernel_launches(jax.make_jaxpr(loss)(q, g).jaxpr)
-    launches = {policy: _kernel_launches(jax.make_jaxpr(jax.grad(
-        jax.checkpoint(loss, policy=REMAT[policy]), argnums=(0, 1)))(q, g).jaxpr)
-        for policy in ("dots", "dots_kernels")}
-    assert forward >= 2  # the preparation and the recurrence
-    assert launches["dots"] == launches["dots_kernels"] + forward
+    launches = _launches_under_each_policy(loss, q, jnp.full(q.shape, -1.0))
+    assert launches["forward"] >= 2  # the preparation and the recurrence
+    assert launches["dots"] == launches["dots_kernels"] + launches["forward"]
+
+
+def test_dots_kernels_remat_keeps_a_kernel_called_through_a_custom_vjp():
+    # The MoE's grouped GEMM is a custom VJP whose forward rule calls the custom-VJP function
+    # itself: the policy sees one `custom_vjp_call`, and keeping the kernels' outputs must reach
+    # inside it (the first H200 run of `dots_kernels` still ran the MoE's GEMMs twice).
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def double_kernel(x):
+        def body(x_ref, out_ref):
+            out_ref[...] = x_ref[...] * 2
+
+        return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+    @jax.custom_vjp
+    def doubled(x):
+        return double_kernel(x)
+
+    doubled.defvjp(lambda x: (doubled(x), None), lambda _, cotangent: (2 * cotangent,))
+    launches = _launches_under_each_policy(lambda x: jnp.sum(jnp.tanh(doubled(x))),
+                                           jnp.ones((128, 128)))
+    assert launches == dict(forward=1, dots=2, dots_kernels=1)
