@@ -66,13 +66,13 @@ def relative_difference(actual, expected):
     return float(jnp.linalg.norm(actual - expected) / jnp.linalg.norm(expected))
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="8x2048x16x128", help="BxTxHxK (T a multiple of 64)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--smoke", action="store_true",
                         help="CPU: interpret mode at 1x128x1xK, one timed call")
-    options = parser.parse_args()
+    options = parser.parse_args(argv)
     batch, length, heads, dim = (int(x) for x in options.shape.split("x"))
     context = contextlib.nullcontext()
     repeats, warmup = options.repeats, 3

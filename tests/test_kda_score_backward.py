@@ -169,3 +169,12 @@ def test_gpu_four_warpgroups_match_two():
     assert_warpgroup_counts_agree(*score_kernel_inputs(24, 2, 4100, (8, 16), 128),
                                   context=contextlib.nullcontext,
                                   tolerance=GPU_WARPGROUPS_TOLERANCE)
+
+
+@pytest.mark.slow  # about 10 s: one kernel in interpret mode
+def test_benchmark_smoke_runs_and_prints_each_variant(capsys):
+    from experiments import bench_score_backward
+
+    bench_score_backward.main(["--smoke", "--shape", "1x128x1x64"])
+    printed = capsys.readouterr().out
+    assert "2 warpgroups a chunk:" in printed and " ms (relative to two warpgroups" in printed
