@@ -85,15 +85,16 @@ def _shard_factor(spec, sizes: Mapping[str, int]) -> int:
 
 
 def _mixer_kernel_floats(cfg: ModelConfig, mixer: str, tensor: int) -> float:
-    """Numbers per token that a token mixer's GPU kernels write and `dots_kernels` keeps: KDA's
-    preparation operands (W, q and k factors, Aqk) and recurrence residuals (bf16 chunk states,
-    V_new) and its output; cuDNN attention's output and float32 softmax statistics. (The MoE's
-    grouped GEMM outputs are matmul outputs, already counted.)"""
+    """Numbers per token (in units of the compute dtype) that a token mixer's GPU kernels write
+    and `dots_kernels` keeps: KDA's preparation operands (W, q and k factors, Aqk), its saved
+    residuals (float32 G, Akk, T as a hi/lo pair), the recurrence's (bf16 chunk states, V_new) and
+    its output; cuDNN attention's output and float32 softmax statistics. (The MoE's grouped GEMM
+    outputs are matmul outputs, already counted.)"""
     if mixer == "kda":
         kda = cfg.kda
         keys = kda.num_value_heads * kda.head_dim
-        return (3 * keys + kda.num_value_heads * (CHUNK_SIZE + kda.head_dim ** 2 / CHUNK_SIZE)
-                + 2 * keys) / tensor
+        per_head = 4 * CHUNK_SIZE + kda.head_dim ** 2 / CHUNK_SIZE  # Aqk, Akk, T; states
+        return (7 * keys + kda.num_value_heads * per_head) / tensor
     mla = cfg.mla
     return mla.num_heads * (mla.v_head_dim + 2) / tensor
 
