@@ -45,6 +45,7 @@ from models.norms import RMSNorm
 from models.paged_cache import PagedLatentCache, init_pages
 from models.sharding import constrain, logical
 from moe.experts import DenseFFN, StableLatentMoE, update_router_bias
+from moe.routing import PERMUTATION_NAME
 from moe.routing import RouterStats
 
 # The primitives that launch the GPU kernels: Pallas (a Mosaic GPU kernel is an `mpmd_map`),
@@ -73,8 +74,13 @@ def _called_jaxprs(params):
                 yield jaxpr
 
 
+# What `dots_kernels` keeps by name besides: the MoE's routing and permutation.
+_KEPT_NAMES = jax.checkpoint_policies.save_only_these_names(PERMUTATION_NAME)
+
+
 def dots_and_kernels_saveable(prim, *avals, **params) -> bool:
-    """The `dots_kernels` policy: matmul outputs and the GPU kernels' outputs are kept.
+    """The `dots_kernels` policy: matmul outputs, the GPU kernels' outputs and the MoE's routing
+    and permutation (`moe.routing.PERMUTATION_NAME`: a top-k, a sort and gathers) are kept.
 
     A kernel's `custom_vjp` forward is opaque to the other policies, so under `dots` the backward
     pass ran every kernel's forward again to rebuild its residuals (the `1b` step on the H200:
@@ -82,7 +88,8 @@ def dots_and_kernels_saveable(prim, *avals, **params) -> bool:
     A whole call that launches a kernel counts as one (`launches_kernel`): its outputs are kept.
     """
     return (jax.checkpoint_policies.checkpoint_dots(prim, *avals, **params)
-            or launches_kernel(prim, **params))
+            or launches_kernel(prim, **params)
+            or _KEPT_NAMES(prim, *avals, **params))
 
 
 REMAT = {

@@ -22,11 +22,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from moe.activations import fused_glu
 from moe.grouped_matmul import ROW_MULTIPLE, grouped_matmul
-from moe.routing import load_counts
+from moe.routing import PERMUTATION_NAME, load_counts
 
 EXPERT_AXIS = "expert"
 
@@ -127,8 +128,9 @@ def dropless_moe(
     """
     _check_dispatch_args(x, expert_ids, weights, w_in, w_out)
     k = expert_ids.shape[1]
-    plan = plan_dispatch(expert_ids.reshape(-1), w_in.shape[0])
-    x_sorted = gather_rows(x, plan.order // k, plan.inverse, k)
+    plan = jax.tree.map(lambda a: checkpoint_name(a, PERMUTATION_NAME),
+                        plan_dispatch(expert_ids.reshape(-1), w_in.shape[0]))
+    x_sorted = checkpoint_name(gather_rows(x, plan.order // k, plan.inverse, k), PERMUTATION_NAME)
     y_sorted = expert_mlp(
         x_sorted,
         plan.group_sizes,

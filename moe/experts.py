@@ -18,11 +18,13 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from moe.activations import GLUActivation, fused_glu
 from moe.config import MoEConfig
 from moe.dispatch import EXPERT_AXIS, dropless_moe, expert_parallel_moe
 from moe.routing import (
+    PERMUTATION_NAME,
     RouterStats,
     dynamic_route,
     initial_dynamic_bias,
@@ -229,12 +231,15 @@ class StableLatentMoE(nnx.Module):
             expert_ids, weights = route(scores, bias, cfg.top_k, cfg.routed_scaling_factor)
             fired = jnp.ones(expert_ids.shape, bool)
         copy_mask = fired & token_mask[:, None]
-        weights = jnp.where(copy_mask, weights, 0.0)
+        expert_ids, weights, copy_mask = (
+            checkpoint_name(a, PERMUTATION_NAME)
+            for a in (expert_ids, jnp.where(copy_mask, weights, 0.0), copy_mask))
 
         routed_in = tokens.astype(self.dtype)
         if cfg.latent_dim is not None:
             routed_in = routed_in @ self.w_down[...].astype(self.dtype)
         routed, dropped = self._routed_experts(routed_in, expert_ids, weights, copy_mask)
+        routed = checkpoint_name(routed, PERMUTATION_NAME)
         if cfg.latent_norm:
             routed = rms_norm(routed, self.latent_gain[...], cfg.norm_eps)
         if cfg.latent_dim is not None:

@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from moe.config import MoEConfig
 
@@ -51,6 +52,12 @@ class RouterStats(NamedTuple):
     load: jax.Array  # [E] float32 token copies per expert
     aux_loss: jax.Array  # [] float32 weighted auxiliary loss (0 unless balancing == "aux_loss")
     dropped: jax.Array  # [] float32 token copies dropped by a full expert-parallel buffer
+
+
+# The `checkpoint_name` of the routing and permutation results (the routed experts and weights,
+# the dispatch plan, the rows in expert order, the mixed routed output): cheap to keep, a sort,
+# a top-k and gathers to recompute. `models.lm`'s `dots_kernels` remat policy keeps them.
+PERMUTATION_NAME = "moe_permutation"
 
 
 def router_scores(x: jax.Array, router_weight: jax.Array) -> jax.Array:
@@ -116,6 +123,7 @@ def route(
     _check_k(k, scores.shape[-1], "k")
     scores = scores.astype(jnp.float32)
     _, expert_ids = jax.lax.top_k(scores + jax.lax.stop_gradient(bias), k)
+    expert_ids = checkpoint_name(expert_ids, PERMUTATION_NAME)
     selected = jnp.take_along_axis(scores, expert_ids, axis=-1)
     weights = selected / (jnp.sum(selected, axis=-1, keepdims=True) + 1e-20)
     return expert_ids.astype(jnp.int32), weights * routed_scaling_factor

@@ -24,6 +24,7 @@ from models.lm import (KERNEL_PRIMITIVES, PROFILE_SCOPES, REMAT, HybridLM, aux_l
                        lm_head_logits, update_router_biases)
 from models.paged_cache import PageAllocator, pages_needed
 from moe.config import MoEConfig
+from moe.experts import StableLatentMoE
 from kda_inputs import relative_error
 from train.step import FAST_COMPILE_OPTIONS
 
@@ -358,6 +359,19 @@ def _kernel_launches(jaxpr) -> int:
     return count
 
 
+def _primitive_counts(jaxpr) -> collections.Counter:
+    """Equations per primitive name in `jaxpr`, nested jaxprs included."""
+    counts = collections.Counter()
+    for eqn in jaxpr.eqns:
+        counts[eqn.primitive.name] += 1
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    counts += _primitive_counts(inner)
+    return counts
+
+
 def _launches_under_each_policy(loss, *args) -> dict:
     """Kernel launches of `loss`'s forward alone and of its gradient under `dots` and
     `dots_kernels` checkpoints (traced only: GPU kernels trace on any backend)."""
@@ -405,3 +419,24 @@ def test_dots_kernels_remat_keeps_a_kernel_called_through_a_custom_vjp():
     launches = _launches_under_each_policy(lambda x: jnp.sum(jnp.tanh(doubled(x))),
                                            jnp.ones((128, 128)))
     assert launches == dict(forward=1, dots=2, dots_kernels=1)
+
+
+def test_dots_kernels_remat_keeps_the_moe_routing_and_permutation():
+    # The top-k, the sort into expert order and its inverse: named by the MoE
+    # (`moe.routing.PERMUTATION_NAME`) and kept, so the backward pass runs none of them again.
+    cfg = preset("tiny")
+    graphdef, state = nnx.split(StableLatentMoE(cfg.d_model, cfg.moe, rngs=nnx.Rngs(16)))
+    x = jax.random.normal(jax.random.key(17), (1, 32, cfg.d_model))
+
+    def loss(state, x):
+        return jnp.sum(nnx.merge(graphdef, state)(x)[0].astype(jnp.float32))
+
+    def counts(policy):
+        rematted = loss if policy is None else jax.checkpoint(loss, policy=REMAT[policy])
+        return _primitive_counts(jax.make_jaxpr(jax.grad(rematted, argnums=1))(state, x).jaxpr)
+
+    unrematted = counts(None)
+    for name in ("top_k", "sort", "scatter"):
+        assert unrematted[name] >= 1, name
+        assert counts("dots_kernels")[name] == unrematted[name], name
+        assert counts("dots")[name] > unrematted[name], name
