@@ -61,8 +61,10 @@ a forward whose sum rounds otherwise moves the results by its rounding, amplifie
 Shared memory per program, at K = 64 and 128 alike: the two score cotangents and the triangle (24
 KiB), and per warpgroup q and k (8 KiB), four operand tiles (16 KiB) and two float32 tiles (16 KiB),
 with the vectors 109 KiB as Mosaic GPU allocates it (190 KiB with four warpgroups): within the 113
-KiB of two programs (four warpgroups) an SM, if ptxas needs at most 128 registers a thread (kernel 2
-used 255 and spilled). Buffers are reused in place (no `plgpu.RefUnion`: interpret mode checks a
+KiB of two programs (four warpgroups) an SM, if ptxas needed at most 128 registers a thread. On the
+H200 it takes 255 (268 bytes spilled) with two warpgroups, so one program runs an SM; with four,
+128 (172 bytes spilled), also one program: both took 1.04-1.06 ms at 8x2048x16x128
+(`experiments.bench_score_backward`, `benchmarks/kda_h200.md`). Buffers are reused in place (no `plgpu.RefUnion`: interpret mode checks a
 union's groups as whole buffers, so two warpgroups' halves of one union would race): A holds G,
 the cumulative sum of k d k_to_state, kernel 1's dk term and dk; B d k_to_state, d q_from_state,
 dk's column sums, dq and dg; the operand tiles the sums' parts and both terms' operands. Interpret
