@@ -23,8 +23,8 @@ The timed steps reuse that compiled program. Every number is printed as soon as 
 and the table and .json are rewritten each time, so a run cut short keeps the step time and MFU.
 
 Why the `--gpu` setup uses remat `dots_kernels` (each layer keeps its matmul outputs and its GPU
-kernels' outputs and recomputes the rest in the backward pass, `models.lm.REMAT`): with no remat the first H200 run failed, XLA asking
-for 66.4 GiB of temporaries on top of the 41.6 GiB of arguments (float32 parameters, 13.9 GiB,
+kernels' outputs and recomputes the rest in the backward pass, `models.lm.REMAT`): with no remat
+the first H200 run failed, XLA asking for 66.4 GiB of temporaries on top of the 41.6 GiB of arguments (float32 parameters, 13.9 GiB,
 and AdamW moments, 27.7 GiB, of 3.72B parameters) against the 104 GiB that JAX's allocator takes
 by default (75% of 139 GiB). `--cpu-plan` compiles the step on the CPU at the same shapes, its
 state abstract, with the GPU kernels (Mosaic GPU KDA, grouped GEMMs, cuDNN attention) replaced
@@ -161,7 +161,7 @@ class BenchSetup:
         return self.batch * self.seq_len
 
 
-# The module docstring says why the GPU setup runs 4 rows, scanned, recomputing with `dots`.
+# The module docstring says why the GPU setup runs 4 rows, scanned, with `dots_kernels`.
 GPU = BenchSetup("1b", batch=4, seq_len=4096, steps=20, warmup=3, remat="dots_kernels")
 # Of the GPU's memory, what `--gpu` lets JAX's allocator take unless XLA_PYTHON_CLIENT_MEM_FRACTION
 # is set (JAX's default, 0.75, is 104 of the H200's 139 GiB; the step plans about 100 GiB with
@@ -588,8 +588,7 @@ def markdown(result: dict, command: str) -> str:
         lines += ops_markdown(
             result["ops"], "Top device ops of the step, compiled without command buffers (the "
             "timed step above was compiled the same way)")
-        lines += scope_ops_markdown(result["ops"], "The costliest device ops of each part:",
-                                    PROFILED_OPS_PER_PART)
+        lines += scope_ops_markdown(result["ops"], "The costliest device ops of each part:")
     return "\n".join(lines) + "\n"
 
 

@@ -55,9 +55,8 @@ def trace_device_ops(run: Callable[[], object], compiled: jax.stages.Compiled, s
     scope_rows): per-step calls and ms; `hlo` = opcode, shape and JAX source op of the op in the
     compiled module; `scopes` = ms per step of each of `scopes` and "other" over all ops, `passes`
     the same split per pass, {scope: {pass: ms}} (`scope_times`); `scope_rows` = the
-    `top_per_scope` costliest rows of each scope. On a CPU the events
-    of while loops and conditionals are left out: each spans the ops it runs, which count on their
-    own. Falls back to the compiled module's `cost_analysis()` totals (rows and scopes empty) if
+    `top_per_scope` costliest rows of each scope. On a CPU the events of while loops and
+    conditionals are left out: each spans the ops it runs, which count on their own. Falls back to the compiled module's `cost_analysis()` totals (rows and scopes empty) if
     the trace holds no op events.
     """
     jax.block_until_ready(run())
@@ -288,16 +287,16 @@ def ops_markdown(ops: dict, title: str) -> list[str]:
         ops["rows"])
 
 
-def scope_ops_markdown(ops: dict, title: str, per_scope: int) -> list[str]:
-    """Markdown lines for the `per_scope` costliest ops of each scope that took time
-    (`trace_device_ops`' `scope_rows`) under the sentence `title`."""
+def scope_ops_markdown(ops: dict, title: str) -> list[str]:
+    """Markdown lines for the costliest ops of each scope that took time (`trace_device_ops`'
+    `scope_rows`) under the sentence `title`."""
     if not ops["scopes"]:
         return []
     lines = [title, ""]
     for scope, ms in ops["scopes"].items():
         if ms > 0:
             lines += [f"`{scope}` ({ms:.3f} ms per step):", ""]
-            lines += _rows_markdown(ops["scope_rows"][scope][:per_scope])
+            lines += _rows_markdown(ops["scope_rows"][scope])
     return lines
 
 

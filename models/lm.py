@@ -45,8 +45,7 @@ from models.norms import RMSNorm
 from models.paged_cache import PagedLatentCache, init_pages
 from models.sharding import constrain, logical
 from moe.experts import DenseFFN, StableLatentMoE, update_router_bias
-from moe.routing import PERMUTATION_NAME
-from moe.routing import RouterStats
+from moe.routing import PERMUTATION_NAME, RouterStats
 
 # The primitives that launch the GPU kernels: Pallas (a Mosaic GPU kernel is an `mpmd_map`),
 # cuDNN flash attention's forward.

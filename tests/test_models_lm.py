@@ -346,19 +346,6 @@ def test_lm_head_backward_multiplies_in_the_compute_dtype():
     assert all(dtypes == [jnp.bfloat16, jnp.bfloat16] for dtypes in dots), dots
 
 
-def _kernel_launches(jaxpr) -> int:
-    """Kernel launches (`KERNEL_PRIMITIVES` equations) in `jaxpr`, nested jaxprs included."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive.name in KERNEL_PRIMITIVES
-        for param in eqn.params.values():
-            for inner in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's, or a Jaxpr
-                if hasattr(inner, "eqns"):
-                    count += _kernel_launches(inner)
-    return count
-
-
 def _primitive_counts(jaxpr) -> collections.Counter:
     """Equations per primitive name in `jaxpr`, nested jaxprs included."""
     counts = collections.Counter()
@@ -370,6 +357,12 @@ def _primitive_counts(jaxpr) -> collections.Counter:
                 if hasattr(inner, "eqns"):
                     counts += _primitive_counts(inner)
     return counts
+
+
+def _kernel_launches(jaxpr) -> int:
+    """Kernel launches (`KERNEL_PRIMITIVES` equations) in `jaxpr`, nested jaxprs included."""
+    counts = _primitive_counts(jaxpr)
+    return sum(counts[name] for name in KERNEL_PRIMITIVES)
 
 
 def _launches_under_each_policy(loss, *args) -> dict:
