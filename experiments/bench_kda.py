@@ -337,19 +337,23 @@ def run(shapes: list[Shape], table: dict[str, Callable], dtype, repeats: int,
 
 
 def profile_markdown(shape: Shape, dtype, impls: list[str], peers) -> list[str]:
-    """The top device ops of each JAX contender's forward+backward at `shape` (`--profile`)."""
+    """The top device ops of each JAX contender's forward, then forward+backward, at `shape`
+    (`--profile`)."""
     attentions = {impl: ours(impl) for impl in impls}
     if "jla" in peers:
         attentions["jla mosaic_gpu"] = jla_attention()
     args, d_o = _arrays(make_inputs(shape, dtype))
-    lines = ["", f"## Where the forward+backward time goes at {shape} (`--profile`)", ""]
-    for name, attention in attentions.items():
-        try:
-            ops = profile_device_ops(jax.jit(gradient(attention)), (args, d_o), steps=3)
-        except Exception as error:  # a failing contender is already in the table above
-            lines += [f"{name}: not profiled ({type(error).__name__}).", ""]
-            continue
-        lines += ops_markdown(ops, f"Device ops of {name}'s forward+backward")
+    lines = []
+    for pass_name, traced, pass_args in (("forward", lambda a: a, args),
+                                         ("forward+backward", gradient, (args, d_o))):
+        lines += ["", f"## Where the {pass_name} time goes at {shape} (`--profile`)", ""]
+        for name, attention in attentions.items():
+            try:
+                ops = profile_device_ops(jax.jit(traced(attention)), pass_args, steps=3)
+            except Exception as error:  # a failing contender is already in the table above
+                lines += [f"{name}: not profiled ({type(error).__name__}).", ""]
+                continue
+            lines += ops_markdown(ops, f"Device ops of {name}'s {pass_name}")
     return lines
 
 
@@ -425,8 +429,8 @@ def main(argv=None):
                         help="with --gpu, skip the rows that time the recurrence and the "
                              "preparation alone (each costs its own compilations)")
     parser.add_argument("--profile", action="store_true",
-                        help="also trace the forward+backward of our implementations and jla at "
-                             "the first shape and list their costliest device ops")
+                        help="also trace the forward and the forward+backward of our implementations "
+                             "and jla at the first shape and list their costliest device ops")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, help="markdown file (default benchmarks/kda_<backend>.md)")
     args = parser.parse_args(argv)
