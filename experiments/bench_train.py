@@ -2,7 +2,7 @@
 breakdown of where the time goes (KDA, Gated MLA attention, MoE, rest).
 
     python -m experiments.bench_train --gpu     # H200: `1b` preset, 4 rows x 4096 tokens,
-                                                # bf16 compute, remat dots_kernels, scanned
+                                                # bf16 compute, remat dots_kernels, unrolled
                                                 # -> benchmarks/train_h200.md
     python -m experiments.bench_train --smoke   # `tiny` preset at a tiny size (CPU check)
     python -m experiments.bench_train --gpu --cpu-plan   # compile only, here: memory plan
@@ -36,7 +36,8 @@ gradients included; CPU compile 24-31 s each):
     dots             unrolled     28.8 GiB     28.8 GiB
     dots             scanned      37.7 GiB     28.0 GiB     28.0 GiB
     dots_no_batch    scanned      37.7 GiB
-    dots_kernels     scanned      58.3 GiB
+    dots_kernels     scanned      61.2 GiB
+    dots_kernels     unrolled     40.6 GiB
     full             scanned      29.6 GiB
 
 (Before the AttnRes reads were written as reductions (`models.attn_res.attn_res_read`), the
@@ -56,21 +57,26 @@ still has over the unrolled one is XLA:CPU's packing of the while loops' buffers
 at the peak of the 4-row plans (the end of the forward loop scanned, the optimizer update
 unrolled) the buffers live add up to 71.3 GiB scanned and 70.6 GiB unrolled (XLA's live-range
 dump), but the scanned program's allocation spanned 86.8 GiB and the unrolled one's 70.4 (79.2
-GiB scanned since the AttnRes change). So `--gpu` runs 4 rows, scanned. With `dots` (79.2 GiB
-by this upper bound, the H200's own plan 77.3 GiB) the backward pass ran every kernel's forward
+GiB scanned since the AttnRes change). With `dots` (79.2 GiB scanned by this upper bound, the
+H200's own plan 77.3 GiB) the backward pass ran every kernel's forward
 again (KDA's preparation and recurrence, the MoE's grouped GEMMs, cuDNN attention): custom VJPs
-are opaque to the other policies. `dots_kernels` keeps those outputs too (99.8 GiB by this upper
-bound), so `--gpu` gives JAX's allocator `GPU_MEMORY_FRACTION` of the GPU (128 of 139 GiB)
-unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise; `--unrolled` plans 70.4 GiB with `dots`
-but compiles slowly (below), `--batch 2` 72.4 GiB. The step also no longer copies the AdamW
+are opaque to the other policies. `dots_kernels` keeps those outputs too (102.7 GiB scanned and 82.1
+unrolled by this upper bound; the H200 planned 108.4 and 85.7), so `--gpu` gives JAX's allocator
+`GPU_MEMORY_FRACTION` of the GPU (128 of 139 GiB) unless XLA_PYTHON_CLIENT_MEM_FRACTION says
+otherwise. The step also no longer copies the AdamW
 moments (27.7 GiB) for its non-finite-step check: `train.step` applies the update under
 `lax.cond`.
 
-Compile time: the layers are scanned (`scan_layers`; `models.lm.layer_plan`): in the `1b`
-preset layers 1-12 are three repeats of one four-layer group, compiled once, so XLA compiles 8
-layer bodies instead of 16. Scanned, the step compiled in 235 and 254 s on the H200 (2026-11-30;
-`benchmarks/train_h200.md`), so a GPU run needs about 5 minutes; with every layer unrolled
-(`--unrolled`) the compile took 3.5 min in one run and had not ended after 190 s in another.
+Why the `--gpu` setup compiles every layer on its own: `--scanned` (`scan_layers`,
+`models.lm.layer_plan`) runs layers 1-12 of the `1b` preset as three repeats of one four-layer
+group under `lax.scan`, so XLA compiles 8 layer bodies instead of 16, but the backward pass then
+reads what each layer saved from the while loop's stacked buffers. XLA fills those stacks with
+zeros, copies every saved kernel output into them (a custom call cannot write into a slice) and
+copies each back out for the backward's kernels. On the H200 (2026-11-30, same build, `--profile`)
+the scanned step took 473.0 ms and the unrolled one 379.5 ms (-20%): the ops outside every named
+part fell from 64.0 to 3.6 ms, the MoE from 166.4 to 134.9 ms and AttnRes from 35.1 to 24.8 ms;
+the plan's peak fell from 108.4 to 85.7 GiB. The price is compile time: 330 s unrolled against
+244-251 s scanned, so a GPU run needs about 6 minutes.
 
 Breakdown: one KDA, one Gated MLA and one MoE layer of the same configuration are timed alone
 (forward and backward of a fixed random input and cotangent, under the same remat policy, median
@@ -154,14 +160,15 @@ class BenchSetup:
     steps: int
     warmup: int
     remat: str
-    scan_layers: bool = True  # one compiled body per repeated layer group (see the docstring)
+    scan_layers: bool = False  # one compiled body per repeated layer group (the docstring says
+    # why the default compiles every layer on its own)
 
     @property
     def tokens(self) -> int:
         return self.batch * self.seq_len
 
 
-# The module docstring says why the GPU setup runs 4 rows, scanned, with `dots_kernels`.
+# The module docstring says why the GPU setup runs 4 rows, unrolled, with `dots_kernels`.
 GPU = BenchSetup("1b", batch=4, seq_len=4096, steps=20, warmup=3, remat="dots_kernels")
 # Of the GPU's memory, what `--gpu` lets JAX's allocator take unless XLA_PYTHON_CLIENT_MEM_FRACTION
 # is set (JAX's default, 0.75, is 104 of the H200's 139 GiB; the step plans about 100 GiB with
@@ -615,8 +622,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--remat", choices=tuple(REMAT),
                         help=f"recomputation policy of each layer (--gpu: {GPU.remat}, --smoke: "
                         f"{SMOKE.remat})")
-    parser.add_argument("--unrolled", action="store_true",
-                        help="compile every layer on its own instead of scanning repeated groups")
+    parser.add_argument("--scanned", action="store_true",
+                        help="scan repeated layer groups (compiles faster, steps slower) instead "
+                        "of compiling every layer on its own")
     parser.add_argument("--cpu-plan", action="store_true",
                         help="only compile the step here, GPU kernels stood in, and print XLA's "
                         "memory plan and the compile time (nothing is allocated or run)")
@@ -631,7 +639,7 @@ def main(argv=None) -> dict:
     setup = GPU if args.gpu else SMOKE
     overrides = {k: v for k, v in (("batch", args.batch), ("seq_len", args.seq_len),
                                    ("steps", args.steps), ("remat", args.remat)) if v is not None}
-    setup = dataclasses.replace(setup, scan_layers=not args.unrolled, **overrides)
+    setup = dataclasses.replace(setup, scan_layers=args.scanned, **overrides)
     if args.cpu_plan:
         return cpu_plan(setup, args.optimizer)
     if args.gpu:

@@ -95,6 +95,7 @@ def test_smoke_benchmark_reports_throughput_memory_breakdown_and_profile(tmp_pat
     assert "preflight: step compiled" in capsys.readouterr().out
     assert result["tokens_per_second"] > 0 and 0 < result["mfu"] < 1
     assert result["setup"]["remat"] == bench_train.GPU.remat
+    assert not result["setup"]["scan_layers"]  # every layer compiled on its own unless --scanned
     assert result["compile_seconds"] > 0
     assert 0 < result["memory_gib"]["argument"] <= result["memory_gib"]["peak"]
     assert set(result["breakdown"]) == {"kda", "attention", "moe", "rest"}
