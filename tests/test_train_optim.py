@@ -14,6 +14,7 @@ from models.config import preset
 from models.lm import HybridLM
 from train.optim import (
     OptimConfig,
+    clip_by_global_norm,
     learning_rate_schedule,
     make_optimizer,
     muon_dimension_numbers,
@@ -195,3 +196,20 @@ def test_clipping_bounds_the_gradient_the_optimizer_sees():
     np.testing.assert_allclose(np.sqrt(np.asarray(nu) / (1 - cfg.b2)), 1.0 / 3.0, rtol=1e-4)
     assert isinstance(tx, optax.GradientTransformation)
     assert dataclasses.replace(cfg, clip_norm=None).clip_norm is None
+
+
+def test_clipping_takes_the_callers_norm_and_computes_the_same_one_itself():
+    grads = {"a": jnp.full((3, 3), 100.0), "b": jnp.arange(4.0)}
+    clip = clip_by_global_norm(1.0)
+    state = clip.init(grads)
+    own, _ = clip.update(grads, state)
+    given, _ = clip.update(grads, state, grad_norm=optax.tree.norm(grads))
+    for x, y in zip(jax.tree.leaves(own), jax.tree.leaves(given)):
+        np.testing.assert_array_equal(x, y)
+    np.testing.assert_allclose(optax.tree.norm(own), 1.0, rtol=1e-6)
+    reference, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+    for x, y in zip(jax.tree.leaves(own), jax.tree.leaves(reference)):
+        np.testing.assert_array_equal(x, y)
+    # The given norm is used, not recomputed: a norm of 4x the true one clips to a quarter.
+    quartered, _ = clip.update(grads, state, grad_norm=4 * optax.tree.norm(grads))
+    np.testing.assert_allclose(optax.tree.norm(quartered), 0.25, rtol=1e-6)

@@ -203,6 +203,28 @@ def _scale_to_adamw_rms(dimension_numbers) -> optax.GradientTransformation:
     return optax.stateless(scale)
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """`optax.clip_by_global_norm`, reusing the norm when the caller already has it.
+
+    `update(..., grad_norm=n)` clips with n, the caller's `optax.tree.norm` of the same updates,
+    instead of reading every gradient again: `train.step` computes the norm for its non-finite
+    check before the update runs under `lax.cond`, where XLA cannot share it (one read of every
+    float32 gradient, about 3.5 ms of the `1b` step on the H200). Without it, computed here.
+    """
+
+    def update(updates, state, params=None, *, grad_norm=None, **extra_args):
+        del params, extra_args
+        norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
+        unclipped = norm < max_norm
+
+        def clip(t):
+            return jax.lax.select(unclipped, t, (t / norm.astype(t.dtype)) * max_norm)
+
+        return jax.tree.map(clip, updates), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
+
+
 def make_optimizer(
     cfg: OptimConfig,
     params: nnx.State,
@@ -210,7 +232,8 @@ def make_optimizer(
     stacked_axes: Callable[[Path], int] = lambda path: 0,
 ) -> optax.GradientTransformation:
     """The optax transformation of `cfg` for `params` (their logical axis names and paths decide
-    each one's treatment; see the module docstring). Clipping comes first."""
+    each one's treatment; see the module docstring). Clipping comes first; its update takes the
+    gradient norm as `grad_norm=` when the caller has it (`clip_by_global_norm`)."""
     schedule = learning_rate_schedule(cfg, total_steps)
     use_muon = cfg.optimizer == "muon"
     labels, dims = {}, {}
@@ -249,5 +272,5 @@ def make_optimizer(
         )
     tx = optax.partition(transforms, by_path(labels))
     if cfg.clip_norm is not None:
-        tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), tx)
+        tx = optax.chain(clip_by_global_norm(cfg.clip_norm), tx)
     return tx

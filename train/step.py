@@ -11,7 +11,8 @@ in-place updates). One step:
 
 1. forward and backward in the model's compute dtype against float32 master weights; loss =
    mean next-byte cross-entropy over `loss_mask` plus the MoE auxiliary loss (zero under QB);
-2. the optimizer update (clipping inside the optax chain);
+2. the optimizer update (clipping inside the optax chain, with the gradient norm the finite
+   check computed: `train.optim.clip_by_global_norm`);
 3. the MoE router-bias update (Quantile Balancing) from the step's router statistics, outside the
    gradient; every replica computes the same bias from the same globally reduced statistics;
 4. QK-Clip of the MLA heads when enabled (`train.qk_clip`);
@@ -163,7 +164,7 @@ def make_train_step(
             updated = nnx.merge(graphdef, state)
             model = updated.model
             with profile_scope("optimizer"):
-                updated.optimizer.update(model, grads)
+                updated.optimizer.update(model, grads, grad_norm=grad_norm)
             with profile_scope("router_bias"):
                 update_router_biases(model, router_stats)
             with profile_scope("qk_clip"):
