@@ -3,6 +3,7 @@
     python -m experiments.bench_kda              # this backend: chunked vs reference, T = 1K/4K/16K
     python -m experiments.bench_kda --gpu        # H200 shapes: our ops and kernels, fla, jla, cuDNN
     python -m experiments.bench_kda --gpu --profile   # also the top device ops at the first shape
+    python -m experiments.bench_kda --gpu --device-time   # also each call's summed device time
 
 Every contender gets the same inputs (bf16 q/k/v on GPU, float32 on CPU; lower-bound gates in
 [-5, 0); L2-normalised q and k); forward and forward+backward are timed after a warm-up, the
@@ -13,6 +14,7 @@ installed are skipped with a note. The table goes to `benchmarks/kda_<backend>.m
 import argparse
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import platform
 import statistics
@@ -66,6 +68,9 @@ class Timing:
     forward_backward_ms: float | None = None
     error: float | None = None  # relative error of the output against our chunked op
     peak_mib: float | None = None
+    # The device ops' time of one call (`--device-time`): what is left without host launch work.
+    forward_device_ms: float | None = None
+    forward_backward_device_ms: float | None = None
     note: str = ""
 
 
@@ -122,8 +127,16 @@ def gradient(attention: Callable) -> Callable:
     return jax.grad(loss)
 
 
-def bench_jax(attention: Callable, inputs, repeats: int):
-    """Times `attention(q, k, v, g, beta) -> o` and the gradient of `sum(o * do)`."""
+def device_ms(fn: Callable, args: tuple) -> float | None:
+    """The summed device-op time of one call of `fn(*args)`, from a profiler trace of three calls
+    (`experiments.profiling.profile_device_ops`); None if the trace held no ops."""
+    ops = profile_device_ops(jax.jit(fn), args, steps=3)
+    return ops["total_ms"] if ops["rows"] else None
+
+
+def bench_jax(attention: Callable, inputs, repeats: int, device_time: bool = False):
+    """Times `attention(q, k, v, g, beta) -> o` and the gradient of `sum(o * do)`; with
+    `device_time`, also sums each one's device ops (`device_ms`)."""
     args, d_o = _arrays(inputs)
     forward = _compiled(attention, *args)
     backward = _compiled(gradient(attention), args, d_o)
@@ -131,6 +144,9 @@ def bench_jax(attention: Callable, inputs, repeats: int):
     timing = Timing(forward_ms=_time(lambda: forward(*args), sync, repeats),
                     forward_backward_ms=_time(lambda: backward(args, d_o), sync, repeats),
                     peak_mib=_peak_mib(backward))
+    if device_time:
+        timing.forward_device_ms = device_ms(attention, args)
+        timing.forward_backward_device_ms = device_ms(gradient(attention), (args, d_o))
     return np.asarray(forward(*args), np.float32), timing
 
 
@@ -271,10 +287,13 @@ def _version(package: str) -> str:
 PEERS = ("jla", "fla", "cudnn")
 
 
-def contenders(gpu: bool, impls: list[str], peers=PEERS, parts=True) -> dict[str, Callable]:
+def contenders(gpu: bool, impls: list[str], peers=PEERS, parts=True,
+               device_time=False) -> dict[str, Callable]:
     """name -> bench(inputs, repeats) -> (output, Timing); `parts`: also the recurrence and the
-    preparation alone, for each of our kernels (GPU only)."""
-    table = {impl: (lambda inputs, repeats, impl=impl: bench_jax(ours(impl), inputs, repeats))
+    preparation alone, for each of our kernels (GPU only); `device_time`: also the device-op time
+    of the whole-op JAX contenders (`bench_jax`)."""
+    whole_op = functools.partial(bench_jax, device_time=device_time)
+    table = {impl: (lambda inputs, repeats, impl=impl: whole_op(ours(impl), inputs, repeats))
              for impl in impls}
     if gpu and parts:
         # The sequential part alone, plain JAX against our kernel: how much the kernel saves.
@@ -296,13 +315,13 @@ def contenders(gpu: bool, impls: list[str], peers=PEERS, parts=True) -> dict[str
                 triton_preparation, inputs, repeats)
     if gpu:
         if "jla" in peers:
-            table["jla mosaic_gpu"] = lambda inputs, repeats: bench_jax(jla_attention(), inputs,
-                                                                        repeats)
+            table["jla mosaic_gpu"] = lambda inputs, repeats: whole_op(jla_attention(), inputs,
+                                                                       repeats)
         if "fla" in peers:
             table["fla chunk_kda"] = bench_fla
         if "cudnn" in peers:
-            table["cuDNN attention"] = lambda inputs, repeats: bench_jax(cudnn_attention, inputs,
-                                                                         repeats)
+            table["cuDNN attention"] = lambda inputs, repeats: whole_op(cudnn_attention, inputs,
+                                                                        repeats)
     return table
 
 
@@ -390,10 +409,13 @@ def write_table(path: Path, results, shapes, names, baseline: str, command: str,
         f"'vs {baseline}' = {baseline}'s time / this row's time (above 1: this row is faster).",
         "- Error: relative L2 error of the output against our chunked op. Memory: arguments, "
         "outputs and temporaries of the forward+backward (XLA's analysis; torch's peak for fla).",
+        "- Device ms (`--device-time`): the device ops of one call summed from a profiler trace, "
+        "fwd / fwd+bwd, and the same ratios on them: the kernels' work without the host's launch "
+        "work, which a call that is waited for pays in full and a training step hides.",
         "",
         f"| shape | implementation | fwd ms | fwd+bwd ms | fwd vs {baseline} | fwd+bwd vs "
-        f"{baseline} | error | memory MiB | note |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"{baseline} | error | memory MiB | device ms | device vs {baseline} | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for shape in shapes:
         base = results.get((str(shape), baseline), Timing())
@@ -401,12 +423,20 @@ def write_table(path: Path, results, shapes, names, baseline: str, command: str,
             t = results.get((str(shape), name), Timing(note="not run"))
             ratio = lambda ours, theirs: (None if ours is None or theirs is None  # noqa: E731
                                           else theirs / ours)
+            device = ("–" if t.forward_device_ms is None else
+                      f"{_cell(t.forward_device_ms, '.3f')} / "
+                      f"{_cell(t.forward_backward_device_ms, '.3f')}")
+            device_ratios = ("–" if t.forward_device_ms is None else
+                             f"{_cell(ratio(t.forward_device_ms, base.forward_device_ms), '.2f')} / "
+                             + _cell(ratio(t.forward_backward_device_ms,
+                                           base.forward_backward_device_ms), '.2f'))
             lines.append(
                 f"| {shape} | {name} | {_cell(t.forward_ms, '.2f')} | "
                 f"{_cell(t.forward_backward_ms, '.2f')} | "
                 f"{_cell(ratio(t.forward_ms, base.forward_ms), '.2f')} | "
                 f"{_cell(ratio(t.forward_backward_ms, base.forward_backward_ms), '.2f')} | "
-                f"{_cell(t.error, '.1e')} | {_cell(t.peak_mib, '.0f')} | {t.note} |")
+                f"{_cell(t.error, '.1e')} | {_cell(t.peak_mib, '.0f')} | {device} | "
+                f"{device_ratios} | {t.note} |")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
 
@@ -431,6 +461,9 @@ def main(argv=None):
     parser.add_argument("--profile", action="store_true",
                         help="also trace the forward and the forward+backward of our implementations "
                              "and jla at the first shape and list their costliest device ops")
+    parser.add_argument("--device-time", action="store_true",
+                        help="also sum the device ops of one call of each whole-op JAX contender "
+                             "from a profiler trace (one more compile each)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, help="markdown file (default benchmarks/kda_<backend>.md)")
     args = parser.parse_args(argv)
@@ -451,7 +484,7 @@ def main(argv=None):
                      f"{kda.available_implementations()}")
     shapes = args.shapes or [Shape.parse(s) for s in (GPU_SHAPES if args.gpu else CPU_SHAPES)]
     baseline = args.baseline or ("jla mosaic_gpu" if args.gpu else "chunked")
-    table = contenders(args.gpu, impls, args.peers, args.parts)
+    table = contenders(args.gpu, impls, args.peers, args.parts, args.device_time)
     names = list(table)
     out = args.out or Path("benchmarks") / f"kda_{'h200' if args.gpu else backend}.md"
     command = "python -m experiments.bench_kda " + " ".join(argv if argv is not None

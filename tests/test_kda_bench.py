@@ -13,6 +13,17 @@ def test_cpu_benchmark_writes_a_table_with_errors(tmp_path):
     assert [row.split("|")[2].strip() for row in rows] == ["reference", "chunked"]
     reference_error = float(rows[0].split("|")[7])
     assert reference_error < 1e-5  # float32 reference against the chunked op
+    assert all(row.split("|")[9].strip() == "–" for row in rows)  # no --device-time
+
+
+def test_device_time_sums_the_traced_ops_of_each_call(tmp_path):
+    out = tmp_path / "kda.md"
+    bench_kda.main(["--shapes", "1x80x2x16", "--impls", "chunked", "--repeats", "1",
+                    "--device-time", "--out", str(out)])
+    [row] = [line for line in out.read_text().splitlines() if line.startswith("| 1x80x2x16")]
+    forward_ms, forward_backward_ms = (float(x) for x in row.split("|")[9].split("/"))
+    assert 0 < forward_ms < forward_backward_ms
+    assert [float(x) for x in row.split("|")[10].split("/")] == [1.0, 1.0]  # its own baseline
 
 
 def test_malformed_shapes_are_refused(capsys):
