@@ -15,24 +15,36 @@ C = kv_lora_rank, Q = q_lora_rank):
 The R-dim "rope" part keeps its released name but is never rotated: the model has no positional
 encoding (order comes from the KDA layers), so it is an extra key channel shared across heads.
 
-Training runs through `jax.nn.dot_product_attention` (cuDNN on GPU, XLA elsewhere). Decoding runs
-in the latent space: W_kvb's key half is absorbed into the query and its value half applied after
-the weighted sum, so the cache holds only [c_kv ; k_r] (C + R = 576 numbers per token at full
-size) in a paged pool (`models.paged_cache`).
+Training runs through `jax.nn.dot_product_attention` (cuDNN on GPU, XLA elsewhere), packed
+documents kept apart by a dense [B, 1, T, T] mask; or, opted in with `implementation=
+"cudnn_segments"`, through cuDNN's packed layout, which describes each row's documents by their
+offsets and lengths (`document_segments`) so that the kernel skips the tiles between documents.
+Decoding runs in the latent space: W_kvb's key half is absorbed into the query and its value half
+applied after the weighted sum, so the cache holds only [c_kv ; k_r] (C + R = 576 numbers per
+token at full size) in a paged pool (`models.paged_cache`).
 """
 
 import dataclasses
-from typing import Literal
+from typing import Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax._src.cudnn import fused_attention_stablehlo as cudnn_fused
 
+from kda.common import document_starts
 from models.norms import RMSNorm
 from models.paged_cache import PagedLatentCache
 from models.sharding import logical
 
-AttentionImplementation = Literal["xla", "cudnn"]
+# "xla" and "cudnn" keep documents apart with a dense mask; "cudnn_segments" describes them to
+# cuDNN's packed layout (Hopper only; see `causal_document_attention`).
+AttentionImplementation = Literal["xla", "cudnn", "cudnn_segments"]
+# What the packed cuDNN path needs (jax 0.11.2's cuDNN wrapper and its own tests): Hopper or newer,
+# cuDNN 9.6 or newer, 16-bit inputs, one head size for q, k and v of at most 256, a multiple of 8.
+PACKED_MIN_COMPUTE_CAPABILITY = (9, 0)
+PACKED_MIN_CUDNN_VERSION = 90600
+PACKED_MAX_HEAD_DIM = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,19 +61,23 @@ class MLAConfig:
     norm_eps: float = 1e-5
     # None picks cuDNN on GPU for 16-bit compute and XLA otherwise.
     implementation: AttentionImplementation | None = None
+    # With "cudnn_segments": the most documents (runs of segment ids, a row's trailing padding run
+    # included) a packed row may hold, static. A batch with a fuller row takes the dense-mask path.
+    max_segments: int = 16
 
     def __post_init__(self):
-        names = ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        names = ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                 "max_segments")
         if self.q_lora_rank is not None:
             names += ("q_lora_rank",)
         for name in names:
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not _is_positive_int(value):
                 raise ValueError(f"MLAConfig.{name} must be a positive int, got {value!r}")
-        if self.implementation not in (None, "xla", "cudnn"):
+        if self.implementation not in (None, *get_args(AttentionImplementation)):
             raise ValueError(
-                "MLAConfig.implementation must be None, 'xla' or 'cudnn', "
-                f"got {self.implementation!r}"
+                f"MLAConfig.implementation must be None or one of "
+                f"{get_args(AttentionImplementation)}, got {self.implementation!r}"
             )
 
     @property
@@ -95,6 +111,164 @@ def count_mla_params(d_model: int, cfg: MLAConfig) -> int:
     )
 
 
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+class DocumentSegments(NamedTuple):
+    """Each row's documents as cuDNN's packed layout takes them (M = max_segments).
+
+    offsets: int32 [B, M + 1], where each document starts, in order, then -1: the entry after a
+        row's last document is always -1, never the row's end (jax's wrapper counts every
+        non-negative entry as one more document), so the last column is -1 in every row.
+    lengths: int32 [B, M], each document's length, then -1.
+    fits: bool [B], whether the row holds at most M documents; a row that holds more keeps only
+        its first M in `offsets` and `lengths`.
+    """
+
+    offsets: jax.Array
+    lengths: jax.Array
+    fits: jax.Array
+
+
+def document_segments(segment_ids: jax.Array, max_segments: int) -> DocumentSegments:
+    """The packed description of the documents of `segment_ids` [B, T] int, with room for
+    `max_segments` (M) of them a row.
+
+    Documents are runs of equal ids (`kda.common.document_starts`, as the KDA layers reset their
+    state), so a trailing run of padding ids is a document too.
+    """
+    if not _is_positive_int(max_segments):
+        raise ValueError(
+            f"max_segments must be a positive int (the most documents a packed row may hold), "
+            f"got {max_segments!r}"
+        )
+    if segment_ids.ndim != 2 or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(
+            f"segment_ids must be an integer array [B, T], got {segment_ids.dtype} "
+            f"{segment_ids.shape}"
+        )
+    batch, length = segment_ids.shape
+    starts = document_starts(segment_ids).at[:, 0].set(True)  # [B, T]
+    document = jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1  # [B, T]: 0, 1, ... per row
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, length))
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    # Slot M (out of bounds) receives the tokens that start no document and documents past M.
+    start_slot = jnp.where(starts, document, max_segments)
+    offsets = jnp.full((batch, max_segments), -1, jnp.int32)
+    offsets = offsets.at[rows, start_slot].set(positions, mode="drop")
+    lengths = jnp.zeros((batch, max_segments), jnp.int32).at[rows, document].add(1, mode="drop")
+    lengths = jnp.where(offsets >= 0, lengths, -1)
+    offsets = jnp.pad(offsets, ((0, 0), (0, 1)), constant_values=-1)
+    return DocumentSegments(offsets, lengths, document[:, -1] < max_segments)
+
+
+def backend_implementation(dtype: jnp.dtype) -> AttentionImplementation:
+    """The dense-mask implementation for `dtype` inputs on this backend: cuDNN's flash attention on
+    a GPU for 16-bit inputs (it takes no others), XLA otherwise."""
+    sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if jax.default_backend() == "gpu" and sixteen_bit else "xla"
+
+
+def pad_head_dims(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
+    """q, k, v zero-padded to one head size, as cuDNN wants it: padding changes neither the scores
+    (padded q and k) nor the output (padded v, to be sliced off)."""
+    width = max(q.shape[-1], v.shape[-1])
+    return tuple(jnp.pad(t, [(0, 0)] * 3 + [(0, width - t.shape[-1])]) for t in (q, k, v))
+
+
+def _dense_document_attention(q, k, v, *, scale, document_ids, implementation):
+    """Causal attention within equal `document_ids` [B, T] (or none), as a dense [B, 1, T, T]
+    mask; q, k, v of one head size."""
+    mask = None
+    if document_ids is not None:
+        mask = document_ids[:, None, :, None] == document_ids[:, None, None, :]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=True,
+                                        implementation=implementation)
+
+
+def packed_cudnn_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segments: DocumentSegments, *, scale: float
+) -> jax.Array:
+    """Causal attention within the documents `segments` describes, by cuDNN's packed layout.
+
+    q, k, v: [B, T, H, D] (one head size, BTNH: jax's wrapper converts the offsets to element
+    strides assuming BTNH, and scales both key and value offsets by the key's head size, so v must
+    not be narrower) -> [B, T, H, D]. Every row must fit (`segments.fits`); tokens outside the
+    described documents are not computed. Call `causal_document_attention` for a safe entry.
+    """
+    return cudnn_fused.dot_product_attention(
+        q, k, v,
+        q_seqlen=segments.lengths, kv_seqlen=segments.lengths,
+        q_offsets=segments.offsets, kv_offsets=segments.offsets,
+        scale=scale, mask_type=cudnn_fused.MaskType.PADDING_CAUSAL, qkv_layout="BTNH",
+    )
+
+
+def _cuda_compute_capability() -> tuple[int, ...] | None:
+    device = jax.devices()[0]
+    try:
+        return tuple(int(part) for part in device.compute_capability.split("."))
+    except (AttributeError, ValueError):  # a CPU, a TPU or a ROCm GPU
+        return None
+
+
+def _require_packed_cudnn(q: jax.Array) -> None:
+    """Raises ValueError unless cuDNN's packed layout can run q (padded to one head size) here;
+    cuDNN's wrapper would otherwise fail deep inside the trace, or its lowering on a CPU."""
+    name = "implementation='cudnn_segments'"
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"{name} needs bfloat16 or float16 q, k and v, got {q.dtype}: cast them "
+                         "or use implementation='xla'")
+    if q.shape[-1] > PACKED_MAX_HEAD_DIM or q.shape[-1] % 8:
+        raise ValueError(f"{name} needs a head size (after padding v to q's or q and k to v's) of "
+                         f"at most {PACKED_MAX_HEAD_DIM} and a multiple of 8, got {q.shape[-1]}: "
+                         "use implementation='xla'")
+    capability = _cuda_compute_capability()
+    if capability is None or capability < PACKED_MIN_COMPUTE_CAPABILITY:
+        raise ValueError(f"{name} needs an NVIDIA GPU of compute capability 9.0 or more (Hopper); "
+                         f"JAX runs on {jax.devices()[0].device_kind!r}: use 'cudnn' on older "
+                         "GPUs, 'xla' elsewhere")
+    cudnn_version = cudnn_fused.check_cudnn_version()
+    if cudnn_version < PACKED_MIN_CUDNN_VERSION:
+        raise ValueError(f"{name} needs cuDNN 9.6 or newer, found version {cudnn_version}: use "
+                         "implementation='cudnn'")
+
+
+def _segmented_attention(q, k, v, *, scale, segment_ids, max_segments):
+    """The "cudnn_segments" path of `causal_document_attention` (q, k, v of one head size)."""
+    if not _is_positive_int(max_segments):
+        raise ValueError(f"implementation='cudnn_segments' needs max_segments, a positive int "
+                         f"(MLAConfig.max_segments), got {max_segments!r}")
+    _require_packed_cudnn(q)
+    # cuDNN on the GPUs that pass the checks above.
+    dense_implementation = backend_implementation(q.dtype)
+    if segment_ids is None:
+        return _dense_document_attention(q, k, v, scale=scale, document_ids=None,
+                                         implementation=dense_implementation)
+    if segment_ids.shape != q.shape[:2]:
+        raise ValueError(f"segment_ids must be [B, T] = {q.shape[:2]} like q, got "
+                         f"{segment_ids.shape}")
+    segments = document_segments(segment_ids, max_segments)
+    # The dense path keeps documents as runs too, so that both branches compute the same thing
+    # whatever the ids (the dense mask alone would join two runs of one id).
+    document_ids = jnp.cumsum(document_starts(segment_ids), axis=1)
+
+    def dense(q, k, v):
+        return _dense_document_attention(q, k, v, scale=scale, document_ids=document_ids,
+                                         implementation=dense_implementation)
+
+    # M sizes the cuDNN call (its softmax statistics are [B * M, H, T]), so it is static, and a
+    # row with more documents cannot be described. Rather than ever computing such a row wrong,
+    # the whole call falls back to the dense mask: both programs are compiled, one runs. (M = T
+    # would always fit but launches B * T mostly empty segments.)
+    return jax.lax.cond(
+        jnp.all(segments.fits),
+        lambda q, k, v: packed_cudnn_attention(q, k, v, segments, scale=scale),
+        dense, q, k, v,
+    )
+
+
 def causal_document_attention(
     q: jax.Array,
     k: jax.Array,
@@ -103,32 +277,26 @@ def causal_document_attention(
     scale: float,
     segment_ids: jax.Array | None = None,
     implementation: AttentionImplementation | None = None,
+    max_segments: int | None = None,
 ) -> jax.Array:
     """Causal softmax attention, restricted to one document when `segment_ids` is given.
 
     q, k: [B, T, H, Dqk]; v: [B, T, H, Dv]; segment_ids: [B, T] int -> [B, T, H, Dv].
+
+    implementation: "xla" (or None) and "cudnn" mask every pair of tokens whose ids differ with a
+        dense [B, 1, T, T] mask; "cudnn_segments" (Hopper GPUs, 16-bit inputs) runs cuDNN's packed
+        layout over each row's documents, runs of equal ids (`document_segments`), when every row
+        holds at most `max_segments` of them, and the dense mask through cuDNN otherwise. For rows
+        whose ids increase along the row, as the packer writes them, the two agree.
     """
-    qk_dim, v_dim = q.shape[-1], v.shape[-1]
-    # dot_product_attention wants one head size for q, k and v; zero padding changes neither the
-    # scores (padded q/k) nor the output (padded v, sliced off).
-    width = max(qk_dim, v_dim)
-
-    def pad(t: jax.Array) -> jax.Array:
-        return jnp.pad(t, [(0, 0)] * 3 + [(0, width - t.shape[-1])])
-
-    mask = None
-    if segment_ids is not None:
-        mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # [B, 1, T, T]
-    out = jax.nn.dot_product_attention(
-        pad(q),
-        pad(k),
-        pad(v),
-        mask=mask,
-        scale=scale,
-        is_causal=True,
-        implementation=implementation,
-    )
-    return out[..., :v_dim]
+    q_padded, k_padded, v_padded = pad_head_dims(q, k, v)
+    if implementation == "cudnn_segments":
+        out = _segmented_attention(q_padded, k_padded, v_padded, scale=scale,
+                                   segment_ids=segment_ids, max_segments=max_segments)
+    else:
+        out = _dense_document_attention(q_padded, k_padded, v_padded, scale=scale,
+                                        document_ids=segment_ids, implementation=implementation)
+    return out[..., : v.shape[-1]]
 
 
 def absorbed_latent_attention(
@@ -269,8 +437,7 @@ class GatedMLA(nnx.Module):
     def _implementation(self) -> AttentionImplementation:
         if self.cfg.implementation is not None:
             return self.cfg.implementation
-        sixteen_bit = jnp.dtype(self.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-        return "cudnn" if jax.default_backend() == "gpu" and sixteen_bit else "xla"
+        return backend_implementation(self.dtype)
 
     def __call__(
         self,
@@ -294,13 +461,18 @@ class GatedMLA(nnx.Module):
                 latents[:, :, None, cfg.kv_lora_rank :],
                 k_nope.shape[:-1] + (cfg.qk_rope_head_dim,),
             )
+            implementation = self._implementation()
+            # M is an option of the packed path alone; the dense paths take none.
+            packed_options = ({"max_segments": cfg.max_segments}
+                              if implementation == "cudnn_segments" else {})
             o = causal_document_attention(
                 q,
                 jnp.concatenate([k_nope, k_rope], axis=-1),
                 v,
                 scale=cfg.softmax_scale,
                 segment_ids=segment_ids,
-                implementation=self._implementation(),
+                implementation=implementation,
+                **packed_options,
             )
             return self._gated_output(x, o)
         if segment_ids is not None:

@@ -1,4 +1,5 @@
-"""Gated MLA: formula, causality, packed documents, decode == prefill through the paged cache."""
+"""Gated MLA: formula, causality, packed documents, decode == prefill through the paged cache;
+the packed cuDNN path's document description, its fallback and its checks (emulated on CPU)."""
 
 import dataclasses
 
@@ -9,8 +10,16 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax._src.cudnn import fused_attention_stablehlo as cudnn_fused
 
-from models.attention import GatedMLA, MLAConfig, count_mla_params
+from models import attention
+from models.attention import (
+    GatedMLA,
+    MLAConfig,
+    causal_document_attention,
+    count_mla_params,
+    document_segments,
+)
 from models.paged_cache import NULL_PAGE, PageAllocator, PagedLatentCache, init_pages
 
 
@@ -210,7 +219,9 @@ def test_allocator_free_list():
 
 
 @pytest.mark.parametrize(
-    "field, value", [("num_heads", 0), ("kv_lora_rank", -1), ("v_head_dim", 2.5)]
+    "field, value",
+    [("num_heads", 0), ("kv_lora_rank", -1), ("v_head_dim", 2.5), ("max_segments", 0),
+     ("implementation", "flash")],
 )
 def test_bad_config_names_the_field(field, value):
     kwargs = dict(num_heads=4, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4,
@@ -238,13 +249,14 @@ def relative_l2(got, want) -> float:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("packed", [False, True])
-def test_cudnn_training_path_matches_xla_in_bfloat16(packed):
+@pytest.mark.parametrize("gpu_implementation", ["cudnn", "cudnn_segments"])
+def test_cudnn_training_path_matches_xla_in_bfloat16(packed, gpu_implementation):
     # K3's head shapes: query/key heads of 192 (padded v), value heads of 128.
     cfg = MLAConfig(16, 512, 512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
     layers = {
         impl: GatedMLA(1024, dataclasses.replace(cfg, implementation=impl), dtype=jnp.bfloat16,
                        rngs=nnx.Rngs(0))
-        for impl in ("cudnn", "xla")
+        for impl in (gpu_implementation, "xla")
     }
     assert GatedMLA(1024, cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))._implementation() == "cudnn"
     x = jax.random.normal(jax.random.key(1), (2, 256, 1024), jnp.bfloat16)
@@ -258,6 +270,241 @@ def test_cudnn_training_path_matches_xla_in_bfloat16(packed):
 
     outputs = {impl: forward(layer, x, segment_ids) for impl, layer in layers.items()}
     grads = {impl: jax.jit(nnx.grad(loss))(layer) for impl, layer in layers.items()}
-    assert relative_l2(outputs["cudnn"], outputs["xla"]) < 1e-2
-    for got, want in zip(jax.tree.leaves(grads["cudnn"]), jax.tree.leaves(grads["xla"])):
+    assert relative_l2(outputs[gpu_implementation], outputs["xla"]) < 1e-2
+    for got, want in zip(jax.tree.leaves(grads[gpu_implementation]),
+                         jax.tree.leaves(grads["xla"])):
         assert relative_l2(got, want) < 2e-2
+
+
+# --- the packed cuDNN path ("cudnn_segments") --------------------------------------------------
+
+
+def reference_segments(segment_ids: np.ndarray, max_segments: int):
+    """(offsets [B, M + 1], lengths [B, M], fits [B]) by walking each row's runs of equal ids."""
+    batch = segment_ids.shape[0]
+    offsets = np.full((batch, max_segments + 1), -1)
+    lengths = np.full((batch, max_segments), -1)
+    fits = np.zeros(batch, bool)
+    for b, row in enumerate(segment_ids):
+        runs = []  # [start, length] of each document
+        for t, value in enumerate(row):
+            if t == 0 or value != row[t - 1]:
+                runs.append([t, 0])
+            runs[-1][1] += 1
+        for m, (start, length) in enumerate(runs[:max_segments]):
+            offsets[b, m], lengths[b, m] = start, length
+        fits[b] = len(runs) <= max_segments
+    return offsets, lengths, fits
+
+
+def assert_segments_match_reference(segment_ids, max_segments):
+    got = document_segments(jnp.asarray(segment_ids, jnp.int32), max_segments)
+    want = reference_segments(np.asarray(segment_ids), max_segments)
+    for name, array, expected in zip(("offsets", "lengths", "fits"), got, want):
+        np.testing.assert_array_equal(array, expected, err_msg=name)
+    assert got.offsets.dtype == got.lengths.dtype == jnp.int32
+
+
+@settings(deadline=None, max_examples=15)
+@given(
+    shape=st.sampled_from([(1, 1), (2, 6), (3, 16)]),
+    max_segments=st.sampled_from([1, 3, 8]),
+    alphabet=st.sampled_from([1, 2, 4]),
+    seed=st.integers(0, 2**16),
+)
+def test_document_segments_match_a_walk_over_the_runs(shape, max_segments, alphabet, seed):
+    # A small alphabet of ids: long runs (few documents) or short ones (rows over M).
+    segment_ids = np.random.default_rng(seed).integers(0, alphabet, shape)
+    assert_segments_match_reference(segment_ids, max_segments)
+
+
+@pytest.mark.parametrize(
+    "rows, max_segments, offsets, lengths, fits",
+    [
+        ([[7] * 6], 1, [[0, -1]], [[6]], [True]),  # one document
+        ([[1, 2, 2, 2, 2, 0]], 3, [[0, 1, 5, -1]], [[1, 4, 1]], [True]),  # documents of length 1
+        ([[1, 1, 2, 3, 0, 0]], 4, [[0, 2, 3, 4, -1]], [[2, 1, 1, 2]], [True]),  # exactly M
+        ([[1, 2, 3, 4, 5]], 2, [[0, 1, -1]], [[1, 1]], [False]),  # over M: the first M kept
+        ([[1, 1, 2, 2, 1, 1]], 4, [[0, 2, 4, -1, -1]], [[2, 2, 2, -1]], [True]),  # runs, not ids
+    ],
+)
+def test_document_segments_hand_cases(rows, max_segments, offsets, lengths, fits):
+    got = document_segments(jnp.asarray(rows, jnp.int32), max_segments)
+    np.testing.assert_array_equal(got.offsets, offsets)
+    np.testing.assert_array_equal(got.lengths, lengths)
+    np.testing.assert_array_equal(got.fits, fits)
+
+
+@pytest.mark.parametrize("max_segments", [0, -2, 2.5, True, None])
+def test_document_segments_refuse_a_bad_max_segments(max_segments):
+    with pytest.raises(ValueError, match="max_segments must be a positive int"):
+        document_segments(jnp.ones((1, 4), jnp.int32), max_segments)
+
+
+@pytest.mark.parametrize("segment_ids", [jnp.ones((4,), jnp.int32), jnp.ones((1, 4))])
+def test_document_segments_refuse_bad_segment_ids(segment_ids):
+    with pytest.raises(ValueError, match=r"segment_ids must be an integer array \[B, T\]"):
+        document_segments(segment_ids, 2)
+
+
+def packed_inputs(dtype=jnp.bfloat16, batch=2, length=8, heads=2, qk_dim=24, v_dim=16, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(keys[0], (batch, length, heads, qk_dim), dtype),
+            jax.random.normal(keys[1], (batch, length, heads, qk_dim), dtype),
+            jax.random.normal(keys[2], (batch, length, heads, v_dim), dtype))
+
+
+@pytest.mark.parametrize(
+    "dtype, qk_dim, max_segments, message",
+    [
+        (jnp.bfloat16, 24, 4, "compute capability 9.0"),  # this CPU
+        (jnp.float32, 24, 4, "bfloat16 or float16"),
+        (jnp.bfloat16, 264, 4, "at most 256 and a multiple of 8"),
+        (jnp.bfloat16, 20, 4, "at most 256 and a multiple of 8"),  # padded to q's 20, not 8k
+        (jnp.bfloat16, 24, None, "needs max_segments"),
+    ],
+)
+def test_packed_path_is_refused_where_cudnn_cannot_run_it(dtype, qk_dim, max_segments, message):
+    q, k, v = packed_inputs(dtype, qk_dim=qk_dim)
+    with pytest.raises(ValueError, match=message):
+        causal_document_attention(q, k, v, scale=0.1, segment_ids=jnp.ones((2, 8), jnp.int32),
+                                  implementation="cudnn_segments", max_segments=max_segments)
+
+
+def test_layer_with_the_packed_path_is_refused_on_cpu():
+    layer = GatedMLA(D_MODEL, dataclasses.replace(CFG, implementation="cudnn_segments"),
+                     dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="cudnn_segments"):
+        layer(jnp.zeros((1, 4, D_MODEL), jnp.bfloat16), segment_ids=jnp.ones((1, 4), jnp.int32))
+
+
+def emulated_packed_cudnn(packed_calls: list):
+    """A stand-in for jax's cuDNN wrapper that computes what cuDNN's packed layout receives: the
+    wrapper's own conversion (`_fix_seqlen_offsets`: the rows' segments flattened, offsets in
+    elements), then causal attention within each flat segment; tokens in none get 0. Appends to
+    `packed_calls` whenever it runs."""
+
+    def dot_product_attention(query, key, value, bias=None, mask=None, q_seqlen=None,
+                              kv_seqlen=None, q_offsets=None, kv_offsets=None, *, scale,
+                              mask_type, qkv_layout):
+        assert bias is None and mask is None and qkv_layout == "BTNH"
+        assert mask_type == cudnn_fused.MaskType.PADDING_CAUSAL
+        assert query.shape == key.shape == value.shape  # one head size (see pad_head_dims)
+        lengths, _, starts, _ = cudnn_fused._fix_seqlen_offsets(
+            q_seqlen, kv_seqlen, q_offsets, kv_offsets, query, key)
+        batch, length, heads, width = query.shape
+        lengths = lengths.reshape(-1)  # [B * M], the segments first, then zeros
+        starts = starts.reshape(-1)[: lengths.size] // (heads * width)  # in tokens of [B * T]
+        tokens = jnp.arange(batch * length)
+        inside = (tokens[:, None] >= starts) & (tokens[:, None] < starts + lengths)  # [BT, B*M]
+        segment = jnp.where(inside.any(1), jnp.argmax(inside, 1), -1)
+        allowed = ((segment[:, None] == segment[None, :]) & (segment[:, None] >= 0)
+                   & (tokens[None, :] <= tokens[:, None]))
+        flat = [t.reshape(1, batch * length, heads, width) for t in (query, key, value)]
+        out = jax.nn.dot_product_attention(*flat, mask=allowed[None, None], scale=scale)
+        out = jnp.where((segment >= 0)[None, :, None, None], out, 0)
+        jax.debug.callback(lambda: packed_calls.append(1))
+        return out.reshape(query.shape)
+
+    return dot_product_attention
+
+
+@pytest.fixture
+def packed_calls(monkeypatch):
+    """The packed path on this CPU: device checks off, cuDNN emulated (`emulated_packed_cudnn`);
+    the list of the emulator's runs. The dense fallback runs through XLA here."""
+    calls = []
+    monkeypatch.setattr(attention, "_require_packed_cudnn", lambda q: None)
+    monkeypatch.setattr(cudnn_fused, "dot_product_attention", emulated_packed_cudnn(calls))
+    return calls
+
+
+def attention_vjp(q, k, v, d_out, segment_ids, implementation, max_segments=None):
+    """(output, (dq, dk, dv)) of `causal_document_attention`, the gradients of sum(out * d_out).
+    Not jitted here: a cached trace would keep a test's monkeypatched cuDNN for the next test."""
+
+    def run(q, k, v):
+        return causal_document_attention(q, k, v, scale=q.shape[-1] ** -0.5,
+                                         segment_ids=segment_ids, implementation=implementation,
+                                         max_segments=max_segments)
+
+    out, vjp = jax.vjp(run, q, k, v)
+    return out, vjp(d_out.astype(out.dtype))
+
+
+def attention_and_grads(segment_ids, implementation, max_segments=None):
+    """`attention_vjp` on float32 inputs [2, 8, 2, *]."""
+    q, k, v = packed_inputs(jnp.float32)
+    d_out = jax.random.normal(jax.random.key(9), v.shape)
+    return attention_vjp(q, k, v, d_out, segment_ids, implementation, max_segments)
+
+
+@pytest.mark.parametrize(
+    "rows, max_segments, packed_runs",
+    [
+        ([[1, 1, 1, 2, 2, 2, 2, 0], [3] * 8], 3, True),
+        ([[1, 2, 3, 4, 5, 6, 7, 8], [1, 1, 2, 2, 3, 3, 4, 4]], 8, True),  # documents of one token
+        ([[1, 1, 2, 2, 3, 3, 4, 4], [1] * 8], 3, False),  # row 0 holds 4 > M: dense fallback
+        (None, 4, False),  # no documents: plain causal cuDNN, no packing
+    ],
+)
+def test_packed_path_equals_the_dense_mask(packed_calls, rows, max_segments, packed_runs):
+    segment_ids = None if rows is None else jnp.asarray(rows, jnp.int32)
+    got_out, got_grads = attention_and_grads(segment_ids, "cudnn_segments", max_segments)
+    want_out, want_grads = attention_and_grads(segment_ids, "xla")
+    np.testing.assert_allclose(got_out, want_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(got_grads, want_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # vjp runs the forward once; the packed branch ran in it only when every row fit.
+    assert bool(packed_calls) == packed_runs
+
+
+def test_packed_path_keeps_two_runs_of_one_id_apart(packed_calls):
+    # Documents are runs, on both branches: the dense mask alone would join the two runs of 1.
+    rows = jnp.asarray([[1, 1, 1, 2, 2, 1, 1, 1]] * 2, jnp.int32)
+    runs = jnp.asarray([[1, 1, 1, 2, 2, 3, 3, 3]] * 2, jnp.int32)
+    want, _ = attention_and_grads(runs, "xla")
+    for max_segments in (3, 2):  # packed, then the fallback
+        got, _ = attention_and_grads(rows, "cudnn_segments", max_segments)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert len(packed_calls) == 1
+    joined, _ = attention_and_grads(rows, "xla")
+    assert not np.allclose(joined, want, atol=1e-3)
+
+
+def rows_of_documents(document_lengths: list[list[int]]) -> jax.Array:
+    """segment_ids [B, T]: 1, 2, ... for consecutive documents of these lengths in each row."""
+    return jnp.asarray([np.repeat(np.arange(1, len(lengths) + 1), lengths)
+                        for lengths in document_lengths], jnp.int32)
+
+
+# bench_train's attention: [4, 4096, 16], q/k heads of 192, v heads of 128, at most 16 documents.
+GPU_MAX_SEGMENTS = 16
+GPU_LAYOUTS = {
+    "four_a_row": [[1000, 1500, 596, 1000], [1024] * 4, [2048, 1024, 512, 512], [300, 900, 2000,
+                                                                                 896]],
+    "irregular": [[1, 7, 4000, 88], [4096], [256] * GPU_MAX_SEGMENTS, [1] * 15 + [4081]],
+    "a_row_over_max": [[240] * GPU_MAX_SEGMENTS + [256], [4096], [1024] * 4, [2048] * 2],
+    "no_documents": None,
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", list(GPU_LAYOUTS))
+def test_packed_cudnn_matches_the_dense_paths_at_the_bench_train_shape(layout):
+    q, k, v = packed_inputs(jnp.bfloat16, batch=4, length=4096, heads=16, qk_dim=192, v_dim=128)
+    d_out = jax.random.normal(jax.random.key(9), v.shape, jnp.bfloat16)
+    lengths = GPU_LAYOUTS[layout]
+    segment_ids = None if lengths is None else rows_of_documents(lengths)
+    vjp = jax.jit(attention_vjp, static_argnames=("implementation", "max_segments"))
+    packed = vjp(q, k, v, d_out, segment_ids, "cudnn_segments", GPU_MAX_SEGMENTS)
+    dense = vjp(q, k, v, d_out, segment_ids, "cudnn")
+    # The same bf16 numbers, attended in float32 by XLA.
+    exact = vjp(*(t.astype(jnp.float32) for t in (q, k, v, d_out)), segment_ids, "xla")
+    for reference in (exact, dense):
+        assert relative_l2(packed[0], reference[0]) < 1e-2
+        for got, want in zip(packed[1], reference[1]):
+            assert relative_l2(got, want) < 2e-2
+    if segment_ids is not None:  # the documents change the answer: the comparison can fail
+        causal_only = vjp(q, k, v, d_out, None, "cudnn")
+        assert relative_l2(causal_only[0], exact[0]) > 0.1
