@@ -20,6 +20,7 @@ from models.attention import (
     count_mla_params,
     document_segments,
 )
+from models.lm import dots_and_kernels_saveable
 from models.paged_cache import NULL_PAGE, PageAllocator, PagedLatentCache, init_pages
 
 
@@ -508,3 +509,52 @@ def test_packed_cudnn_matches_the_dense_paths_at_the_bench_train_shape(layout):
     if segment_ids is not None:  # the documents change the answer: the comparison can fail
         causal_only = vjp(q, k, v, d_out, None, "cudnn")
         assert relative_l2(causal_only[0], exact[0]) > 0.1
+
+
+@pytest.fixture
+def cuda_trace(monkeypatch):
+    """Traces and lowers the cuDNN paths for CUDA on this CPU: jax's trace-time device queries
+    answer as a Hopper GPU with cuDNN 9.10 would, and the dense path is cuDNN's."""
+    monkeypatch.setattr(cudnn_fused, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(cudnn_fused, "check_compute_capability", lambda capability: True)
+    monkeypatch.setattr(attention, "_require_packed_cudnn", lambda q: None)
+    monkeypatch.setattr(attention, "backend_implementation", lambda dtype: "cudnn")
+
+
+def packed_training_loss(policy):
+    """sum(attention) over [2, 256, 4] bf16, heads of 192 and 128, M = 16, remat `policy`."""
+    segment_ids = jnp.repeat(jnp.arange(2)[None], 2, 0).repeat(128, 1)
+
+    def attend(q, k, v):
+        return causal_document_attention(q, k, v, scale=0.1, segment_ids=segment_ids,
+                                         implementation="cudnn_segments", max_segments=16)
+
+    def loss(q, k, v):
+        return jnp.sum(jax.checkpoint(attend, policy=policy)(q, k, v).astype(jnp.float32))
+
+    q = jnp.zeros((2, 256, 4, 192), jnp.bfloat16)
+    return loss, (q, q, q[..., :128])
+
+
+def test_packed_path_lowers_to_cudnn_packed_calls_for_cuda(cuda_trace):
+    loss, args = packed_training_loss(None)
+    hlo = jax.jit(jax.grad(loss, (0, 1, 2))).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in hlo.splitlines() if "custom_call @__cudnn$fmha" in line]
+    packed = [line for line in calls if "max_seg_per_batch\\22: 16" in line]
+    # One forward and one backward each: the packed branch and the dense-mask fallback.
+    assert len(calls) == 4 and len(packed) == 2
+    for line in packed:
+        assert "PADDING_CAUSAL" in line
+        assert "fmhaSoftmax" in line  # no bias: the documents are in the offsets
+
+
+def test_dots_kernels_keeps_the_packed_attention_in_its_cond(cuda_trace):
+    # models.lm's policy looks into the cond's branches: the backward reruns neither forward.
+    def forward_calls(policy):
+        loss, args = packed_training_loss(policy)
+        jaxpr = str(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(*args))
+        return jaxpr.count("dot_product_attention_fwd")
+
+    assert forward_calls(dots_and_kernels_saveable) == 2  # the two branches' forwards, once
+    assert forward_calls(jax.checkpoint_policies.nothing_saveable) == 4
