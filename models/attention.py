@@ -18,7 +18,7 @@ encoding (order comes from the KDA layers), so it is an extra key channel shared
 Training runs through `jax.nn.dot_product_attention` (cuDNN on GPU, XLA elsewhere), packed
 documents kept apart by a dense [B, 1, T, T] mask; or, opted in with `implementation=
 "cudnn_segments"`, through cuDNN's packed layout, which describes each row's documents by their
-offsets and lengths (`document_segments`) so that the kernel skips the tiles between documents.
+offsets and lengths (`document_segments`), so that cuDNN can skip the tiles between documents.
 Decoding runs in the latent space: W_kvb's key half is absorbed into the query and its value half
 applied after the weighted sum, so the cache holds only [c_kv ; k_r] (C + R = 576 numbers per
 token at full size) in a paged pool (`models.paged_cache`).
@@ -45,6 +45,10 @@ AttentionImplementation = Literal["xla", "cudnn", "cudnn_segments"]
 PACKED_MIN_COMPUTE_CAPABILITY = (9, 0)
 PACKED_MIN_CUDNN_VERSION = 90600
 PACKED_MAX_HEAD_DIM = 256
+
+
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,10 +113,6 @@ def count_mla_params(d_model: int, cfg: MLAConfig) -> int:
         + (d_model * heads * cfg.v_head_dim if cfg.output_gate else 0)
         + heads * cfg.v_head_dim * d_model  # output projection
     )
-
-
-def _is_positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 class DocumentSegments(NamedTuple):
