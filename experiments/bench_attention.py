@@ -36,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
 
-from experiments.bench_kda import _cell, _compiled, _peak_mib, _version
+from experiments.bench_kda import (cell, compiled_once, compiled_peak_mib, package_version,
+                                  speedup)
 from experiments.profiling import median_seconds
 from models.attention import (
     causal_document_attention,
@@ -170,8 +171,8 @@ def run(setup: Setup, table: dict[str, Attention], repeats: int, warmup: int,
         for name, attend in table.items():
             try:  # a contender that fails (an unsupported cuDNN, say) must not stop the run
                 if name not in programs:  # compiled once: the layout is an argument
-                    programs[name] = (_compiled(attend, q, k, v, segment_ids),
-                                      _compiled(gradients(attend), q, k, v, segment_ids, d_out))
+                    programs[name] = (compiled_once(attend, q, k, v, segment_ids),
+                                      compiled_once(gradients(attend), q, k, v, segment_ids, d_out))
                 forward, backward = programs[name]
                 out, grads = backward(q, k, v, segment_ids, d_out)
                 timing = Timing(
@@ -181,14 +182,14 @@ def run(setup: Setup, table: dict[str, Attention], repeats: int, warmup: int,
                         lambda: backward(q, k, v, segment_ids, d_out), repeats, warmup),
                     output_error=relative_l2(out, want_out),
                     gradient_error=max(map(relative_l2, grads, want_grads)),
-                    peak_mib=_peak_mib(backward))
+                    peak_mib=compiled_peak_mib(backward))
             except Exception as error:  # noqa: BLE001 (reported in the table's note)
                 first_line = (str(error).splitlines() or [""])[0]
                 timing = Timing(note=f"{type(error).__name__}: {first_line[:120]}")
                 print(f"{documents} a row, {name}: {timing.note}", file=sys.stderr)
             results[(documents, name)] = timing
-            print(f"{documents} documents a row, {name}: fwd {_cell(timing.forward_ms, '.3f')} "
-                  f"ms, fwd+bwd {_cell(timing.forward_backward_ms, '.3f')} ms", flush=True)
+            print(f"{documents} documents a row, {name}: fwd {cell(timing.forward_ms, '.3f')} "
+                  f"ms, fwd+bwd {cell(timing.forward_backward_ms, '.3f')} ms", flush=True)
             on_progress(results)  # the table so far survives a run cut short
     return results
 
@@ -208,7 +209,7 @@ def write_table(path: Path, results, setup: Setup, names: list[str], command: st
         f"- Command: `{command}`",
         f"- Date: {datetime.date.today().isoformat()}",
         f"- Versions: python {platform.python_version()}, jax {jax.__version__}, jaxlib "
-        f"{_version('jaxlib')}, cuDNN {_cudnn_version()}",
+        f"{package_version('jaxlib')}, cuDNN {_cudnn_version()}",
         f"- Shape: {setup}; documents cut at random points (seed 0), 1, 4 or 16 a row.",
         "- Times: medians after warm-up, in milliseconds. fwd+bwd: forward and the gradients in "
         f"q, k and v. 'vs {BASELINE}' = {BASELINE}'s time / this row's (above 1: faster).",
@@ -228,19 +229,17 @@ def write_table(path: Path, results, setup: Setup, names: list[str], command: st
         base = results.get((documents, BASELINE), Timing())
         for name in names:
             t = results.get((documents, name), Timing(note="not run"))
-            ratio = lambda ours, theirs: (None if ours is None or theirs is None  # noqa: E731
-                                          else theirs / ours)
             rate = lambda ms, factor: (None if ms is None  # noqa: E731
                                        else factor * flops / (ms * 1e-3) / 1e12)
             lines.append(
-                f"| {documents} | {name} | {_cell(t.forward_ms, '.3f')} | "
-                f"{_cell(t.forward_backward_ms, '.3f')} | "
-                f"{_cell(ratio(t.forward_ms, base.forward_ms), '.2f')} | "
-                f"{_cell(ratio(t.forward_backward_ms, base.forward_backward_ms), '.2f')} | "
-                f"{_cell(rate(t.forward_ms, 1), '.3g')} | "
-                f"{_cell(rate(t.forward_backward_ms, TRAIN_FLOPS_PER_FORWARD), '.3g')} | "
-                f"{_cell(t.output_error, '.1e')} | {_cell(t.gradient_error, '.1e')} | "
-                f"{_cell(t.peak_mib, '.0f')} | {t.note} |")
+                f"| {documents} | {name} | {cell(t.forward_ms, '.3f')} | "
+                f"{cell(t.forward_backward_ms, '.3f')} | "
+                f"{cell(speedup(t.forward_ms, base.forward_ms), '.2f')} | "
+                f"{cell(speedup(t.forward_backward_ms, base.forward_backward_ms), '.2f')} | "
+                f"{cell(rate(t.forward_ms, 1), '.3g')} | "
+                f"{cell(rate(t.forward_backward_ms, TRAIN_FLOPS_PER_FORWARD), '.3g')} | "
+                f"{cell(t.output_error, '.1e')} | {cell(t.gradient_error, '.1e')} | "
+                f"{cell(t.peak_mib, '.0f')} | {t.note} |")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
 

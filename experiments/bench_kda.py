@@ -101,13 +101,13 @@ def _time(fn: Callable[[], object], sync: Callable[[object], None], repeats: int
     return statistics.median(samples)
 
 
-def _compiled(fn: Callable, *args) -> jax.stages.Compiled:
+def compiled_once(fn: Callable, *args) -> jax.stages.Compiled:
     """`fn` compiled once for `args`: timed and memory-analysed from the same executable. Every
     array is an argument, never a closed-over constant (XLA would fold it into the program)."""
     return jax.jit(fn).lower(*args).compile()
 
 
-def _peak_mib(compiled: jax.stages.Compiled) -> float:
+def compiled_peak_mib(compiled: jax.stages.Compiled) -> float:
     """Arguments + outputs + temporaries of one compiled call, from XLA's memory analysis."""
     stats = compiled.memory_analysis()
     total = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
@@ -138,12 +138,12 @@ def bench_jax(attention: Callable, inputs, repeats: int, device_time: bool = Fal
     """Times `attention(q, k, v, g, beta) -> o` and the gradient of `sum(o * do)`; with
     `device_time`, also sums each one's device ops (`device_ms`)."""
     args, d_o = _arrays(inputs)
-    forward = _compiled(attention, *args)
-    backward = _compiled(gradient(attention), args, d_o)
+    forward = compiled_once(attention, *args)
+    backward = compiled_once(gradient(attention), args, d_o)
     sync = jax.block_until_ready
     timing = Timing(forward_ms=_time(lambda: forward(*args), sync, repeats),
                     forward_backward_ms=_time(lambda: backward(args, d_o), sync, repeats),
-                    peak_mib=_peak_mib(backward))
+                    peak_mib=compiled_peak_mib(backward))
     if device_time:
         timing.forward_device_ms = device_ms(attention, args)
         timing.forward_backward_device_ms = device_ms(gradient(attention), (args, d_o))
@@ -183,9 +183,9 @@ def bench_preparation(prepare: Callable, inputs, repeats: int):
     `prepare(q, k, v, g, beta)` returns the recurrence kernel's operands.
     """
     args = [jnp.asarray(inputs[name]) for name in ("q", "k", "v", "g", "beta")]
-    forward = _compiled(prepare, *args)
+    forward = compiled_once(prepare, *args)
     timing = Timing(forward_ms=_time(lambda: forward(*args), jax.block_until_ready, repeats),
-                    peak_mib=_peak_mib(forward),
+                    peak_mib=compiled_peak_mib(forward),
                     note="chunk preparation alone (forward); memory of the forward")
     return None, timing
 
@@ -203,7 +203,7 @@ def bench_recurrence(recurrence: Callable, inputs, repeats: int):
     batch, heads, _, _, key_dim = chunks.W.shape
     state = jnp.zeros((batch, heads, key_dim, chunks.U.shape[-1]), jnp.float32)
     out_dtype = args[2].dtype
-    forward = _compiled(lambda c, s: recurrence(c, s, out_dtype), chunks, state)
+    forward = compiled_once(lambda c, s: recurrence(c, s, out_dtype), chunks, state)
     sync = jax.block_until_ready
     timing = Timing(forward_ms=_time(lambda: forward(chunks, state), sync, repeats),
                     note="recurrence over chunks alone, on prepared inputs")
@@ -212,9 +212,9 @@ def bench_recurrence(recurrence: Callable, inputs, repeats: int):
         o, final_state = recurrence(c, s, out_dtype)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final_state)
 
-    backward = _compiled(jax.grad(loss, argnums=(0, 1)), chunks, state)
+    backward = compiled_once(jax.grad(loss, argnums=(0, 1)), chunks, state)
     timing.forward_backward_ms = _time(lambda: backward(chunks, state), sync, repeats)
-    timing.peak_mib = _peak_mib(backward)
+    timing.peak_mib = compiled_peak_mib(backward)
     return None, timing
 
 
@@ -277,7 +277,7 @@ def bench_fla(inputs, repeats: int):
     return output, timing
 
 
-def _version(package: str) -> str:
+def package_version(package: str) -> str:
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
@@ -348,8 +348,8 @@ def run(shapes: list[Shape], table: dict[str, Callable], dtype, repeats: int,
                 outputs[name] = output
             results[(str(shape), name)] = timing
             _fill_errors(results, shape, outputs)
-            print(f"{shape} {name}: fwd {_cell(timing.forward_ms, '.2f')} ms, fwd+bwd "
-                  f"{_cell(timing.forward_backward_ms, '.2f')} ms", flush=True)
+            print(f"{shape} {name}: fwd {cell(timing.forward_ms, '.2f')} ms, fwd+bwd "
+                  f"{cell(timing.forward_backward_ms, '.2f')} ms", flush=True)
             on_progress(results)  # the table so far survives a run cut short
         on_progress(results)
     return results
@@ -387,7 +387,12 @@ def _fill_errors(results, shape, outputs):
             results[(str(shape), name)].error = float(error)
 
 
-def _cell(value, fmt):
+def speedup(ours, theirs):
+    """theirs / ours (above 1: ours is faster), or None where either time is missing."""
+    return None if ours is None or theirs is None else theirs / ours
+
+
+def cell(value, fmt):
     return "–" if value is None else format(value, fmt)
 
 
@@ -399,10 +404,9 @@ def write_table(path: Path, results, shapes, names, baseline: str, command: str,
         f"- Command: `{command}`",
         f"- Date: {datetime.date.today().isoformat()}",
         f"- Versions: python {platform.python_version()}, jax {jax.__version__}, "
-        f"flax {_version('flax')}" + (f", torch {_version('torch')}, triton "
-                                      f"{_version('triton')}, fla-core {_version('fla-core')}, "
-                                      f"jax-linear-attention {_version('jax-linear-attention')}"
-                                      if gpu else ""),
+        f"flax {package_version('flax')}" + ("".join(
+            f", {name} {package_version(name)}"
+            for name in ("torch", "triton", "fla-core", "jax-linear-attention")) if gpu else ""),
         f"- Inputs: {'bf16' if gpu else 'float32'} q/k/v, lower-bound gates in [-5, 0), "
         "use_qk_l2norm, no initial state. Shapes are BxTxHxD (K = V = D, HV = H).",
         "- Times are medians of repeated calls after warm-up, in milliseconds. "
@@ -421,21 +425,19 @@ def write_table(path: Path, results, shapes, names, baseline: str, command: str,
         base = results.get((str(shape), baseline), Timing())
         for name in names:
             t = results.get((str(shape), name), Timing(note="not run"))
-            ratio = lambda ours, theirs: (None if ours is None or theirs is None  # noqa: E731
-                                          else theirs / ours)
-            device = ("–" if t.forward_device_ms is None else
-                      f"{_cell(t.forward_device_ms, '.3f')} / "
-                      f"{_cell(t.forward_backward_device_ms, '.3f')}")
-            device_ratios = ("–" if t.forward_device_ms is None else
-                             f"{_cell(ratio(t.forward_device_ms, base.forward_device_ms), '.2f')} / "
-                             + _cell(ratio(t.forward_backward_device_ms,
-                                           base.forward_backward_device_ms), '.2f'))
+            measured = t.forward_device_ms is not None
+            device = (f"{cell(t.forward_device_ms, '.3f')} / "
+                      f"{cell(t.forward_backward_device_ms, '.3f')}") if measured else "–"
+            device_ratios = (
+                f"{cell(speedup(t.forward_device_ms, base.forward_device_ms), '.2f')} / "
+                f"{cell(speedup(t.forward_backward_device_ms, base.forward_backward_device_ms),
+                        '.2f')}") if measured else "–"
             lines.append(
-                f"| {shape} | {name} | {_cell(t.forward_ms, '.2f')} | "
-                f"{_cell(t.forward_backward_ms, '.2f')} | "
-                f"{_cell(ratio(t.forward_ms, base.forward_ms), '.2f')} | "
-                f"{_cell(ratio(t.forward_backward_ms, base.forward_backward_ms), '.2f')} | "
-                f"{_cell(t.error, '.1e')} | {_cell(t.peak_mib, '.0f')} | {device} | "
+                f"| {shape} | {name} | {cell(t.forward_ms, '.2f')} | "
+                f"{cell(t.forward_backward_ms, '.2f')} | "
+                f"{cell(speedup(t.forward_ms, base.forward_ms), '.2f')} | "
+                f"{cell(speedup(t.forward_backward_ms, base.forward_backward_ms), '.2f')} | "
+                f"{cell(t.error, '.1e')} | {cell(t.peak_mib, '.0f')} | {device} | "
                 f"{device_ratios} | {t.note} |")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
@@ -459,8 +461,9 @@ def main(argv=None):
                         help="with --gpu, skip the rows that time the recurrence and the "
                              "preparation alone (each costs its own compilations)")
     parser.add_argument("--profile", action="store_true",
-                        help="also trace the forward and the forward+backward of our implementations "
-                             "and jla at the first shape and list their costliest device ops")
+                        help="also trace the forward and the forward+backward of our "
+                             "implementations and jla at the first shape and list their costliest "
+                             "device ops")
     parser.add_argument("--device-time", action="store_true",
                         help="also sum the device ops of one call of each whole-op JAX contender "
                              "from a profiler trace (one more compile each)")
