@@ -133,7 +133,7 @@ from train.packing import finalize_batch
 
 DOCUMENTS_PER_ROW = 4
 PROFILED_OPS = 40  # rows of the `--profile` table
-PROFILED_OPS_PER_PART = 6  # rows of each part's table
+PROFILED_OPS_PER_PART = 12  # rows of each part's table (the MoE's GEMMs alone filled 6)
 PROFILED_STEPS = 3  # traced steps of `--profile`
 IN_STEP_TITLE = (
     f"In-step device time by part (per step, {PROFILED_STEPS} steps traced): every device op "
