@@ -7,6 +7,8 @@ breakdown of where the time goes (KDA, Gated MLA attention, MoE, rest).
     python -m experiments.bench_train --smoke   # `tiny` preset at a tiny size (CPU check)
     python -m experiments.bench_train --gpu --cpu-plan   # compile only, here: memory plan
     python -m experiments.bench_train --gpu --profile    # + device time by part and top ops
+    python -m experiments.bench_train --gpu --set model.mla.implementation=cudnn_segments
+                                                # any TrainConfig field (`train.cli`)
 
 The step is the real one (`train.loop.Trainer`: forward, backward, AdamW, the QB router-bias
 update, the non-finite check) on one reused synthetic batch (random bytes, four packed documents
@@ -119,12 +121,13 @@ from kda.kernels.path import kernel_kda
 from kda.layer import KDA
 from models import attention
 from models import lm as models_lm
-from models.attention import GatedMLA
+from models.attention import GatedMLA, pad_head_dims
 from models.attention import causal_document_attention as _xla_attention
 from models.config import ModelConfig, count_params, format_count, preset
 from models.lm import PROFILE_SCOPES, REMAT
 from moe import grouped_matmul
 from moe.experts import StableLatentMoE
+from train.cli import apply_overrides
 from train.data import DataConfig
 from train.loop import MeshConfig, TrainConfig, Trainer
 from train.metrics import HOPPER_PEAK_FLOPS, train_flops_per_token
@@ -162,6 +165,7 @@ class BenchSetup:
     remat: str
     scan_layers: bool = False  # one compiled body per repeated layer group (the docstring says
     # why the default compiles every layer on its own)
+    settings: tuple[str, ...] = ()  # `--set key=value` overrides of the TrainConfig (`train.cli`)
 
     @property
     def tokens(self) -> int:
@@ -398,15 +402,16 @@ def _grouped_matmul_fwd(lhs, rhs, group_sizes):
     return jnp.zeros((lhs.shape[0], rhs.shape[2]), lhs.dtype), (lhs, rhs, group_sizes)
 
 
-def _attention_stand_in(q, k, v, *, scale, segment_ids=None, implementation=None):
+def _attention_stand_in(q, k, v, *, scale, segment_ids=None, implementation=None,
+                        max_segments=None):
     """`models.attention.causal_document_attention` as the GPU runs it: cuDNN for 16-bit inputs
-    (stood in), XLA otherwise."""
+    (stood in with the dense document mask, whichever cuDNN path is configured: an upper bound
+    for the packed one), XLA otherwise."""
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return _xla_attention(q, k, v, scale=scale, segment_ids=segment_ids,
-                              implementation=implementation)
+                              implementation=implementation, max_segments=max_segments)
     v_dim = v.shape[-1]
-    width = max(q.shape[-1], v_dim)
-    q, k, v = (jnp.pad(t, [(0, 0)] * 3 + [(0, width - t.shape[-1])]) for t in (q, k, v))
+    q, k, v = pad_head_dims(q, k, v)
     # cuDNN turns the document mask into an additive bias [B, 1, T, T] that its backward reads.
     same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
     bias = jnp.where(same, jnp.asarray(0, q.dtype), jnp.finfo(q.dtype).min)
@@ -444,15 +449,16 @@ def gpu_kernel_stand_ins():
 
 
 def train_config(setup: BenchSetup, optimizer: str) -> TrainConfig:
-    """The one-device training run of `setup`."""
-    return TrainConfig(
+    """The one-device training run of `setup`, its `settings` applied (ValueError for a bad
+    one, `train.cli.apply_overrides`)."""
+    return apply_overrides(TrainConfig(
         model=preset(setup.preset, remat=setup.remat, scan_layers=setup.scan_layers),
         data=DataConfig(seq_len=setup.seq_len, batch_size=setup.batch),
         optim=OptimConfig(optimizer=optimizer),
         steps=1000,
         mesh=MeshConfig(data=1),
         progress=False,
-    )
+    ), setup.settings)
 
 
 def cpu_plan(setup: BenchSetup, optimizer: str) -> dict:
@@ -556,7 +562,9 @@ def markdown(result: dict, command: str) -> str:
         f"{result['date']}); {format_count(params['total'])} parameters, "
         f"{format_count(params['active'])} active per token (embedding excluded); optimizer "
         f"{result['optimizer']}, remat {setup['remat']}, layers "
-        f"{'scanned' if setup['scan_layers'] else 'unrolled'}; median of {setup['steps']} steps.",
+        f"{'scanned' if setup['scan_layers'] else 'unrolled'}"
+        + "".join(f", --set {setting}" for setting in setup["settings"])
+        + f"; median of {setup['steps']} steps.",
         "",
     ]
     if "memory_gib" in result:
@@ -625,6 +633,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--scanned", action="store_true",
                         help="scan repeated layer groups (compiles faster, steps slower) instead "
                         "of compiling every layer on its own")
+    parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
+                        help="override a field of the run's TrainConfig, e.g. --set "
+                        "model.mla.implementation=cudnn_segments (repeatable; the preset, batch, "
+                        "length and remat come from the options above)")
     parser.add_argument("--cpu-plan", action="store_true",
                         help="only compile the step here, GPU kernels stood in, and print XLA's "
                         "memory plan and the compile time (nothing is allocated or run)")
@@ -639,11 +651,16 @@ def main(argv=None) -> dict:
     setup = GPU if args.gpu else SMOKE
     overrides = {k: v for k, v in (("batch", args.batch), ("seq_len", args.seq_len),
                                    ("steps", args.steps), ("remat", args.remat)) if v is not None}
-    setup = dataclasses.replace(setup, scan_layers=args.scanned, **overrides)
+    setup = dataclasses.replace(setup, scan_layers=args.scanned, settings=tuple(args.set),
+                                **overrides)
+    if args.gpu:  # before anything starts the backend, which reads it once
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
+    try:
+        train_config(setup, args.optimizer)
+    except ValueError as error:
+        parser.error(f"--set {error}")
     if args.cpu_plan:
         return cpu_plan(setup, args.optimizer)
-    if args.gpu:
-        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
     command = "python -m experiments.bench_train " + " ".join(
         argv if argv is not None else sys.argv[1:])
     out = args.out or ("benchmarks/train_h200.md" if args.gpu else None)

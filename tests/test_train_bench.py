@@ -58,6 +58,16 @@ def test_preflight_stops_a_step_over_the_device_limit(monkeypatch, capsys):
     assert f"--batch {bench_train.GPU.batch // 2}" in str(raised.value)
 
 
+def test_settings_override_the_run_and_bad_ones_are_refused(capsys):
+    setup = dataclasses.replace(bench_train.SMOKE, settings=("model.mla.implementation=xla",
+                                                             "optim.clip_norm=0.5"))
+    config = bench_train.train_config(setup, "adamw")
+    assert config.model.mla.implementation == "xla" and config.optim.clip_norm == 0.5
+    with pytest.raises(SystemExit):
+        bench_train.main(["--smoke", "--set", "model.mla.no_such_field=1"])
+    assert "no_such_field" in capsys.readouterr().err
+
+
 def test_shrink_hint_names_only_options_that_help():
     smallest = dataclasses.replace(bench_train.GPU, remat="full", batch=1)
     assert "--remat" not in bench_train.shrink_hint(dataclasses.replace(smallest, batch=4))
