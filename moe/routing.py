@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from moe.config import MoEConfig
@@ -407,13 +408,53 @@ def _upper_quantile(values, valid, k, num_experts, estimator, num_bins, num_mini
 
 
 def _exact_cutoff(values, valid, k, num_experts):
-    """Midpoint of the q-th and (q+1)-th largest valid value per column, by a sort."""
-    num_rows = values.shape[0]
+    """Midpoint of the q-th and (q+1)-th largest valid value per column (the (q+1)-th when
+    q = 0), found by a radix select (`_key_of_rank`) rather than a sort: the same values exactly,
+    from nine passes of counts over values [T, E] instead of a sort of each column (the sort took
+    0.39 ms a layer at [16384, 64] on an H200; the select is not yet timed there)."""
     q = (jnp.sum(valid, dtype=jnp.int32) * k) // num_experts
-    ascending = jnp.sort(jnp.where(valid[:, None], values, -jnp.inf), axis=0)
-    below = jnp.take(ascending, num_rows - 1 - q, axis=0)
-    above = jnp.take(ascending, jnp.minimum(num_rows - q, num_rows - 1), axis=0)
+    keys = _order_keys(jnp.where(valid[:, None], values, -jnp.inf))
+    below = _key_of_rank(keys, q + 1)  # [E]
+    # The q-th largest: the smallest key above `below` if q keys are above it, else a tie with it.
+    greater = keys > below
+    smallest_greater = jnp.min(jnp.where(greater, keys, np.uint32(2**32 - 1)), axis=0)
+    above = jnp.where(jnp.sum(greater, axis=0) >= q, smallest_greater, below)
+    below, above = _float_of_keys(below), _float_of_keys(above)
     return jnp.where(q > 0, (below + above) / 2, below)
+
+
+_SIGN_BIT = np.uint32(0x80000000)
+_RADIX_BITS = 4  # digits a pass of `_key_of_rank` settles: 2^4 - 1 counts a pass, 8 passes
+
+
+def _order_keys(values):
+    """float32 -> uint32 keys in the same order (IEEE bits: negatives' bits reversed, positives'
+    sign set), so that order statistics can be found by counting keys at or above a threshold."""
+    bits = jax.lax.bitcast_convert_type(values, jnp.uint32)
+    return jnp.where(bits >= _SIGN_BIT, ~bits, bits | _SIGN_BIT)
+
+
+def _float_of_keys(keys):
+    """The inverse of `_order_keys`."""
+    bits = jnp.where(keys >= _SIGN_BIT, keys & ~_SIGN_BIT, ~keys)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _key_of_rank(keys, rank):
+    """Per column of keys [T, E] uint32, the rank-th largest key (rank: int32 [], 1 <= rank <= T).
+
+    The rank-th largest key is the largest threshold with at least `rank` keys at or above it;
+    it is built digit by digit from the top, each pass counting the keys at or above the
+    threshold with every value of the next digit (the counts fall as the digit grows).
+    """
+    digits = jnp.arange(1, 2**_RADIX_BITS, dtype=jnp.uint32)[:, None]  # [2^r - 1, 1]
+    threshold = jnp.zeros(keys.shape[1:], jnp.uint32)  # [E]
+    for shift in range(32 - _RADIX_BITS, -1, -_RADIX_BITS):
+        candidates = threshold | (digits << shift)  # [2^r - 1, E]
+        counts = jnp.sum(keys[None] >= candidates[:, None], axis=1)  # [2^r - 1, E]
+        digit = jnp.sum(counts >= rank, axis=0, dtype=jnp.uint32)  # the largest digit that holds
+        threshold = threshold | (digit << shift)
+    return threshold
 
 
 def _minibatch_cutoff(values, valid, k, num_experts, num_minibatches):

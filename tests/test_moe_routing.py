@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moe import routing
 from moe.config import MoEConfig
 from moe.routing import (
     RouterStats,
@@ -175,6 +176,28 @@ def test_qb_ignores_padding_tokens():
 
 
 # --- Quantile Balancing: estimators -----------------------------------------------------------
+
+
+def _sorted_cutoff(values, valid, k, num_experts):
+    """The exact cut-off by a sort of each column: the oracle of the radix select."""
+    num_rows = values.shape[0]
+    q = (int(np.sum(valid)) * k) // num_experts
+    ascending = np.sort(np.where(valid[:, None], values, -np.inf), axis=0)
+    below = ascending[num_rows - 1 - q]
+    return (below + ascending[min(num_rows - q, num_rows - 1)]) / 2 if q > 0 else below
+
+
+@settings(deadline=None, max_examples=15)
+@given(seed=st.integers(0, 10_000), rows=st.sampled_from([1, 7, 64]),
+       k=st.sampled_from([1, 2, 5]), ties=st.booleans(), valid_share=st.sampled_from([0.0, 0.5, 1]))
+def test_exact_cutoff_selects_what_a_sort_selects(seed, rows, k, ties, valid_share):
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal((rows, 6)).astype(np.float32) * 3
+    if ties:  # a few distinct values: many equal order statistics, zeros of both signs
+        values = rng.choice(np.float32([-2.5, -0.0, 0.0, 1e-30, 7.0]), size=(rows, 6))
+    valid = rng.random(rows) < valid_share
+    got = routing._exact_cutoff(jnp.asarray(values), jnp.asarray(valid), k, 6)
+    np.testing.assert_array_equal(got, _sorted_cutoff(values, valid, k, 6))
 
 
 @settings(deadline=None, max_examples=8)
