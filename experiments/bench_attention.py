@@ -25,8 +25,6 @@ document with the key not after the query, per head; forward+backward 3x the for
 
 import argparse
 import dataclasses
-import datetime
-import platform
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +35,7 @@ import numpy as np
 from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
 
 from experiments.bench_kda import (cell, compiled_once, compiled_peak_mib, package_version,
-                                  speedup)
+                                  report_preamble, table_row, timing_cells)
 from experiments.profiling import median_seconds
 from models.attention import (
     causal_document_attention,
@@ -202,14 +200,9 @@ def _cudnn_version() -> str:
 
 
 def write_table(path: Path, results, setup: Setup, names: list[str], command: str):
-    device = jax.devices()[0]
-    lines = [
-        f"# Gated MLA training attention over packed documents on {device.device_kind}",
-        "",
-        f"- Command: `{command}`",
-        f"- Date: {datetime.date.today().isoformat()}",
-        f"- Versions: python {platform.python_version()}, jax {jax.__version__}, jaxlib "
-        f"{package_version('jaxlib')}, cuDNN {_cudnn_version()}",
+    lines = report_preamble(
+        "Gated MLA training attention over packed documents", command,
+        f"jaxlib {package_version('jaxlib')}, cuDNN {_cudnn_version()}") + [
         f"- Shape: {setup}; documents cut at random points (seed 0), 1, 4 or 16 a row.",
         "- Times: medians after warm-up, in milliseconds. fwd+bwd: forward and the gradients in "
         f"q, k and v. 'vs {BASELINE}' = {BASELINE}'s time / this row's (above 1: faster).",
@@ -231,15 +224,12 @@ def write_table(path: Path, results, setup: Setup, names: list[str], command: st
             t = results.get((documents, name), Timing(note="not run"))
             rate = lambda ms, factor: (None if ms is None  # noqa: E731
                                        else factor * flops / (ms * 1e-3) / 1e12)
-            lines.append(
-                f"| {documents} | {name} | {cell(t.forward_ms, '.3f')} | "
-                f"{cell(t.forward_backward_ms, '.3f')} | "
-                f"{cell(speedup(t.forward_ms, base.forward_ms), '.2f')} | "
-                f"{cell(speedup(t.forward_backward_ms, base.forward_backward_ms), '.2f')} | "
-                f"{cell(rate(t.forward_ms, 1), '.3g')} | "
-                f"{cell(rate(t.forward_backward_ms, TRAIN_FLOPS_PER_FORWARD), '.3g')} | "
-                f"{cell(t.output_error, '.1e')} | {cell(t.gradient_error, '.1e')} | "
-                f"{cell(t.peak_mib, '.0f')} | {t.note} |")
+            lines.append(table_row(
+                str(documents), name, *timing_cells(t, base, ".3f"),
+                cell(rate(t.forward_ms, 1), ".3g"),
+                cell(rate(t.forward_backward_ms, TRAIN_FLOPS_PER_FORWARD), ".3g"),
+                cell(t.output_error, ".1e"), cell(t.gradient_error, ".1e"),
+                cell(t.peak_mib, ".0f"), t.note))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
 

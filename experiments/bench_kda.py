@@ -392,21 +392,40 @@ def speedup(ours, theirs):
     return None if ours is None or theirs is None else theirs / ours
 
 
+def timing_cells(timing, base, fmt: str) -> list[str]:
+    """A row's forward and forward+backward times (format `fmt`) and their speedups over the
+    baseline row's `base` (any objects with `forward_ms` and `forward_backward_ms`)."""
+    return [cell(timing.forward_ms, fmt), cell(timing.forward_backward_ms, fmt),
+            cell(speedup(timing.forward_ms, base.forward_ms), ".2f"),
+            cell(speedup(timing.forward_backward_ms, base.forward_backward_ms), ".2f")]
+
+
+def table_row(*cells) -> str:
+    """One markdown table row."""
+    return "| " + " | ".join(cells) + " |"
+
+
 def cell(value, fmt):
     return "–" if value is None else format(value, fmt)
 
 
-def write_table(path: Path, results, shapes, names, baseline: str, command: str, gpu: bool):
-    device = jax.devices()[0]
-    lines = [
-        f"# KDA forward and forward+backward on {device.device_kind}",
+def report_preamble(title: str, command: str, versions: str) -> list[str]:
+    """A benchmark table's first lines: `title` and the device, the command, the date and the
+    versions (python and jax, then `versions`)."""
+    return [
+        f"# {title} on {jax.devices()[0].device_kind}",
         "",
         f"- Command: `{command}`",
         f"- Date: {datetime.date.today().isoformat()}",
-        f"- Versions: python {platform.python_version()}, jax {jax.__version__}, "
-        f"flax {package_version('flax')}" + ("".join(
-            f", {name} {package_version(name)}"
-            for name in ("torch", "triton", "fla-core", "jax-linear-attention")) if gpu else ""),
+        f"- Versions: python {platform.python_version()}, jax {jax.__version__}, {versions}",
+    ]
+
+
+def write_table(path: Path, results, shapes, names, baseline: str, command: str, gpu: bool):
+    peers = ("torch", "triton", "fla-core", "jax-linear-attention") if gpu else ()
+    lines = report_preamble(
+        "KDA forward and forward+backward", command,
+        ", ".join(f"{name} {package_version(name)}" for name in ("flax", *peers))) + [
         f"- Inputs: {'bf16' if gpu else 'float32'} q/k/v, lower-bound gates in [-5, 0), "
         "use_qk_l2norm, no initial state. Shapes are BxTxHxD (K = V = D, HV = H).",
         "- Times are medians of repeated calls after warm-up, in milliseconds. "
@@ -432,13 +451,9 @@ def write_table(path: Path, results, shapes, names, baseline: str, command: str,
                 f"{cell(speedup(t.forward_device_ms, base.forward_device_ms), '.2f')} / "
                 f"{cell(speedup(t.forward_backward_device_ms, base.forward_backward_device_ms),
                         '.2f')}") if measured else "–"
-            lines.append(
-                f"| {shape} | {name} | {cell(t.forward_ms, '.2f')} | "
-                f"{cell(t.forward_backward_ms, '.2f')} | "
-                f"{cell(speedup(t.forward_ms, base.forward_ms), '.2f')} | "
-                f"{cell(speedup(t.forward_backward_ms, base.forward_backward_ms), '.2f')} | "
-                f"{cell(t.error, '.1e')} | {cell(t.peak_mib, '.0f')} | {device} | "
-                f"{device_ratios} | {t.note} |")
+            lines.append(table_row(str(shape), name, *timing_cells(t, base, ".2f"),
+                                   cell(t.error, ".1e"), cell(t.peak_mib, ".0f"), device,
+                                   device_ratios, t.note))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
 
