@@ -60,14 +60,13 @@ at the peak of the 4-row plans (the end of the forward loop scanned, the optimiz
 unrolled) the buffers live add up to 71.3 GiB scanned and 70.6 GiB unrolled (XLA's live-range
 dump), but the scanned program's allocation spanned 86.8 GiB and the unrolled one's 70.4 (79.2
 GiB scanned since the AttnRes change). With `dots` (79.2 GiB scanned by this upper bound, the
-H200's own plan 77.3 GiB) the backward pass ran every kernel's forward
-again (KDA's preparation and recurrence, the MoE's grouped GEMMs, cuDNN attention): custom VJPs
-are opaque to the other policies. `dots_kernels` keeps those outputs too (102.7 GiB scanned and 82.1
-unrolled by this upper bound; the H200 planned 108.4 and 85.7), so `--gpu` gives JAX's allocator
+H200's own plan 77.3 GiB) the backward pass ran every kernel's forward again (KDA's preparation
+and recurrence, the MoE's grouped GEMMs, cuDNN attention): custom VJPs are opaque to the other
+policies. `dots_kernels` keeps those outputs too (102.7 GiB scanned and 82.1 unrolled by this
+estimate; the H200 planned 108.4 and 85.7), so `--gpu` gives JAX's allocator
 `GPU_MEMORY_FRACTION` of the GPU (128 of 139 GiB) unless XLA_PYTHON_CLIENT_MEM_FRACTION says
-otherwise. The step also no longer copies the AdamW
-moments (27.7 GiB) for its non-finite-step check: `train.step` applies the update under
-`lax.cond`.
+otherwise. The step also no longer copies the AdamW moments (27.7 GiB) for its non-finite-step
+check: `train.step` applies the update under `lax.cond`.
 
 Why the `--gpu` setup compiles every layer on its own: `--scanned` (`scan_layers`,
 `models.lm.layer_plan`) runs layers 1-12 of the `1b` preset as three repeats of one four-layer
@@ -175,8 +174,9 @@ class BenchSetup:
 # The module docstring says why the GPU setup runs 4 rows, unrolled, with `dots_kernels`.
 GPU = BenchSetup("1b", batch=4, seq_len=4096, steps=20, warmup=3, remat="dots_kernels")
 # Of the GPU's memory, what `--gpu` lets JAX's allocator take unless XLA_PYTHON_CLIENT_MEM_FRACTION
-# is set (JAX's default, 0.75, is 104 of the H200's 139 GiB; the step plans about 100 GiB with
-# `dots_kernels`). Read when the backend starts, so set before the first device call.
+# is set (JAX's default, 0.75, is 104 of the H200's 139 GiB; the step planned 85.7 GiB unrolled
+# and 108.4 scanned with `dots_kernels`). Read when the backend starts, so set before the first
+# device call.
 GPU_MEMORY_FRACTION = "0.92"
 SMOKE = BenchSetup("tiny", batch=2, seq_len=64, steps=3, warmup=1, remat="none")
 
