@@ -88,16 +88,20 @@ def document_layout(setup: Setup, documents: int, seed: int = 0) -> np.ndarray:
         np.int32)
 
 
+def document_layouts(setup: Setup) -> dict[int, np.ndarray]:
+    """Each timed layout: documents a row (`DOCUMENTS_PER_ROW`) -> its segment_ids [B, T]."""
+    return {documents: document_layout(setup, documents) for documents in DOCUMENTS_PER_ROW}
+
+
 def document_attention_flops(segment_ids: np.ndarray, heads: int, qk_dim: int,
                              v_dim: int) -> float:
     """Forward FLOPs of the causal, within-document score and value products. Documents are runs
-    of equal ids; segment_ids: [B, T]."""
-    pairs = 0
-    for row in segment_ids:
-        starts = np.flatnonzero(np.diff(row, prepend=row[0] - 1))
-        lengths = np.diff(np.append(starts, row.size))
-        pairs += int(np.sum(lengths * (lengths + 1) // 2))
-    return 2.0 * (qk_dim + v_dim) * heads * pairs
+    of equal ids (`models.attention.document_segments`, room for one a token); segment_ids:
+    [B, T]."""
+    lengths = np.asarray(document_segments(jnp.asarray(segment_ids), segment_ids.shape[1]).lengths,
+                         np.int64)
+    lengths = lengths[lengths > 0]  # unused slots hold -1
+    return 2.0 * (qk_dim + v_dim) * heads * float(np.sum(lengths * (lengths + 1) // 2))
 
 
 Attention = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
@@ -154,16 +158,17 @@ def make_inputs(setup: Setup, seed: int = 0) -> tuple[jax.Array, ...]:
                  for key, dim in zip(keys, dims))
 
 
-def run(setup: Setup, table: dict[str, Attention], repeats: int, warmup: int,
-        on_progress: Callable[[dict], None]) -> dict[tuple[int, str], Timing]:
-    """Times every contender on every layout; calls `on_progress(results)` after each one."""
+def run(setup: Setup, layouts: dict[int, np.ndarray], table: dict[str, Attention], repeats: int,
+        warmup: int, on_progress: Callable[[dict], None]) -> dict[tuple[int, str], Timing]:
+    """Times every contender on every layout (documents a row -> segment_ids [B, T]); calls
+    `on_progress(results)` after each one."""
     inputs = make_inputs(setup)
     exact_inputs = [t.astype(jnp.float32) for t in inputs]
     reference = jax.jit(gradients(implementation("xla")))
     programs: dict[str, tuple] = {}
     results: dict[tuple[int, str], Timing] = {}
-    for documents in DOCUMENTS_PER_ROW:
-        segment_ids = jnp.asarray(document_layout(setup, documents))
+    for documents, layout in layouts.items():
+        segment_ids = jnp.asarray(layout)
         q, k, v, d_out = inputs
         want_out, want_grads = reference(*exact_inputs[:3], segment_ids, exact_inputs[3])
         for name, attend in table.items():
@@ -199,7 +204,9 @@ def _cudnn_version() -> str:
         return "none"
 
 
-def write_table(path: Path, results, setup: Setup, names: list[str], command: str):
+def write_table(path: Path, results, setup: Setup, flops: dict[int, float], names: list[str],
+                command: str):
+    """The table of `run`'s results; flops: documents a row -> forward FLOPs of its layout."""
     lines = report_preamble(
         "Gated MLA training attention over packed documents", command,
         f"jaxlib {package_version('jaxlib')}, cuDNN {_cudnn_version()}") + [
@@ -216,14 +223,12 @@ def write_table(path: Path, results, setup: Setup, names: list[str], command: st
         "memory MiB | note |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for documents in DOCUMENTS_PER_ROW:
-        flops = document_attention_flops(document_layout(setup, documents), setup.heads,
-                                         setup.qk_dim, setup.v_dim)
+    for documents, layout_flops in flops.items():
         base = results.get((documents, BASELINE), Timing())
         for name in names:
             t = results.get((documents, name), Timing(note="not run"))
             rate = lambda ms, factor: (None if ms is None  # noqa: E731
-                                       else factor * flops / (ms * 1e-3) / 1e12)
+                                       else factor * layout_flops / (ms * 1e-3) / 1e12)
             lines.append(table_row(
                 str(documents), name, *timing_cells(t, base, ".3f"),
                 cell(rate(t.forward_ms, 1), ".3g"),
@@ -258,8 +263,11 @@ def main(argv=None):
     out = args.out or Path("benchmarks") / f"attention_{'h200' if args.gpu else 'smoke'}.md"
     command = "python -m experiments.bench_attention " + " ".join(
         argv if argv is not None else sys.argv[1:])
-    run(setup, table, args.repeats, args.warmup,
-        lambda results: write_table(out, results, setup, list(table), command.strip()))
+    layouts = document_layouts(setup)
+    flops = {documents: document_attention_flops(layout, setup.heads, setup.qk_dim, setup.v_dim)
+             for documents, layout in layouts.items()}
+    run(setup, layouts, table, args.repeats, args.warmup,
+        lambda results: write_table(out, results, setup, flops, list(table), command.strip()))
     print(f"wrote {out}")
 
 
