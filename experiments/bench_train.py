@@ -7,8 +7,9 @@ breakdown of where the time goes (KDA, Gated MLA attention, MoE, rest).
     python -m experiments.bench_train --smoke   # `tiny` preset at a tiny size (CPU check)
     python -m experiments.bench_train --gpu --cpu-plan   # compile only, here: memory plan
     python -m experiments.bench_train --gpu --profile    # + device time by part and top ops
-    python -m experiments.bench_train --gpu --set model.mla.implementation=cudnn_segments
-                                                # any TrainConfig field (`train.cli`)
+    python -m experiments.bench_train --gpu --set model.mla.implementation=cudnn
+                                                # any TrainConfig field (`train.cli`); this
+                                                # one: the dense-mask attention
 
 The step is the real one (`train.loop.Trainer`: forward, backward, AdamW, the QB router-bias
 update, the non-finite check) on one reused synthetic batch (random bytes, four packed documents
@@ -635,7 +636,7 @@ def main(argv=None) -> dict:
                         "of compiling every layer on its own")
     parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
                         help="override a field of the run's TrainConfig, e.g. --set "
-                        "model.mla.implementation=cudnn_segments (repeatable; the preset, batch, "
+                        "model.mla.implementation=cudnn (repeatable; the preset, batch, "
                         "length and remat come from the options above)")
     parser.add_argument("--cpu-plan", action="store_true",
                         help="only compile the step here, GPU kernels stood in, and print XLA's "

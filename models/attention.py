@@ -15,10 +15,10 @@ C = kv_lora_rank, Q = q_lora_rank):
 The R-dim "rope" part keeps its released name but is never rotated: the model has no positional
 encoding (order comes from the KDA layers), so it is an extra key channel shared across heads.
 
-Training runs through `jax.nn.dot_product_attention` (cuDNN on GPU, XLA elsewhere), packed
-documents kept apart by a dense [B, 1, T, T] mask; or, opted in with `implementation=
-"cudnn_segments"`, through cuDNN's packed layout, which describes each row's documents by their
-offsets and lengths (`document_segments`), so that cuDNN can skip the tiles between documents.
+Training runs on Hopper GPUs through cuDNN's packed layout (`implementation="cudnn_segments"`),
+which describes each row's documents by their offsets and lengths (`document_segments`), so that
+cuDNN skips the tiles between documents; elsewhere through `jax.nn.dot_product_attention` (cuDNN on
+other GPUs, XLA otherwise), packed documents kept apart by a dense [B, 1, T, T] mask.
 Decoding runs in the latent space: W_kvb's key half is absorbed into the query and its value half
 applied after the weighted sum, so the cache holds only [c_kv ; k_r] (C + R = 576 numbers per
 token at full size) in a paged pool (`models.paged_cache`).
@@ -63,7 +63,8 @@ class MLAConfig:
     v_head_dim: int
     output_gate: bool = True
     norm_eps: float = 1e-5
-    # None picks cuDNN on GPU for 16-bit compute and XLA otherwise.
+    # None picks "cudnn_segments" where it can run (Hopper, cuDNN 9.6+, 16-bit compute), else
+    # "cudnn" on other GPUs for 16-bit compute and "xla" otherwise (`default_implementation`).
     implementation: AttentionImplementation | None = None
     # With "cudnn_segments": the most documents (runs of segment ids, a row's trailing padding run
     # included) a packed row may hold, static. A batch with a fuller row takes the dense-mask path.
@@ -213,26 +214,40 @@ def _cuda_compute_capability() -> tuple[int, ...] | None:
         return None
 
 
+def _packed_cudnn_refusal(dtype: jnp.dtype, head_dim: int) -> str | None:
+    """Why cuDNN's packed layout cannot run inputs of `dtype` and one head size `head_dim` (v padded
+    to q's or q and k to v's) on this machine, with the way out; None when it can."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"needs bfloat16 or float16 q, k and v, got {dtype}: cast them or use 'xla'"
+    if head_dim > PACKED_MAX_HEAD_DIM or head_dim % 8:
+        return (f"needs a head size (after padding v to q's or q and k to v's) of at most "
+                f"{PACKED_MAX_HEAD_DIM} and a multiple of 8, got {head_dim}: use 'xla'")
+    capability = _cuda_compute_capability()
+    if capability is None or capability < PACKED_MIN_COMPUTE_CAPABILITY:
+        return (f"needs an NVIDIA GPU of compute capability 9.0 or more (Hopper); JAX runs on "
+                f"{jax.devices()[0].device_kind!r}: use 'cudnn' on older GPUs, 'xla' elsewhere")
+    cudnn_version = cudnn_fused.check_cudnn_version()
+    if cudnn_version < PACKED_MIN_CUDNN_VERSION:
+        return f"needs cuDNN 9.6 or newer, found version {cudnn_version}: use 'cudnn'"
+    return None
+
+
 def _require_packed_cudnn(q: jax.Array) -> None:
     """Raises ValueError unless cuDNN's packed layout can run q (padded to one head size) here;
     cuDNN's wrapper would otherwise fail deep inside the trace, or its lowering on a CPU."""
-    name = "implementation='cudnn_segments'"
-    if q.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(f"{name} needs bfloat16 or float16 q, k and v, got {q.dtype}: cast them "
-                         "or use implementation='xla'")
-    if q.shape[-1] > PACKED_MAX_HEAD_DIM or q.shape[-1] % 8:
-        raise ValueError(f"{name} needs a head size (after padding v to q's or q and k to v's) of "
-                         f"at most {PACKED_MAX_HEAD_DIM} and a multiple of 8, got {q.shape[-1]}: "
-                         "use implementation='xla'")
-    capability = _cuda_compute_capability()
-    if capability is None or capability < PACKED_MIN_COMPUTE_CAPABILITY:
-        raise ValueError(f"{name} needs an NVIDIA GPU of compute capability 9.0 or more (Hopper); "
-                         f"JAX runs on {jax.devices()[0].device_kind!r}: use 'cudnn' on older "
-                         "GPUs, 'xla' elsewhere")
-    cudnn_version = cudnn_fused.check_cudnn_version()
-    if cudnn_version < PACKED_MIN_CUDNN_VERSION:
-        raise ValueError(f"{name} needs cuDNN 9.6 or newer, found version {cudnn_version}: use "
-                         "implementation='cudnn'")
+    refusal = _packed_cudnn_refusal(q.dtype, q.shape[-1])
+    if refusal is not None:
+        raise ValueError(f"implementation='cudnn_segments' {refusal}")
+
+
+def default_implementation(dtype: jnp.dtype, head_dim: int) -> AttentionImplementation:
+    """What `MLAConfig(implementation=None)` runs for `dtype` inputs of one head size `head_dim`:
+    cuDNN's packed layout where it can run (on the H200 it took a layer's packed-document attention
+    from 9.8 to 3.9-5.6 ms forward+backward, `benchmarks/attention_h200.md`), else the dense mask
+    through cuDNN on a GPU or XLA elsewhere (`backend_implementation`)."""
+    if _packed_cudnn_refusal(dtype, head_dim) is None:
+        return "cudnn_segments"
+    return backend_implementation(dtype)
 
 
 def _segmented_attention(q, k, v, *, scale, segment_ids, max_segments):
@@ -437,7 +452,7 @@ class GatedMLA(nnx.Module):
     def _implementation(self) -> AttentionImplementation:
         if self.cfg.implementation is not None:
             return self.cfg.implementation
-        return backend_implementation(self.dtype)
+        return default_implementation(self.dtype, max(self.cfg.qk_head_dim, self.cfg.v_head_dim))
 
     def __call__(
         self,

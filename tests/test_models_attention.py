@@ -259,7 +259,8 @@ def test_cudnn_training_path_matches_xla_in_bfloat16(packed, gpu_implementation)
                        rngs=nnx.Rngs(0))
         for impl in (gpu_implementation, "xla")
     }
-    assert GatedMLA(1024, cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))._implementation() == "cudnn"
+    assert (GatedMLA(1024, cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))._implementation()
+            == "cudnn_segments")  # the H200's default
     x = jax.random.normal(jax.random.key(1), (2, 256, 1024), jnp.bfloat16)
     segment_ids = None
     if packed:
@@ -370,6 +371,33 @@ def test_packed_path_is_refused_where_cudnn_cannot_run_it(dtype, qk_dim, max_seg
     with pytest.raises(ValueError, match=message):
         causal_document_attention(q, k, v, scale=0.1, segment_ids=jnp.ones((2, 8), jnp.int32),
                                   implementation="cudnn_segments", max_segments=max_segments)
+
+
+@pytest.mark.parametrize(
+    "capability, dtype, head_dim, expected",
+    [
+        ((9, 0), jnp.bfloat16, 192, "cudnn_segments"),
+        ((9, 0), jnp.float32, 192, "xla"),  # cuDNN takes 16-bit inputs only
+        ((9, 0), jnp.bfloat16, 264, "xla"),  # a head too wide for the packed layout
+        ((8, 0), jnp.bfloat16, 192, "xla"),  # pre-Hopper: the dense mask (XLA on this CPU)
+        (None, jnp.bfloat16, 192, "xla"),  # no CUDA device
+    ],
+)
+def test_default_implementation_is_the_packed_path_where_it_can_run(
+        monkeypatch, capability, dtype, head_dim, expected):
+    monkeypatch.setattr(attention, "_cuda_compute_capability", lambda: capability)
+    monkeypatch.setattr(cudnn_fused, "check_cudnn_version", lambda: 91000)
+    assert attention.default_implementation(dtype, head_dim) == expected
+
+
+def test_layer_default_sizes_the_packed_check_by_its_widest_head(monkeypatch):
+    monkeypatch.setattr(attention, "_cuda_compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(cudnn_fused, "check_cudnn_version", lambda: 91000)
+    fits = dataclasses.replace(CFG, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+    wide = dataclasses.replace(fits, v_head_dim=264)
+    for cfg, expected in ((fits, "cudnn_segments"), (wide, "xla")):
+        layer = GatedMLA(D_MODEL, cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        assert layer._implementation() == expected
 
 
 def test_layer_with_the_packed_path_is_refused_on_cpu():
