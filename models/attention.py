@@ -47,7 +47,8 @@ PACKED_MIN_CUDNN_VERSION = 90600
 PACKED_MAX_HEAD_DIM = 256
 
 
-def _is_positive_int(value) -> bool:
+def is_positive_int(value) -> bool:
+    """An int of at least 1 (a bool is refused: `True` is no size)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
@@ -77,7 +78,7 @@ class MLAConfig:
             names += ("q_lora_rank",)
         for name in names:
             value = getattr(self, name)
-            if not _is_positive_int(value):
+            if not is_positive_int(value):
                 raise ValueError(f"MLAConfig.{name} must be a positive int, got {value!r}")
         if self.implementation not in (None, *get_args(AttentionImplementation)):
             raise ValueError(
@@ -139,7 +140,7 @@ def document_segments(segment_ids: jax.Array, max_segments: int) -> DocumentSegm
     Documents are runs of equal ids (`kda.common.document_starts`, as the KDA layers reset their
     state), so a trailing run of padding ids is a document too.
     """
-    if not _is_positive_int(max_segments):
+    if not is_positive_int(max_segments):
         raise ValueError(
             f"max_segments must be a positive int (the most documents a packed row may hold), "
             f"got {max_segments!r}"
@@ -150,8 +151,8 @@ def document_segments(segment_ids: jax.Array, max_segments: int) -> DocumentSegm
             f"{segment_ids.shape}"
         )
     batch, length = segment_ids.shape
+    document = document_index(segment_ids)
     starts = document_starts(segment_ids).at[:, 0].set(True)  # [B, T]
-    document = jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1  # [B, T]: 0, 1, ... per row
     rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, length))
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     # Slot M (out of bounds) receives the tokens that start no document and documents past M.
@@ -162,6 +163,12 @@ def document_segments(segment_ids: jax.Array, max_segments: int) -> DocumentSegm
     lengths = jnp.where(offsets >= 0, lengths, -1)
     offsets = jnp.pad(offsets, ((0, 0), (0, 1)), constant_values=-1)
     return DocumentSegments(offsets, lengths, document[:, -1] < max_segments)
+
+
+def document_index(segment_ids: jax.Array) -> jax.Array:
+    """Each token's document, a run of equal ids (`kda.common.document_starts`), numbered 0, 1, ...
+    along its row: segment_ids [B, T] int -> [B, T] int32."""
+    return jnp.cumsum(document_starts(segment_ids), axis=1, dtype=jnp.int32)
 
 
 def backend_implementation(dtype: jnp.dtype) -> AttentionImplementation:
@@ -252,7 +259,7 @@ def default_implementation(dtype: jnp.dtype, head_dim: int) -> AttentionImplemen
 
 def _segmented_attention(q, k, v, *, scale, segment_ids, max_segments):
     """The "cudnn_segments" path of `causal_document_attention` (q, k, v of one head size)."""
-    if not _is_positive_int(max_segments):
+    if not is_positive_int(max_segments):
         raise ValueError(f"implementation='cudnn_segments' needs max_segments, a positive int "
                          f"(MLAConfig.max_segments), got {max_segments!r}")
     _require_packed_cudnn(q)
@@ -267,7 +274,7 @@ def _segmented_attention(q, k, v, *, scale, segment_ids, max_segments):
     segments = document_segments(segment_ids, max_segments)
     # The dense path keeps documents as runs too, so that both branches compute the same thing
     # whatever the ids (the dense mask alone would join two runs of one id).
-    document_ids = jnp.cumsum(document_starts(segment_ids), axis=1)
+    document_ids = document_index(segment_ids)
 
     def dense(q, k, v):
         return _dense_document_attention(q, k, v, scale=scale, document_ids=document_ids,
@@ -303,6 +310,7 @@ def causal_document_attention(
         layout over each row's documents, runs of equal ids (`document_segments`), when every row
         holds at most `max_segments` of them, and the dense mask through cuDNN otherwise. For rows
         whose ids increase along the row, as the packer writes them, the two agree.
+    max_segments: M of "cudnn_segments" (`MLAConfig.max_segments`); the dense paths ignore it.
     """
     q_padded, k_padded, v_padded = pad_head_dims(q, k, v)
     if implementation == "cudnn_segments":
@@ -476,18 +484,14 @@ class GatedMLA(nnx.Module):
                 latents[:, :, None, cfg.kv_lora_rank :],
                 k_nope.shape[:-1] + (cfg.qk_rope_head_dim,),
             )
-            implementation = self._implementation()
-            # M is an option of the packed path alone; the dense paths take none.
-            packed_options = ({"max_segments": cfg.max_segments}
-                              if implementation == "cudnn_segments" else {})
             o = causal_document_attention(
                 q,
                 jnp.concatenate([k_nope, k_rope], axis=-1),
                 v,
                 scale=cfg.softmax_scale,
                 segment_ids=segment_ids,
-                implementation=implementation,
-                **packed_options,
+                implementation=self._implementation(),
+                max_segments=cfg.max_segments,
             )
             return self._gated_output(x, o)
         if segment_ids is not None:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import jax.numpy as jnp
 
 from kda.layer import KDAConfig, count_kda_params
-from models.attention import MLAConfig, count_mla_params
+from models.attention import MLAConfig, count_mla_params, is_positive_int
 from models.attn_res import ResidualMode, seal_period
 from moe.config import MoEConfig, count_moe_params
 
@@ -77,7 +77,7 @@ class ModelConfig:
         object.__setattr__(self, "kda_layers", tuple(self.kda_layers))
         object.__setattr__(self, "full_attn_layers", tuple(self.full_attn_layers))
         for name in ("vocab_size", "d_model", "num_layers", "attn_res_block_size"):
-            _require(_is_positive_int(getattr(self, name)), name, getattr(self, name),
+            _require(is_positive_int(getattr(self, name)), name, getattr(self, name),
                      "a positive int")
         for name in ("kda_layers", "full_attn_layers"):
             indices = getattr(self, name)
@@ -94,7 +94,7 @@ class ModelConfig:
                  f"every layer in kda_layers or full_attn_layers; {sorted(missing)} are in neither")
         _require(isinstance(self.first_k_dense, int) and 0 <= self.first_k_dense <= self.num_layers,
                  "first_k_dense", self.first_k_dense, f"an int in 0..num_layers={self.num_layers}")
-        _require(self.first_k_dense == 0 or _is_positive_int(self.dense_hidden), "dense_hidden",
+        _require(self.first_k_dense == 0 or is_positive_int(self.dense_hidden), "dense_hidden",
                  self.dense_hidden, "a positive int when first_k_dense > 0")
         _require(self.residual in RESIDUAL_MODES, "residual", self.residual,
                  f"one of {RESIDUAL_MODES}")
@@ -182,10 +182,6 @@ class ModelConfig:
 def _require(ok: bool, field: str, value: Any, expected: str) -> None:
     if not ok:
         raise ValueError(f"ModelConfig.{field}={value!r} is invalid: expected {expected}.")
-
-
-def _is_positive_int(value: Any) -> bool:
-    return isinstance(value, int) and value >= 1
 
 
 def _is_float_dtype(name: Any) -> bool:
