@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.profiling import median_seconds, ops_markdown, profile_device_ops
+from experiments.profiling import idle_markdown, median_seconds, ops_markdown, profile_device_ops
 from moe.activations import fused_glu
 from moe.config import MoEConfig, active_matmul_flops
 from moe.dispatch import gather_rows, plan_dispatch, unsort_combine
@@ -332,7 +332,8 @@ def profile_markdown(results: dict) -> list[str]:
     )
     lines.append(f"| whole layer, one jitted step | | {results['moe']['ms']:.3f} |")
     return lines + [""] + ops_markdown(
-        results["ops"], "Device ops of the MoE layer's gradient step")
+        results["ops"], "Device ops of the MoE layer's gradient step") + idle_markdown(
+        results["ops"])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

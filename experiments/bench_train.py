@@ -112,8 +112,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.profiling import (median_seconds, ops_markdown, profile_compiler_options,
-                                  scope_ops_markdown, scopes_markdown, trace_device_ops)
+from experiments.profiling import (idle_markdown, idle_summary_line, median_seconds,
+                                  ops_markdown, profile_compiler_options, scope_ops_markdown,
+                                  scopes_markdown, trace_device_ops)
 from kda import api as kda_api
 from kda.kernels import mosaic_gpu as kda_mosaic_gpu
 from kda.kernels import sequence_parallel
@@ -528,6 +529,7 @@ def run(setup: BenchSetup, optimizer: str,
             print("in-step device time by part: " + ", ".join(
                 f"{scope} {ms:.1f} ms" for scope, ms in result["ops"]["scopes"].items() if ms > 0
             ), flush=True)
+            print(idle_summary_line(result["ops"]), flush=True)
             report(result)
         del trainer, compiled, batch, step
         for name, count, seconds in layer_breakdown(cfg, setup):
@@ -601,6 +603,7 @@ def markdown(result: dict, command: str) -> str:
     if "ops" in result:
         lines += ["", "## Where the step's device time goes (`--profile`)", ""]
         lines += scopes_markdown(result["ops"], IN_STEP_TITLE)
+        lines += idle_markdown(result["ops"])
         lines += ops_markdown(
             result["ops"], "Top device ops of the step, compiled without command buffers (the "
             "timed step above was compiled the same way)")

@@ -1,20 +1,24 @@
 """How long a step takes (`median_seconds`) and where it spends its device time
 (`profile_device_ops`: a `jax.profiler` trace of a few calls, read back with
 `jax.profiler.ProfileData`, summed per op and labelled with the op's HLO opcode, shape and JAX
-source op, and summed per named scope of the program, `scope_times`). Used by the benchmarks, and
-by their `--profile` options."""
+source op, and summed per named scope of the program, `scope_times`), and when the device runs
+nothing (`step_idle`: the idle gaps between the device's op events within each traced step, with
+the ops on either side, `idle_summary`). Used by the benchmarks, and by their `--profile`
+options."""
 
 from __future__ import annotations
 
+import bisect
 import collections
 import functools
 import glob
+import itertools
 import os
 import re
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import jax
@@ -46,45 +50,58 @@ def profile_device_ops(step: Callable, args: tuple, steps: int, top: int = 25,
     return trace_device_ops(lambda: compiled(*args), compiled, steps, top, scopes)
 
 
+STEP_ANNOTATION = "profiled_step"  # the host-side trace annotation of each traced call
+
+
 def trace_device_ops(run: Callable[[], object], compiled: jax.stages.Compiled, steps: int,
-                     top: int = 25, scopes: Sequence[str] = (), top_per_scope: int = 8) -> dict:
+                     top: int = 25, scopes: Sequence[str] = (), top_per_scope: int = 8,
+                     top_gaps: int = 15) -> dict:
     """Device ops of `steps` traced calls of `run()`, which calls `compiled` (compiled with
-    `profile_compiler_options`), summed per op, the costliest first, and per named scope.
+    `profile_compiler_options`), summed per op, the costliest first, and per named scope; and the
+    device's idle time in each call.
 
     Returns dict(rows=[dict(op, calls, ms, share, hlo)], total_ms, source, scopes, passes,
-    scope_rows): per-step calls and ms; `hlo` = opcode, shape and JAX source op of the op in the
-    compiled module; `scopes` = ms per step of each of `scopes` and "other" over all ops, `passes`
-    the same split per pass, {scope: {pass: ms}} (`scope_times`); `scope_rows` = the
-    `top_per_scope` costliest rows of each scope. On a CPU the events of while loops and
-    conditionals are left out: each spans the ops it runs, which count on their own. Falls back to the compiled module's `cost_analysis()` totals (rows and scopes empty) if
-    the trace holds no op events.
+    scope_rows, idle): per-step calls and ms; `hlo` = opcode, shape and JAX source op of the op in
+    the compiled module; `scopes` = ms per step of each of `scopes` and "other" over all ops,
+    `passes` the same split per pass, {scope: {pass: ms}} (`scope_times`); `scope_rows` = the
+    `top_per_scope` costliest rows of each scope; `idle` = `idle_summary` of the calls (its
+    `top_gaps` longest gaps), None where the trace does not mark each call or a call holds no
+    device events. On a CPU the events of while loops and conditionals are left out of the op
+    times: each spans the ops it runs, which count on their own. Falls back to the compiled
+    module's `cost_analysis()` totals (rows and scopes empty, idle None) if the trace holds no op
+    events.
     """
     jax.block_until_ready(run())
-    times, calls, source = collections.Counter(), collections.Counter(), "none"
+    op_events, busy_events, windows, source = [], [], [], "none"
     with tempfile.TemporaryDirectory() as trace_dir:
         # A profiler that cannot start (no CUPTI) or a trace that does not parse must not cost
         # the benchmark run its other numbers: the table then says why and gives the fallback.
         try:
             jax.profiler.start_trace(trace_dir)
             try:
-                for _ in range(steps):
-                    jax.block_until_ready(run())
+                for step in range(steps):
+                    with jax.profiler.StepTraceAnnotation(STEP_ANNOTATION, step_num=step):
+                        jax.block_until_ready(run())
             finally:
                 jax.profiler.stop_trace()
             traces = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
             profile = jax.profiler.ProfileData.from_file(max(traces, key=os.path.getmtime))
-            times, calls, source = _op_times(profile)
+            op_events, busy_events, source = _trace_events(profile)
+            windows = _step_windows(profile)
         except Exception as error:  # noqa: BLE001 (reported in the table, see above)
             source = f"trace failed: {type(error).__name__}: {error}"
-    if not times:
+    if not op_events:
         cost = compiled.cost_analysis() or {}
         return dict(rows=[], total_ms=0.0, source=source, scopes={}, passes={}, scope_rows={},
-                    cost_analysis=dict(cost))
+                    idle=None, cost_analysis=dict(cost))
     instructions = hlo_instructions(compiled.as_text())
-    if source == "host threads":
-        times = collections.Counter({
-            op: nanos for op, nanos in times.items()
-            if op not in instructions or instructions[op].opcode not in CONTROL_FLOW_OPCODES})
+    times, calls = collections.Counter(), collections.Counter()
+    for event in op_events:
+        if source == "host threads" and event.op in instructions and (
+                instructions[event.op].opcode in CONTROL_FLOW_OPCODES):
+            continue
+        times[event.op] += event.end_ns - event.start_ns
+        calls[event.op] += 1
     total = sum(times.values())
 
     def row(op, nanos):
@@ -97,35 +114,226 @@ def trace_device_ops(run: Callable[[], object], compiled: jax.stages.Compiled, s
     by_scope = collections.defaultdict(list)  # scope -> its ops, costliest first
     for op, nanos in times.most_common():
         by_scope[scope_of(op_names.get(op, ""), scopes) or OTHER_SCOPE].append(row(op, nanos))
+    idle = None
+    if len(windows) == steps:
+        per_step = split_steps(busy_events, [start for start, _ in windows])
+        # A step without events means the device's clock and the host's do not line up here.
+        if all(per_step):
+            idle = idle_summary([step_idle(events) for events in per_step],
+                                [end - start for start, end in windows], instructions, scopes,
+                                top_gaps)
     return dict(rows=[row(op, nanos) for op, nanos in times.most_common(top)],
                 total_ms=total / steps / 1e6, source=source, passes=passes,
                 scopes={scope: sum(per_pass.values()) for scope, per_pass in passes.items()},
-                scope_rows={scope: by_scope[scope][:top_per_scope] for scope in passes})
+                scope_rows={scope: by_scope[scope][:top_per_scope] for scope in passes},
+                idle=idle)
 
 
-def _op_times(profile) -> tuple[collections.Counter, collections.Counter, str]:
-    """Per-op total ns and call counts of a trace: the GPU's "XLA Ops" line where there is one,
-    else the kernels on its stream lines; on CPU the host threads' events that name an HLO op."""
-    times, calls = collections.Counter(), collections.Counter()
-    device_planes = [plane for plane in profile.planes if plane.name.startswith("/device:")]
-    if device_planes:
-        lines = [line for plane in device_planes for line in plane.lines]
-        op_lines = [line for line in lines if line.name == "XLA Ops"]
-        source = "XLA Ops" if op_lines else "device streams"
-        lines = op_lines or [line for line in lines if line.name.startswith("Stream")]
-    else:
-        source = "host threads"
-        host_planes = [plane for plane in profile.planes if plane.name == "/host:CPU"]
-        lines = [line for plane in host_planes for line in plane.lines]
+class OpEvent(NamedTuple):
+    """One op's event in a trace: when it ran (ns on the trace's clock) and the HLO instruction
+    it ran for (the event's own name where it names none)."""
+
+    start_ns: float
+    end_ns: float
+    op: str
+
+
+def _trace_events(profile) -> tuple[list[OpEvent], list[OpEvent], str]:
+    """(op events, busy events, source) of a trace.
+
+    Op events, summed per op: the GPU's "XLA Ops" line where there is one, else the kernels and
+    copies on its stream lines; on a CPU the host threads' events that name an HLO op. Busy
+    events, whose union is the time the device runs something: the stream lines' events, each
+    kernel and copy on its own (an "XLA Ops" event spans all kernels of its op and the gaps
+    between them); on a CPU the same host events, control flow included (nested, they add no
+    time to a union).
+    """
+    device_lines = [line for plane in profile.planes if plane.name.startswith("/device:")
+                    for line in plane.lines]
+    if device_lines:
+        streams = _line_events(line for line in device_lines if line.name.startswith("Stream"))
+        op_lines = [line for line in device_lines if line.name == "XLA Ops"]
+        if op_lines:
+            return _line_events(op_lines), streams, "XLA Ops"
+        return streams, streams, "device streams"
+    host_lines = [line for plane in profile.planes if plane.name == "/host:CPU"
+                  for line in plane.lines]
+    events = _line_events(host_lines, with_hlo_op=True)
+    return events, events, "host threads"
+
+
+def _line_events(lines: Iterable, with_hlo_op: bool = False) -> list[OpEvent]:
+    """The events of trace lines as `OpEvent`s, named by their "hlo_op" stat where they have one
+    (only those, `with_hlo_op`)."""
+    events = []
     for line in lines:
         for event in line.events:
             stats = dict(event.stats)
-            if source == "host threads" and "hlo_op" not in stats:
+            if with_hlo_op and "hlo_op" not in stats:
                 continue
-            name = str(stats.get("hlo_op", event.name)).lstrip("%")
-            times[name] += event.duration_ns
-            calls[name] += 1
-    return times, calls, source
+            op = str(stats.get("hlo_op", event.name)).lstrip("%")
+            events.append(OpEvent(event.start_ns, event.end_ns, op))
+    return events
+
+
+def _step_windows(profile) -> list[tuple[float, float]]:
+    """(start, end) ns of each traced call (the host's `STEP_ANNOTATION` events), in order."""
+    return sorted((event.start_ns, event.end_ns) for plane in profile.planes
+                  if not plane.name.startswith("/device:") for line in plane.lines
+                  for event in line.events if event.name == STEP_ANNOTATION)
+
+
+def split_steps(events: Iterable[OpEvent], step_starts_ns: Sequence[float]) -> list[list[OpEvent]]:
+    """The events of each step: an event belongs to the last step that started (on the host) at
+    or before it starts; one that starts before every step, to the first. A step's device work
+    starts after the host starts the step and ends before the next one starts (the host waits for
+    it), so a host clock a little off the device's does not move an event across steps.
+
+    step_starts_ns: [steps], ascending. Returns [steps] lists, each sorted by start.
+    """
+    if not step_starts_ns:
+        raise ValueError("step_starts_ns must hold at least one step's start; got none")
+    per_step = [[] for _ in step_starts_ns]
+    for event in sorted(events):
+        per_step[max(bisect.bisect_right(step_starts_ns, event.start_ns) - 1, 0)].append(event)
+    return per_step
+
+
+class BusyRun(NamedTuple):
+    """A stretch of time in which some event runs: it starts with `first`'s start and ends with
+    `last`'s end, and no gap lies inside."""
+
+    start_ns: float
+    end_ns: float
+    first: OpEvent
+    last: OpEvent
+
+
+def busy_runs(events: Iterable[OpEvent]) -> list[BusyRun]:
+    """The union of the events' intervals as maximal busy runs, in order: overlapping or touching
+    events (concurrent streams, an event nested in another) join one run. `first` is the event
+    that starts the run, `last` the one that ends it; of those that tie, the outermost, then the
+    first by op name, so that the runs do not depend on the order of `events`."""
+    runs = []
+    for event in sorted(events, key=lambda event: (event.start_ns, -event.end_ns, event.op)):
+        if runs and event.start_ns <= runs[-1].end_ns:
+            if event.end_ns > runs[-1].end_ns:
+                runs[-1] = runs[-1]._replace(end_ns=event.end_ns, last=event)
+        else:
+            runs.append(BusyRun(event.start_ns, event.end_ns, event, event))
+    return runs
+
+
+class IdleGap(NamedTuple):
+    """A time in which no event runs, between two busy runs: from `before`'s end to `after`'s
+    start."""
+
+    start_ns: float
+    end_ns: float
+    before: OpEvent
+    after: OpEvent
+
+    @property
+    def duration_ns(self) -> float:
+        return self.end_ns - self.start_ns
+
+
+class StepIdle(NamedTuple):
+    """A step's device activity. span: from its first event's start to its last event's end;
+    busy: the union of its events; gaps: the idle gaps inside the span, in order (together
+    span - busy)."""
+
+    span_ns: float
+    busy_ns: float
+    gaps: list[IdleGap]
+
+    @property
+    def idle_ns(self) -> float:
+        return self.span_ns - self.busy_ns
+
+
+def step_idle(events: Iterable[OpEvent]) -> StepIdle:
+    """Span, busy time and idle gaps of one step's events (`busy_runs`); all zero if none."""
+    runs = busy_runs(events)
+    if not runs:
+        return StepIdle(0.0, 0.0, [])
+    gaps = [IdleGap(done.end_ns, next_run.start_ns, done.last, next_run.first)
+            for done, next_run in itertools.pairwise(runs)]
+    busy = sum(run.end_ns - run.start_ns for run in runs)
+    return StepIdle(runs[-1].end_ns - runs[0].start_ns, busy, gaps)
+
+
+def group_gaps(gaps: Iterable[IdleGap],
+               key: Callable[[IdleGap], str]) -> list[tuple[str, int, float]]:
+    """(key, number of gaps, their total ns) of the gaps grouped by `key`, the most idle first."""
+    counts, totals = collections.Counter(), collections.Counter()
+    for gap in gaps:
+        counts[key(gap)] += 1
+        totals[key(gap)] += gap.duration_ns
+    return [(name, counts[name], total) for name, total in totals.most_common()]
+
+
+SMALL_GAP_NS = 10_000  # gaps shorter than this: the launch latency of back-to-back kernels
+NOT_IN_HLO = "not an HLO op"
+MAX_EVENT_NAME_CHARS = 60  # of an event that names no HLO op (kernel names run long)
+
+
+def op_kind(op: str, instructions: Mapping[str, HloInstruction]) -> str:
+    """An op's opcode and its fusion kind or custom-call target ("fusion kLoop", "custom-call
+    __cudnn", "conditional"); for an event that names no instruction of the module (a copy the
+    runtime made, a kernel launched outside an op's annotation), its own name, so marked."""
+    if op not in instructions:
+        return f"{op[:MAX_EVENT_NAME_CHARS]} ({NOT_IN_HLO})"
+    return " ".join(filter(None, (instructions[op].opcode, instructions[op].kind)))
+
+
+def idle_summary(steps: Sequence[StepIdle], host_steps_ns: Sequence[float],
+                 instructions: Mapping[str, HloInstruction], scopes: Sequence[str] = (),
+                 top_gaps: int = 15) -> dict:
+    """Where the device idles in traced steps, per step (means over the steps), in ms.
+
+    steps: `step_idle` of each traced step; host_steps_ns: each step's duration on the host (the
+    wall time of the call). Returns dict(host_ms, span_ms, busy_ms, idle_ms, gaps: the `top_gaps`
+    longest, dict(step, us, before, before_hlo, after, after_hlo, after_scope); by_after_kind,
+    by_before_kind, by_after_scope: [dict(key, gaps, ms)] the idle time grouped by the `op_kind`
+    of the op after the gap (what the device waited to start), of the op before it, and by the
+    innermost of `scopes` of the op after (`scope_of`, else OTHER_SCOPE; empty without scopes),
+    the most idle first; small_gaps, small_ms: the gaps under SMALL_GAP_NS).
+    """
+    if not steps or len(steps) != len(host_steps_ns):
+        raise ValueError(f"steps and host_steps_ns must describe the same steps, at least one; got "
+                         f"{len(steps)} and {len(host_steps_ns)}")
+    count = len(steps)
+    gaps = [(step, gap) for step, idle in enumerate(steps) for gap in idle.gaps]
+    longest = sorted(gaps, key=lambda item: -item[1].duration_ns)[:top_gaps]
+
+    def scope(op: str) -> str:
+        instruction = instructions.get(op)
+        return (scope_of(instruction.op_name, scopes) if instruction else None) or OTHER_SCOPE
+
+    def described(op: str) -> str:
+        return instructions[op].description if op in instructions else NOT_IN_HLO
+
+    def grouped(key: Callable[[IdleGap], str]) -> list[dict]:
+        return [dict(key=name, gaps=number / count, ms=total / count / 1e6)
+                for name, number, total in group_gaps((gap for _, gap in gaps), key)]
+
+    small = [gap.duration_ns for _, gap in gaps if gap.duration_ns < SMALL_GAP_NS]
+    return dict(
+        host_ms=sum(host_steps_ns) / count / 1e6,
+        span_ms=sum(idle.span_ns for idle in steps) / count / 1e6,
+        busy_ms=sum(idle.busy_ns for idle in steps) / count / 1e6,
+        idle_ms=sum(idle.idle_ns for idle in steps) / count / 1e6,
+        gaps=[dict(step=step, us=gap.duration_ns / 1e3, before=gap.before.op,
+                   before_hlo=described(gap.before.op), after=gap.after.op,
+                   after_hlo=described(gap.after.op), after_scope=scope(gap.after.op))
+              for step, gap in longest],
+        by_after_kind=grouped(lambda gap: op_kind(gap.after.op, instructions)),
+        by_before_kind=grouped(lambda gap: op_kind(gap.before.op, instructions)),
+        by_after_scope=grouped(lambda gap: scope(gap.after.op)) if scopes else [],
+        small_gaps=len(small) / count,
+        small_ms=sum(small) / count / 1e6,
+    )
 
 
 MAX_SHAPE_CHARS = 160
@@ -144,11 +352,14 @@ class HloInstruction(NamedTuple):
     op_name: the op_name metadata, JAX's name stack and primitive (e.g.
       "jit(step)/transpose(jvp())/while/body/eval_jaxpr/checkpoint/kda/mul"); "" where XLA left
       none (instructions it created itself, such as copies).
+    kind: a fusion's kind or a custom call's target ("kLoop", "__cudnn", "mosaic_gpu_v2"); ""
+      for other instructions.
     """
 
     opcode: str
     description: str
     op_name: str
+    kind: str = ""
 
 
 def hlo_instructions(hlo_text: str) -> dict[str, HloInstruction]:
@@ -158,7 +369,7 @@ def hlo_instructions(hlo_text: str) -> dict[str, HloInstruction]:
     XLA:CPU wraps around a library call or a copy, `ynn_fusion`, `wrapped_copy`) takes the op_name
     of the last instruction of that computation that has one (its root, where the root has one).
     """
-    parsed = {}  # name -> (description parts, op_name, called computation or None)
+    parsed = {}  # name -> (opcode and shape, kinds, op_name, called computation or None)
     computations = collections.defaultdict(list)  # computation -> its instructions, in order
     computation = ""
     for line in hlo_text.splitlines():
@@ -170,30 +381,29 @@ def hlo_instructions(hlo_text: str) -> dict[str, HloInstruction]:
             continue
         shape = re.sub(r"\{[^}]*\}", "", match["shape"])
         # A while loop's tuple carries every buffer of its body: its head says enough.
-        parts = [match["opcode"], shape if len(shape) <= MAX_SHAPE_CHARS
-                 else shape[:MAX_SHAPE_CHARS] + "…"]
-        for key in ("kind", "custom_call_target"):
-            found = re.search(rf"{key}=\"?([\w.\-]+)", line)
-            if found:
-                parts.append(found.group(1))
+        head = [match["opcode"], shape if len(shape) <= MAX_SHAPE_CHARS
+                else shape[:MAX_SHAPE_CHARS] + "…"]
+        kinds = [found.group(1) for key in ("kind", "custom_call_target")
+                 if (found := re.search(rf"{key}=\"?([\w.\-]+)", line))]
         source = re.search(r'op_name="([^"]*)"', line)
         called = re.search(r"calls=%?([\w.\-]+)", line)
-        parsed[match["name"]] = (parts, source.group(1) if source else "",
+        parsed[match["name"]] = (head, kinds, source.group(1) if source else "",
                                  called.group(1) if called else None)
         computations[computation].append(match["name"])
 
     @functools.cache
     def op_name_of(name: str) -> str:
-        _, own, called = parsed[name]
+        *_, own, called = parsed[name]
         if own or called is None:
             return own
         return next(filter(None, map(op_name_of, reversed(computations[called]))), "")
 
     instructions = {}
-    for name, (parts, _, _) in parsed.items():
+    for name, (head, kinds, _, _) in parsed.items():
         op_name = op_name_of(name)
         source = [op_name.split("/", 1)[-1]] if op_name else []
-        instructions[name] = HloInstruction(parts[0], " ".join(parts + source), op_name)
+        instructions[name] = HloInstruction(head[0], " ".join(head + kinds + source), op_name,
+                                            " ".join(kinds))
     return instructions
 
 
@@ -306,7 +516,83 @@ def _rows_markdown(rows: list[dict]) -> list[str]:
              "|---|---:|---:|---:|---|"]
     lines += [
         f"| {row['op']} | {row['calls']:g} | {row['ms']:.3f} | {row['share']:.1%} | "
-        f"{row['hlo'].replace('|', '/')} |"
+        f"{_cell(row['hlo'])} |"
         for row in rows
     ]
     return lines + [""]
+
+
+IDLE_GROUP_ROWS = 6  # rows of each grouping in `idle_markdown`
+IDLE_GROUPINGS = (
+    ("by_after_kind", "op after the gap"),
+    ("by_before_kind", "op before the gap"),
+    ("by_after_scope", "scope of the op after"),
+)
+
+
+def idle_markdown(ops: dict) -> list[str]:
+    """Markdown lines for the device's idle time of `trace_device_ops`' result (its `idle`): per
+    step, the busy time against the span, the longest gaps with the ops on either side, and the
+    idle time grouped by those ops."""
+    idle = ops["idle"]
+    lines = ["### When the device runs nothing", ""]
+    if idle is None:
+        return lines + [f"Not measured: the trace ({ops['source']}) held no op events of each "
+                        "traced step.", ""]
+    if ops["source"] == "host threads":
+        lines += ["On a CPU the ops run on host threads and these are their events: idle is "
+                  "time in which no host thread runs an op of the step (the runtime's own work "
+                  "between ops), not a GPU's launch gaps or host synchronisations.", ""]
+    lines += [
+        f"Per step: host wall time {idle['host_ms']:.3f} ms; device span (first op's start to "
+        f"last op's end) {idle['span_ms']:.3f} ms, busy (the union of its op events, concurrent "
+        f"ones counted once) "
+        f"{idle['busy_ms']:.3f} ms, idle {idle['idle_ms']:.3f} ms "
+        f"({_share(idle['idle_ms'], idle['span_ms'])} of the span); outside the span "
+        f"{idle['host_ms'] - idle['span_ms']:.3f} ms (dispatch before the first op, the wait "
+        f"after the last). Gaps under {SMALL_GAP_NS / 1e3:g} us (launch latency): "
+        f"{idle['small_gaps']:.1f} per step, {idle['small_ms']:.3f} ms.",
+        "",
+        f"The {len(idle['gaps'])} longest gaps over the traced steps:",
+        "",
+        "| step | gap us | op before | its HLO | op after | its HLO | scope after |",
+        "|---:|---:|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {gap['step']} | {gap['us']:.1f} | {gap['before']} | {_cell(gap['before_hlo'])} | "
+        f"{gap['after']} | {_cell(gap['after_hlo'])} | {gap['after_scope']} |"
+        for gap in idle["gaps"]
+    ]
+    lines += ["", "Idle time per step grouped by the op on either side of each gap (opcode and "
+              f"kind; the {IDLE_GROUP_ROWS} most idle of each grouping):", "",
+              "| grouped by | group | gaps/step | idle ms/step | share of idle |",
+              "|---|---|---:|---:|---:|"]
+    for key, grouping in IDLE_GROUPINGS:
+        lines += [
+            f"| {grouping} | {_cell(row['key'])} | {row['gaps']:.1f} | {row['ms']:.3f} | "
+            f"{_share(row['ms'], idle['idle_ms'])} |"
+            for row in idle[key][:IDLE_GROUP_ROWS]
+        ]
+    return lines + [""]
+
+
+def idle_summary_line(ops: dict) -> str:
+    """One line on the device's idle time per step of `trace_device_ops`' result, for a log."""
+    idle = ops["idle"]
+    if idle is None:
+        return f"device idle per step: not measured (trace: {ops['source']})"
+    waits = ", ".join(f"{row['key']} {row['ms']:.1f} ms" for row in idle["by_after_kind"][:3])
+    return (f"device idle per step: {idle['idle_ms']:.1f} ms of a {idle['span_ms']:.1f} ms span "
+            f"(busy {idle['busy_ms']:.1f} ms, host step {idle['host_ms']:.1f} ms; trace: "
+            f"{ops['source']}); {idle['small_gaps']:.0f} gaps under {SMALL_GAP_NS / 1e3:g} us, "
+            f"{idle['small_ms']:.1f} ms; most idle before: {waits or 'no gaps'}")
+
+
+def _share(part: float, whole: float) -> str:
+    """`part` as a percentage of `whole` ("-" for a zero whole)."""
+    return f"{part / whole:.1%}" if whole > 0 else "-"
+
+
+def _cell(text: str) -> str:
+    """Text for a markdown table cell (no column separators)."""
+    return text.replace("|", "/")
