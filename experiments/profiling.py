@@ -537,8 +537,9 @@ def idle_markdown(ops: dict) -> list[str]:
     idle = ops["idle"]
     lines = ["### When the device runs nothing", ""]
     if idle is None:
-        return lines + [f"Not measured: the trace ({ops['source']}) held no op events of each "
-                        "traced step.", ""]
+        return lines + [f"Not measured: the trace ({ops['source']}) held no op events, did not "
+                        "mark each traced step, or left a step without device events (the host's "
+                        "and the device's clocks not lined up).", ""]
     if ops["source"] == "host threads":
         lines += ["On a CPU the ops run on host threads and these are their events: idle is "
                   "time in which no host thread runs an op of the step (the runtime's own work "
