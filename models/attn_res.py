@@ -14,9 +14,10 @@ with `w` zero-initialised, so a fresh model averages its candidates uniformly. T
 - Full AttnRes: seal after every sub-layer, so each sub-layer output is its own candidate.
 - Plain residuals: never seal and never read; the input is the running sum.
 
-The sealed snapshots live in a fixed buffer of `num_slots` planes and a count, so the same code
-runs in a Python loop over layers and inside `lax.scan` over repeated layer groups; unfilled
-slots are masked out of the softmax.
+Layers in a Python loop keep the sealed snapshots as a tuple of planes, exactly the filled ones.
+`lax.scan` over repeated layer groups needs one carry shape, so there they live in a fixed buffer
+of `num_slots` planes and a count, unfilled slots masked out of the softmax
+(`ResidualStream.stacked` and `unstacked` convert at a scanned group's ends).
 """
 
 import dataclasses
@@ -54,22 +55,51 @@ def num_seal_slots(num_sublayers: int, period: int | None) -> int:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ResidualStream:
-    """The residual state between sub-layers.
+    """The residual state between sub-layers, in one of two layouts.
 
-    sealed:     [S, B, T, D]  snapshots; slot i holds data iff i < num_sealed (else zeros)
-    num_sealed: [] int32
-    live:       [B, T, D]     partial sum of the current block
+    Planes (layers in a Python loop, whose sub-layer index is static): `sealed` is a tuple of
+    exactly the filled snapshots, each [B, T, D], and `num_sealed` is None. A read touches only
+    the snapshots that exist, and each has a gradient of its own: with the buffer, every read's
+    backward wrote the whole [S, B, T, D] cotangent, though at the `1b` model's reads on average
+    2.5 of its 4 slots are filled.
+
+    Buffer (layers under `lax.scan`, whose carry keeps one shape): `sealed` is [S, B, T, D],
+    slot i holding data iff i < `num_sealed` ([] int32), the rest zeros.
+
+    live: [B, T, D] partial sum of the current block.
     """
 
-    sealed: jax.Array
-    num_sealed: jax.Array
+    sealed: tuple[jax.Array, ...] | jax.Array
+    num_sealed: jax.Array | None
     live: jax.Array
 
     @classmethod
-    def start(cls, embedding: jax.Array, num_slots: int) -> "ResidualStream":
+    def start(cls, embedding: jax.Array) -> "ResidualStream":
         """A stream whose live sum is the embedding [B, T, D] and nothing is sealed yet."""
-        sealed = jnp.zeros((num_slots,) + embedding.shape, embedding.dtype)
-        return cls(sealed, jnp.zeros((), jnp.int32), embedding)
+        return cls((), None, embedding)
+
+    @property
+    def is_buffer(self) -> bool:
+        return self.num_sealed is not None
+
+    def stacked(self, num_slots: int) -> "ResidualStream":
+        """The buffer layout with `num_slots` slots (a scan's carry); a buffer stays as it is."""
+        if self.is_buffer:
+            return self
+        if num_slots < len(self.sealed):
+            raise ValueError(
+                f"num_slots must hold the {len(self.sealed)} sealed snapshots, got {num_slots}"
+            )
+        blank = jnp.zeros((num_slots - len(self.sealed),) + self.live.shape, self.live.dtype)
+        sealed = jnp.concatenate([jnp.stack(self.sealed), blank]) if self.sealed else blank
+        return ResidualStream(sealed, jnp.int32(len(self.sealed)), self.live)
+
+    def unstacked(self, num_sealed: int) -> "ResidualStream":
+        """The planes layout, given the number of filled slots (static: the count of seals
+        before the current sub-layer); planes stay as they are."""
+        if not self.is_buffer:
+            return self
+        return ResidualStream(tuple(self.sealed[:num_sealed]), None, self.live)
 
     def add(self, update: jax.Array) -> "ResidualStream":
         """Adds a sub-layer output [B, T, D] to the live sum."""
@@ -78,12 +108,19 @@ class ResidualStream:
     def seal(self, when: bool | jax.Array = True) -> "ResidualStream":
         """Seals the live sum into the next slot and restarts it at zero, if `when` holds.
 
-        `when` may be a Python bool (static layer index) or a traced bool (scanned layers). Only
-        the next slot is written, with the live sum or its own content: selecting between whole
-        buffers made every scanned sub-layer copy all of [S, B, T, D] (and its gradient).
+        `when` is a Python bool (static layer index) or, for the buffer layout only, a traced
+        bool (scanned layers). In the buffer only the next slot is written, with the live sum or
+        its own content: selecting between whole buffers made every scanned sub-layer copy all
+        of [S, B, T, D] (and its gradient).
         """
         if isinstance(when, bool) and not when:
             return self
+        if not self.is_buffer:
+            if not isinstance(when, bool):
+                raise ValueError(
+                    "a traced `when` needs the buffer layout: call `stacked(num_slots)` first"
+                )
+            return ResidualStream(self.sealed + (self.live,), None, jnp.zeros_like(self.live))
         when = jnp.asarray(when)
         slot = jax.lax.dynamic_index_in_dim(self.sealed, self.num_sealed, 0, keepdims=False)
         sealed = jax.lax.dynamic_update_index_in_dim(
@@ -104,8 +141,14 @@ def attn_res_read(stream: ResidualStream, gain: jax.Array, query: jax.Array, eps
     forward and backward of every read).
     """
     direction = gain.astype(jnp.float32) * query.astype(jnp.float32)
-    sealed_scores = _normalized_score(stream.sealed, direction, eps)  # [S, B, T]
     live_score = _normalized_score(stream.live, direction, eps)  # [B, T]
+    if not stream.is_buffer:
+        candidates = stream.sealed + (stream.live,)
+        scores = [_normalized_score(v, direction, eps) for v in stream.sealed] + [live_score]
+        probs = jax.nn.softmax(jnp.stack(scores), axis=0)  # [C, B, T]
+        mixed = sum(p[..., None] * v.astype(jnp.float32) for p, v in zip(probs, candidates))
+        return mixed.astype(stream.live.dtype)
+    sealed_scores = _normalized_score(stream.sealed, direction, eps)  # [S, B, T]
     filled = jnp.arange(stream.sealed.shape[0]) < stream.num_sealed
     sealed_scores = jnp.where(filled[:, None, None], sealed_scores, -jnp.inf)
     probs = jax.nn.softmax(jnp.concatenate([sealed_scores, live_score[None]], axis=0), axis=0)

@@ -405,7 +405,7 @@ class HybridLM(nnx.Module):
         period = cfg.seal_period
         with profile_scope("embed"):
             embedded = constrain(self.embed(tokens), STREAM_AXES)
-        stream = ResidualStream.start(embedded, num_seal_slots(2 * cfg.num_layers, period))
+        stream = ResidualStream.start(embedded)
         page_table = None if state is None else (state.block_tables, state.lengths)
         remat = REMAT[cfg.remat]
         all_stats, all_caches = [], []
@@ -466,6 +466,8 @@ def _apply_group(group, plan, stream, period, segment_ids, caches, page_table, r
     if plan.repeats == 1:
         return group(stream, plan.first, period, segment_ids, caches, page_table, remat)
     graphdef, state = nnx.split(group)
+    # The scan carries the snapshots as a fixed buffer, sized for the seals made by its end.
+    sealed_by_end = num_seal_slots(2 * (plan.first + plan.num_layers), period)
 
     def body(carry, xs):
         stream, first = carry
@@ -476,9 +478,9 @@ def _apply_group(group, plan, stream, period, segment_ids, caches, page_table, r
         return (stream, first + plan.size), (stats, caches)
 
     (stream, _), (stats, caches) = jax.lax.scan(
-        body, (stream, jnp.int32(plan.first)), (state, caches)
+        body, (stream.stacked(sealed_by_end), jnp.int32(plan.first)), (state, caches)
     )
-    return stream, stats, caches
+    return stream.unstacked(sealed_by_end), stats, caches
 
 
 def aux_loss(router_stats: Sequence[RouterStats]) -> jax.Array:

@@ -37,8 +37,11 @@ def test_zero_query_is_uniform_average_of_candidates(seed, num_sealed):
     np.testing.assert_allclose(read(stream), candidates.mean(0), rtol=1e-5, atol=1e-6)
 
 
-def test_read_matches_formula():
+@pytest.mark.parametrize("layout", ["buffer", "planes"])
+def test_read_matches_formula(layout):
     stream = random_stream(jax.random.key(0), 5, 3)
+    if layout == "planes":
+        stream = stream.unstacked(3)
     gain = jax.random.normal(jax.random.key(1), (8,))
     query = jax.random.normal(jax.random.key(2), (8,))
     candidates = np.concatenate([stream.sealed[:3], stream.live[None]]).astype(np.float64)
@@ -49,6 +52,62 @@ def test_read_matches_formula():
     expected = (probs[..., None] * candidates).sum(0)
     got = attn_res_read(stream, gain, query, EPS)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_sealed", [0, 1, 3])
+def test_planes_and_buffer_layouts_agree_in_value_and_gradients(num_sealed):
+    stream = random_stream(jax.random.key(7), 4, num_sealed)
+    gain, query = (jax.random.normal(jax.random.key(i), (8,)) for i in (8, 9))
+    cotangent = jax.random.normal(jax.random.key(10), stream.live.shape)
+
+    def loss(sealed, live, gain, query):
+        stream = ResidualStream(sealed, None if isinstance(sealed, tuple) else count, live)
+        return jnp.sum(attn_res_read(stream, gain, query, EPS) * cotangent)
+
+    count = stream.num_sealed
+    planes = stream.unstacked(num_sealed)
+    assert len(planes.sealed) == num_sealed and planes.num_sealed is None
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
+    value, grads = grad(stream.sealed, stream.live, gain, query)
+    planes_value, planes_grads = grad(planes.sealed, planes.live, gain, query)
+    np.testing.assert_allclose(planes_value, value, rtol=1e-6)
+    np.testing.assert_allclose(jnp.stack(planes_grads[0] + (planes_grads[1],)),
+                               jnp.concatenate([grads[0][:num_sealed], grads[1][None]]),
+                               rtol=1e-5, atol=1e-6)
+    for got, want in zip(planes_grads[2:], grads[2:]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_planes_read_and_gradient_never_build_a_candidate_buffer():
+    """In the planes layout the read and its backward work plane by plane: no [C, B, T, D]
+    stack of candidates (C >= 2) is written, so the gradient of a snapshot costs one plane."""
+    planes = random_stream(jax.random.key(11), 4, 3).unstacked(3)
+    plane_shape = planes.live.shape
+
+    def loss(sealed, live, gain, query):
+        return jnp.sum(attn_res_read(ResidualStream(sealed, None, live), gain, query, EPS))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(
+        planes.sealed, planes.live, jnp.ones(8), jnp.ones(8))
+    stacked = [eqn.primitive.name for eqn in jaxpr.jaxpr.eqns for var in eqn.outvars
+               if var.aval.ndim == 4 and var.aval.shape[1:] == plane_shape]
+    assert stacked == []
+
+
+def test_layout_conversions_and_their_errors():
+    stream = random_stream(jax.random.key(12), 4, 2)
+    planes = stream.unstacked(2)
+    back = planes.stacked(4)
+    np.testing.assert_array_equal(back.sealed, stream.sealed)
+    assert int(back.num_sealed) == 2 and planes.stacked(4).sealed.shape == (4, 2, 3, 8)
+    assert ResidualStream.start(stream.live).stacked(0).sealed.shape == (0, 2, 3, 8)
+    with pytest.raises(ValueError, match="num_slots"):
+        planes.stacked(1)
+    with pytest.raises(ValueError, match="stacked"):
+        planes.seal(jnp.bool_(True))
+    sealed = planes.seal(True)
+    assert len(sealed.sealed) == 3 and not sealed.live.any()
+    np.testing.assert_array_equal(sealed.sealed[2], stream.live)
 
 
 def test_read_is_float32_inside_and_returns_stream_dtype():
@@ -123,7 +182,9 @@ def literal_k3_walk(embedding, sublayers, reads, final_read, block_size):
 
 def walk_with_stream(embedding, sublayers, reads, final_read, period, scanned):
     """The same walk through `sublayer_input`, optionally with a traced sub-layer index."""
-    stream = ResidualStream.start(embedding, num_seal_slots(len(sublayers), period))
+    stream = ResidualStream.start(embedding)
+    if scanned:
+        stream = stream.stacked(num_seal_slots(len(sublayers), period))
     for index, (f, (gain, query)) in enumerate(zip(sublayers, reads)):
         read = AttnResRead(embedding.shape[-1], eps=EPS)
         read.gain[...], read.query[...] = gain, query
@@ -156,7 +217,7 @@ def test_full_attn_res_reads_every_earlier_sublayer_output():
     embedding = jax.random.normal(jax.random.key(6), (1, 2, d))
     outputs = [jax.random.normal(jax.random.key(10 + i), (1, 2, d)) for i in range(num_sublayers)]
     period = seal_period("full_attn_res", block_size=12)
-    stream = ResidualStream.start(embedding, num_seal_slots(num_sublayers, period))
+    stream = ResidualStream.start(embedding)
     read = AttnResRead(d, eps=EPS)
     for index, out in enumerate(outputs):
         x, stream = sublayer_input(stream, read, index, period)
@@ -168,7 +229,7 @@ def test_full_attn_res_reads_every_earlier_sublayer_output():
 
 def test_plain_residual_is_running_sum():
     embedding = jnp.ones((1, 2, 4))
-    stream = ResidualStream.start(embedding, num_seal_slots(6, seal_period("plain", 12)))
+    stream = ResidualStream.start(embedding)
     for index in range(3):
         x, stream = sublayer_input(stream, None, index, None)
         np.testing.assert_array_equal(x, embedding * (1 + index))
