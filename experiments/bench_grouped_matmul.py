@@ -1,0 +1,278 @@
+"""Benchmark: the row-ragged grouped GEMMs of the MoE step, ours against JAX's bundled kernel.
+
+    python -m experiments.bench_grouped_matmul --gpu     # one H200: 131072 rows (16384 tokens x
+                                                         # top-8), 64 groups; writes
+                                                         # benchmarks/grouped_matmul_h200.md
+    python -m experiments.bench_grouped_matmul --smoke   # tiny sizes on CPU (interpret mode)
+
+The four products are those of the MoE layer's expert matmuls that are ragged in their rows: the
+two forward products and their input gradients (rhs transposed). Each is timed for
+`moe.ragged_matmul_mgpu.ragged_matmul` under every config of `SWEEP_CONFIGS`, for JAX's bundled
+`ragged_dot_mgpu` with the tiles `moe.grouped_matmul` uses today, and for XLA's dense `jnp.dot`
+of the same FLOPs ([M, K] x [K, N]). Group sizes are one multinomial draw of M rows over G equal
+groups (fixed seed), as uniform routing gives. Every grouped result is checked against XLA's
+`ragged_dot` with float32 output on the rows the groups cover.
+
+On GPU the time is the median over `--iters` calls of the device time of the call's kernels
+(CUPTI through `jax.experimental.mosaic.gpu.profiler`; our table preparation included), or of its
+wall time if CUPTI is not available (the table says which). TFLOP/s counts 2 M K N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import platform
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+from experiments.profiling import median_seconds
+from moe.grouped_matmul import _row_ragged_tiles
+from moe.ragged_matmul_mgpu import SWEEP_CONFIGS, interpreted_on_cpu, ragged_matmul
+
+AGREEMENT_TOLERANCE = 8e-3  # bf16 outputs: a rounding is 2^-9 of the value at most
+
+
+@dataclasses.dataclass(frozen=True)
+class Product:
+    """lhs [M, K] times rhs [G, K, N] (or [G, N, K] when transpose_rhs) with rows ragged."""
+
+    contraction: int
+    columns: int
+    transpose_rhs: bool
+
+    def label(self, rows: int, groups: int) -> str:
+        if self.transpose_rhs:
+            return f"[{rows},{self.contraction}] x [{groups},{self.columns},{self.contraction}]^T"
+        return f"[{rows},{self.contraction}] x [{groups},{self.contraction},{self.columns}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSize:
+    rows: int
+    groups: int
+    products: tuple[Product, ...]
+
+
+GPU_SIZE = BenchSize(
+    rows=131072,
+    groups=64,
+    products=(
+        Product(1024, 2048, False),  # forward, latent 1024 -> fused gate/up 2048
+        Product(1024, 1024, False),  # forward, expert width 1024 -> latent 1024
+        Product(2048, 1024, True),  # input gradient of the first
+        Product(1024, 1024, True),  # input gradient of the second
+    ),
+)
+SMOKE_SIZE = BenchSize(
+    rows=384,
+    groups=4,
+    products=(Product(128, 256, False), Product(256, 256, True)),
+)
+
+
+def routed_group_sizes(rows: int, groups: int, seed: int = 0) -> np.ndarray:
+    """[G] int32 rows per group: one multinomial draw of `rows` over `groups` equal groups."""
+    rng = np.random.default_rng(seed)
+    return rng.multinomial(rows, np.full(groups, 1.0 / groups)).astype(np.int32)
+
+
+def product_operands(size: BenchSize, product: Product, seed: int = 0):
+    """lhs [M, K], rhs [G, K, N] (or [G, N, K]) bf16 normal, and a dense [K, N] for jnp.dot."""
+    lhs_key, rhs_key = jax.random.split(jax.random.key(seed))
+    lhs = jax.random.normal(lhs_key, (size.rows, product.contraction), jnp.bfloat16)
+    rhs_shape = (product.columns, product.contraction) if product.transpose_rhs else (
+        product.contraction, product.columns)
+    rhs = jax.random.normal(rhs_key, (size.groups, *rhs_shape), jnp.bfloat16)
+    dense_rhs = jnp.swapaxes(rhs[0], 0, 1) if product.transpose_rhs else rhs[0]
+    return lhs, rhs, dense_rhs
+
+
+def kernels(product: Product, config_names) -> list[tuple[str, str, object]]:
+    """(kernel, its tiles, jitted f(lhs, rhs, group_sizes)) of every timed grouped kernel."""
+    bundled_tiles = _row_ragged_tiles(product.contraction, product.columns)
+    bundled = jax.jit(
+        lambda lhs, rhs, sizes: ragged_dot_mgpu.ragged_dot(
+            lhs, rhs, group_sizes=sizes, transpose_rhs=product.transpose_rhs, **bundled_tiles
+        )
+    )
+    label = "{block_m}x{block_n} k{block_k} s{max_concurrent_steps} w{grid_block_n}"
+    ours = [
+        (
+            "ours",
+            name,
+            jax.jit(
+                functools.partial(
+                    ragged_matmul, transpose_rhs=product.transpose_rhs, config=SWEEP_CONFIGS[name]
+                )
+            ),
+        )
+        for name in config_names
+    ]
+    return [("bundled ragged_dot_mgpu", label.format(**bundled_tiles), bundled), *ours]
+
+
+def reference(lhs, rhs, group_sizes, transpose_rhs: bool) -> jax.Array:
+    """XLA's ragged_dot with float32 output: [M, N]."""
+    rhs = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+
+
+def relative_error(out: jax.Array, expected: jax.Array, rows: int) -> float:
+    """max |out - expected| / max |expected| over the first `rows` rows."""
+    out = np.asarray(out[:rows].astype(jnp.float32))
+    expected = np.asarray(expected[:rows])
+    return float(np.max(np.abs(out - expected)) / np.max(np.abs(expected)))
+
+
+def timed_ms(run, iters: int, use_cupti: bool) -> tuple[float, str]:
+    """(median milliseconds of `run()`, which timer): CUPTI device time where it works."""
+    jax.block_until_ready(run())
+    if use_cupti:
+        try:
+            from jax.experimental.mosaic.gpu import profiler
+
+            _, times = profiler.measure(lambda: run(), iterations=iters)()
+            if times and all(t is not None for t in times):
+                return statistics.median(times), "CUPTI device time"
+        except Exception as error:  # CUPTI missing or busy: fall back to wall time
+            print(f"CUPTI timing unavailable ({type(error).__name__}: {error}); using wall time")
+    return median_seconds(run, iters, warmup=0) * 1e3, "wall time"
+
+
+def run(size: BenchSize, config_names, iters: int, use_cupti: bool) -> list[dict]:
+    """One row per (product, kernel): ms, TFLOP/s, speed-up over the bundled kernel, error."""
+    sizes = jnp.asarray(routed_group_sizes(size.rows, size.groups))
+    covered_rows = int(sizes.sum())
+    rows = []
+    for product in size.products:
+        lhs, rhs, dense_rhs = product_operands(size, product)
+        flops = 2 * size.rows * product.contraction * product.columns
+        expected = jax.jit(reference, static_argnums=3)(lhs, rhs, sizes, product.transpose_rhs)
+        label = product.label(size.rows, size.groups)
+        timed = []
+        for name, config, kernel in kernels(product, config_names):
+            row = dict(product=label, kernel=name, config=config)
+            try:
+                out = kernel(lhs, rhs, sizes)
+                row["error"] = relative_error(out, expected, covered_rows)
+                call = functools.partial(kernel, lhs, rhs, sizes)
+                row["ms"], row["timer"] = timed_ms(call, iters, use_cupti)
+            except Exception as error:  # one failing config must not lose the others' numbers
+                row["failure"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+            timed.append(row)
+        dense = jax.jit(jnp.dot)
+        dense_ms, timer = timed_ms(lambda: dense(lhs, dense_rhs), iters, use_cupti)
+        timed.append(dict(product=label, kernel="XLA dense jnp.dot", config="same FLOPs",
+                          ms=dense_ms, timer=timer))
+        bundled_ms = timed[0].get("ms")
+        for row in timed:
+            if "ms" in row:
+                row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
+                row["speedup"] = bundled_ms / row["ms"] if bundled_ms else float("nan")
+        rows += timed
+    return rows
+
+
+def markdown(size: BenchSize, rows: list[dict], command: str) -> str:
+    sizes = routed_group_sizes(size.rows, size.groups)
+    device = jax.devices()[0]
+    timers = sorted({row["timer"] for row in rows if "timer" in row})
+    lines = [
+        "# Row-ragged grouped GEMM: ours (moe.ragged_matmul_mgpu) vs JAX's bundled kernel",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
+        f"- device: {device.device_kind} ({jax.default_backend()})",
+        f"- versions: jax {jax.__version__}, jaxlib {jax.lib.__version__}, "
+        f"python {platform.python_version()}",
+        f"- groups: {size.groups}, multinomial over {size.rows} rows (seed 0): sizes "
+        f"{sizes.min()}-{sizes.max()}, all rows covered",
+        f"- timer: {', '.join(timers)} (median); TFLOP/s = 2 M K N / time",
+        f"- error: max |out - ref| / max |ref| against XLA ragged_dot (float32 output); "
+        f"agreement means <= {AGREEMENT_TOLERANCE:g}",
+        "",
+        "| product | kernel | config | ms | TFLOP/s | bundled ms / ms | error |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        if "failure" in row:
+            lines.append(
+                f"| {row['product']} | {row['kernel']} | {row['config']} | failed: "
+                f"{row['failure']} | | | |"
+            )
+            continue
+        error = f"{row['error']:.1e}" if "error" in row else ""
+        lines.append(
+            f"| {row['product']} | {row['kernel']} | {row['config']} | {row['ms']:.3f} | "
+            f"{row['tflops']:.1f} | {row['speedup']:.3f} | {error} |"
+        )
+    return "\n".join(lines + [""])
+
+
+def disagreements(rows: list[dict]) -> list[str]:
+    """The kernels whose output differs from the reference beyond bf16 rounding, or failed."""
+    return [
+        f"{row['product']} {row['kernel']} {row['config']}: {row.get('failure') or row['error']}"
+        for row in rows
+        if "failure" in row or row.get("error", 0.0) > AGREEMENT_TOLERANCE
+    ]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.bench_grouped_matmul",
+        description="Row-ragged grouped GEMMs: ours vs JAX's bundled Mosaic GPU kernel vs dense.",
+    )
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--gpu", action="store_true", help="the H200 sizes (131072 rows, 64 groups)")
+    size.add_argument("--smoke", action="store_true", help="tiny sizes, interpret mode on CPU")
+    parser.add_argument("--iters", type=int, default=None, help="timed calls (default 20 / 1)")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        choices=sorted(SWEEP_CONFIGS),
+        default=list(SWEEP_CONFIGS),
+        help="our configs to time (default: all of SWEEP_CONFIGS)",
+    )
+    parser.add_argument(
+        "--out", default=None, help="markdown table (default benchmarks/grouped_matmul_h200.md "
+        "with --gpu)"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    if args.gpu and jax.default_backend() != "gpu":
+        raise SystemExit("--gpu needs a CUDA device; use --smoke on CPU.")
+    iters = args.iters or (20 if args.gpu else 1)
+    if args.gpu:
+        rows = run(GPU_SIZE, args.configs, iters, use_cupti=True)
+    else:
+        with interpreted_on_cpu(num_sms=4):
+            rows = run(SMOKE_SIZE, args.configs, iters, use_cupti=False)
+    command = "python -m experiments.bench_grouped_matmul " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
+    table = markdown(GPU_SIZE if args.gpu else SMOKE_SIZE, rows, command)
+    print(table)
+    out = args.out or ("benchmarks/grouped_matmul_h200.md" if args.gpu else None)
+    if out:
+        with open(out, "w") as f:
+            f.write(table)
+    if bad := disagreements(rows):
+        raise SystemExit("outputs disagree with the reference:\n" + "\n".join(bad))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

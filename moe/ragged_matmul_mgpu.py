@@ -1,0 +1,448 @@
+"""Row-ragged grouped GEMM for Hopper (Pallas Mosaic GPU): out[rows of g] = lhs[rows of g] @ rhs[g].
+
+One persistent program an SM walks (row block, column block) tiles of the output. A program has
+three warpgroups: a producer that only issues TMA loads (`plgpu.emit_pipeline_warp_specialized`)
+and two consumers that each own half the tile's rows (by default 64 rows by 256 columns: the
+m64n256k16 wgmma and a 128-register float32 accumulator a thread). The consumers share each
+stage's lhs and rhs tiles; while one waits for its wgmma the other's runs, so a stage is released
+as soon as its wgmma is done. Consecutive tiles of a program form a pipeline of pipelines
+(`overlap_tiles`): the producer loads the next tile's first stages while the consumers finish the
+current tile and store it, instead of waiting for the whole tile to be consumed.
+
+Ragged rows. Work item w of the row dimension is one (group, row block) pair: a row block that
+straddles a group boundary is computed once for each of its groups, each computation storing only
+its own rows. The table of work items (group, first row, end row; `work_table`) is a few small XLA
+ops over `group_sizes` ahead of the kernel, so the kernel reads three scalars a tile instead of
+scanning all groups, and its tile loop covers exactly the valid tiles (no program computes a tile
+that nothing stores, such as blocks past sum(group_sizes)).
+
+Epilogue. A consumer's rows wholly inside the group (nearly all tiles at real sizes) leave through
+a swizzled SMEM tile and one TMA store per epilogue chunk, double-buffered. Rows cut by a group
+boundary leave through a plain (unswizzled) SMEM tile and a ladder of power-of-two-row TMA stores
+(TMA boxes have static sizes; a swizzled tile can only be sliced at multiples of 8 rows).
+
+Rows at or past sum(group_sizes) are left unwritten, as JAX's bundled `ragged_dot_mgpu` leaves
+them. Testing: `interpreted_on_cpu` runs the kernel in Mosaic GPU interpret mode; under
+`simulated_hopper`, lowering for "cuda" runs Mosaic GPU's compile-time checks without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+COMPUTE_WARPGROUPS = 2  # consumers; the producer warpgroup is one more
+_PRODUCER_REGISTERS = 40  # the producer only issues TMA; the consumers share the rest
+_WGMMA_ROWS = 64
+_SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+_HOPPER_SMS = 132  # H100 / H200 SXM, used when no device or abstract mesh says otherwise
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedMatmulConfig:
+    """Tile settings of `ragged_matmul`.
+
+    tile_m: output rows a program computes at a time, split between the two consumer warpgroups
+        (tile_m / 2 each, a multiple of 64).
+    tile_n: output columns a program computes at a time (each consumer takes all of them).
+    tile_k: contraction width of one pipeline stage (64 bf16 = one 128-byte swizzle row).
+    max_concurrent_steps: pipeline stages in flight (SMEM buffers per operand).
+    epilogue_tile_n: columns of each SMEM tile the epilogue stores through.
+    grid_tile_width: column blocks visited before the next row block (a band of this many column
+        blocks sweeps the row blocks, so a group's rhs band stays in L2 while its rows stream).
+    overlap_tiles: whether the producer starts loading a program's next tile while the current
+        one finishes (a pipeline of pipelines); needs max_concurrent_steps to divide K / tile_k.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 256
+    tile_k: int = 64
+    max_concurrent_steps: int = 4
+    epilogue_tile_n: int = 32
+    grid_tile_width: int = 8
+    overlap_tiles: bool = True
+
+    def __post_init__(self):
+        if self.tile_m % (COMPUTE_WARPGROUPS * _WGMMA_ROWS):
+            raise ValueError(
+                f"tile_m must be a multiple of {COMPUTE_WARPGROUPS * _WGMMA_ROWS} (two warpgroups "
+                f"of whole 64-row wgmma tiles), got {self.tile_m}."
+            )
+        if not 8 <= self.tile_n <= 256 or self.tile_n % 8:
+            raise ValueError(
+                f"tile_n must be a multiple of 8 in [8, 256] (wgmma), got {self.tile_n}."
+            )
+        if self.tile_k % 64:
+            raise ValueError(
+                f"tile_k must be a multiple of 64 (128-byte swizzle), got {self.tile_k}."
+            )
+        if self.tile_n % self.epilogue_tile_n or self.epilogue_tile_n % 8:
+            raise ValueError(
+                f"epilogue_tile_n must be a multiple of 8 dividing tile_n={self.tile_n}, "
+                f"got {self.epilogue_tile_n}."
+            )
+        if self.max_concurrent_steps < 2:
+            raise ValueError(
+                "max_concurrent_steps must be at least 2 (loads overlap the math), "
+                f"got {self.max_concurrent_steps}."
+            )
+        if self.grid_tile_width < 1:
+            raise ValueError(f"grid_tile_width must be positive, got {self.grid_tile_width}.")
+
+
+# 4 stages of 128x64 + 64x256 bf16 (192 KiB) leave room for a 32-column epilogue only.
+DEFAULT_CONFIG = RaggedMatmulConfig()
+# Alternatives for a sweep; each fits the 227 KiB of SMEM a program may use on an H100/H200.
+SWEEP_CONFIGS = {
+    "128x256 k64 s4 e32": DEFAULT_CONFIG,
+    "128x256 k64 s4 e32 no-overlap": RaggedMatmulConfig(overlap_tiles=False),
+    "128x256 k128 s2 e32": RaggedMatmulConfig(tile_k=128, max_concurrent_steps=2),
+    "128x128 k64 s4 e64": RaggedMatmulConfig(tile_n=128, epilogue_tile_n=64),
+}
+
+
+def ragged_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    transpose_rhs: bool = False,
+    config: RaggedMatmulConfig = DEFAULT_CONFIG,
+) -> jax.Array:
+    """Rows of `lhs` grouped consecutively, each group times its own matrix, on a Hopper GPU.
+
+    Args:
+        lhs: [M, K] bf16 or f16, rows sorted by group.
+        rhs: [G, K, N] one matrix per group ([G, N, K] with transpose_rhs=True), lhs.dtype.
+        group_sizes: [G] integer rows per group, summing to at most M.
+        transpose_rhs: whether rhs holds each group's matrix transposed.
+        config: tile settings; K must be a multiple of tile_k and N of tile_n.
+
+    Returns:
+        [M, N] in lhs.dtype; rows at or past sum(group_sizes) are left unwritten.
+    """
+    num_rows, contraction, columns = _checked_shape(
+        lhs, rhs, group_sizes, transpose_rhs, config
+    )
+    table, work_count = work_table(group_sizes, num_rows, config.tile_m)
+    max_tiles = table.shape[1] * (columns // config.tile_n)
+    body = functools.partial(
+        _kernel_body, config=config, transpose_rhs=transpose_rhs, contraction=contraction
+    )
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((num_rows, columns), lhs.dtype),
+        grid=(min(_num_sms(), max_tiles),),
+        grid_names=("sm",),
+        num_threads=COMPUTE_WARPGROUPS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+        ),
+    )
+    return kernel(table, work_count, lhs, rhs)
+
+
+def simulated_hopper(num_sms: int = _HOPPER_SMS) -> contextlib.AbstractContextManager:
+    """An abstract H100-class device to build the kernel for where there is none (CPU).
+
+    Inside it, `jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))` runs Mosaic GPU's
+    lowering checks (layouts, wgmma, TMA, shared memory) without a GPU.
+    """
+    return jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh(
+            (),
+            (),
+            abstract_device=jax.sharding.AbstractDevice(
+                device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=num_sms
+            ),
+        )
+    )
+
+
+@contextlib.contextmanager
+def interpreted_on_cpu(num_sms: int = _HOPPER_SMS, detect_races: bool = False):
+    """Runs the Mosaic GPU kernels called inside in interpret mode on a simulated Hopper (CPU).
+
+    num_sms: the simulated SMs, hence programs; a few make each program walk several tiles.
+    """
+    interpret = plgpu.InterpretGPUParams(detect_races=detect_races)
+    with simulated_hopper(num_sms), plgpu.force_gpu_interpret_mode(interpret):
+        yield
+
+
+def work_table(
+    group_sizes: jax.Array, num_rows: int, tile_m: int
+) -> tuple[jax.Array, jax.Array]:
+    """The (group, row block) work items of the row dimension, in row order.
+
+    A row block that straddles group boundaries gives one item per group it holds rows of; empty
+    groups give none; rows at or past sum(group_sizes) (or M) give none.
+
+    Args:
+        group_sizes: [G] integer rows per group.
+        num_rows: M, the rows of lhs.
+        tile_m: rows of a block.
+
+    Returns:
+        table: [3, W] int32 with W = ceil(M / tile_m) + G - 1 (the most items there can be):
+            the group, first row and end row (exclusive) of item w; items past the count hold
+            group 0 and no rows.
+        count: [1] int32, how many items are valid.
+    """
+    sizes = group_sizes.astype(jnp.int32)
+    num_groups = sizes.shape[0]
+    ends = jnp.minimum(jnp.cumsum(sizes), num_rows)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    first_block = starts // tile_m
+    blocks = jnp.where(ends > starts, (ends - 1) // tile_m - first_block + 1, 0)
+    items_end = jnp.cumsum(blocks)
+    max_items = pl.cdiv(num_rows, tile_m) + num_groups - 1
+    item = jnp.arange(max_items, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(items_end, item, side="right"), num_groups - 1)
+    group = group.astype(jnp.int32)
+    block = first_block[group] + item - (items_end[group] - blocks[group])
+    valid = item < items_end[-1]
+    row_start = jnp.where(valid, jnp.maximum(starts[group], block * tile_m), 0)
+    row_end = jnp.where(valid, jnp.minimum(ends[group], (block + 1) * tile_m), 0)
+    table = jnp.stack([jnp.where(valid, group, 0), row_start, row_end])
+    return table, items_end[-1:]
+
+
+def _checked_shape(lhs, rhs, group_sizes, transpose_rhs, config):
+    """(M, K, N) of a call, or a ValueError naming what does not fit."""
+    if lhs.ndim != 2 or rhs.ndim != 3:
+        raise ValueError(
+            f"ragged_matmul needs lhs [M, K] and rhs [G, K, N] ([G, N, K] with transpose_rhs), "
+            f"got lhs {lhs.shape} and rhs {rhs.shape}."
+        )
+    num_rows, contraction = lhs.shape
+    num_groups = rhs.shape[0]
+    rhs_contraction, columns = rhs.shape[2:0:-1] if transpose_rhs else rhs.shape[1:]
+    layout = "[G, N, K]" if transpose_rhs else "[G, K, N]"
+    if rhs_contraction != contraction:
+        raise ValueError(
+            f"rhs {rhs.shape} read as {layout} contracts {rhs_contraction}, but lhs {lhs.shape} "
+            f"has K={contraction}; pass transpose_rhs={not transpose_rhs} if rhs is the other "
+            "layout."
+        )
+    if group_sizes.shape != (num_groups,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(
+            f"group_sizes must be integers of shape [G={num_groups}], got {group_sizes.dtype} "
+            f"{group_sizes.shape}."
+        )
+    if lhs.dtype not in _SUPPORTED_DTYPES or rhs.dtype != lhs.dtype:
+        raise ValueError(
+            f"lhs and rhs must both be bfloat16 or both float16, got {lhs.dtype} and "
+            f"{rhs.dtype}; cast them first."
+        )
+    if contraction % config.tile_k or columns % config.tile_n:
+        raise ValueError(
+            f"K={contraction} must be a multiple of tile_k={config.tile_k} and N={columns} of "
+            f"tile_n={config.tile_n}; choose a config whose tiles divide them."
+        )
+    steps = contraction // config.tile_k
+    if config.overlap_tiles and steps % min(config.max_concurrent_steps, steps):
+        raise ValueError(
+            f"overlap_tiles needs max_concurrent_steps={config.max_concurrent_steps} to divide "
+            f"the {steps} steps of K={contraction} / tile_k={config.tile_k}; choose another "
+            "max_concurrent_steps or overlap_tiles=False."
+        )
+    if num_rows == 0 or num_groups == 0:
+        raise ValueError(f"lhs needs a row and rhs a group, got {lhs.shape} and {rhs.shape}.")
+    return num_rows, contraction, columns
+
+
+def _num_sms() -> int:
+    """SMs of the device the kernel is built for (an abstract mesh's, for interpret mode)."""
+    abstract_device = jax.sharding.get_abstract_mesh().abstract_device
+    if abstract_device is not None:
+        return abstract_device.num_cores
+    device = jax.devices()[0]
+    return getattr(device, "core_count", None) or _HOPPER_SMS
+
+
+def _swizzled(columns: int, dtype) -> tuple[plgpu.Transform, ...]:
+    """SMEM transforms of a tile whose rows are `columns` elements: the widest swizzle that fits."""
+    swizzle = plgpu.find_swizzle(columns * jnp.dtype(dtype).itemsize * 8)
+    swizzle_elements = swizzle // jnp.dtype(dtype).itemsize
+    return plgpu.TilingTransform((8, swizzle_elements)), plgpu.SwizzleTransform(swizzle)
+
+
+def _kernel_body(
+    table_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, *, config, transpose_rhs, contraction
+):
+    """One persistent program: the producer loads, the two consumers multiply and store.
+
+    table_gmem: [3, W] int32 and count_gmem: [1] int32 from `work_table`; lhs_gmem: [M, K];
+    rhs_gmem: [G, K, N] or [G, N, K]; out_gmem: [M, N].
+    """
+    dtype = lhs_gmem.dtype
+    tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
+    rows_per_consumer = tile_m // COMPUTE_WARPGROUPS
+    column_blocks = out_gmem.shape[1] // tile_n
+    operand_transforms = _swizzled(tile_k, dtype)
+
+    def pipeline(row_block, column_block, body, compute_context, pipeline_state=None):
+        rhs_spec = (
+            plgpu.BlockSpec(
+                (tile_n, tile_k), lambda step: (column_block, step), transforms=operand_transforms
+            )
+            if transpose_rhs
+            else plgpu.BlockSpec(
+                (tile_k, tile_n), lambda step: (step, column_block), transforms=operand_transforms
+            )
+        )
+        lhs_spec = plgpu.BlockSpec(
+            (tile_m, tile_k), lambda step: (row_block, step), transforms=operand_transforms
+        )
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(contraction // tile_k,),
+            memory_registers=_PRODUCER_REGISTERS,
+            in_specs=[lhs_spec, rhs_spec],
+            wg_axis="wg",
+            num_compute_wgs=COMPUTE_WARPGROUPS,
+            max_concurrent_steps=config.max_concurrent_steps,
+            compute_context=compute_context,
+            pipeline_state=pipeline_state,
+        )
+
+    def ignore(*_, **__):
+        return None
+
+    epilogue_n = config.epilogue_tile_n
+
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=pipeline(0, 0, ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0]),
+        swizzled_smem=plgpu.SMEM(
+            (COMPUTE_WARPGROUPS, 2, rows_per_consumer, epilogue_n),
+            dtype,
+            transforms=_swizzled(epilogue_n, dtype),
+        ),
+        plain_smem=plgpu.SMEM((COMPUTE_WARPGROUPS, rows_per_consumer, epilogue_n), dtype),
+        collective_axes="wg",
+    )
+    def _scope(pipeline_allocs, swizzled_smem, plain_smem):
+        consumer = lax.axis_index("wg")
+        work_count = count_gmem[0]
+
+        @plgpu.nd_loop((work_count * column_blocks,), collective_axes="sm")
+        def _tile_loop(loop_info: plgpu.NDLoopInfo):
+            work, column_block = plgpu.planar_snake(
+                loop_info.index[0], (work_count, column_blocks), 1, config.grid_tile_width
+            )
+            group = table_gmem[0, work]
+            row_start = table_gmem[1, work]
+            row_end = table_gmem[2, work]
+            row_block = lax.div(row_start, jnp.int32(tile_m))
+
+            def multiply(_, lhs_smem, rhs_smem, acc_ref):
+                own_rows = lhs_smem.at[pl.ds(consumer * rows_per_consumer, rows_per_consumer)]
+                plgpu.wgmma(
+                    acc_ref, own_rows, rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
+                )
+                # Each stage is released as soon as its wgmma is done, not a step later
+                # (delay_release=1): the last stage of a tile would then still be read while the
+                # producer refills it for the next tile. The tensor cores stay busy anyway:
+                # while one consumer waits, the other's wgmma runs.
+                plgpu.wgmma_wait(0)
+                return acc_ref
+
+            def consume(run_pipeline):
+                @functools.partial(
+                    pl.run_scoped, acc_ref=plgpu.ACC((rows_per_consumer, tile_n), jnp.float32)
+                )
+                def _accumulate(acc_ref):
+                    run_pipeline(acc_ref)
+                    first_row = row_block * tile_m + consumer * rows_per_consumer
+                    _store_consumer_rows(
+                        acc_ref[...].astype(dtype),
+                        out_gmem.at[:, pl.ds(column_block * tile_n, tile_n)],
+                        swizzled_smem.at[consumer],
+                        plain_smem.at[consumer],
+                        first_row=first_row,
+                        start=jnp.clip(row_start - first_row, 0, rows_per_consumer),
+                        end=jnp.clip(row_end - first_row, 0, rows_per_consumer),
+                    )
+
+            pipeline(
+                row_block,
+                column_block,
+                multiply,
+                consume,
+                _pipeline_state(loop_info) if config.overlap_tiles else None,
+            )(lhs_gmem, rhs_gmem.at[group], allocations=pipeline_allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _pipeline_state(loop_info: plgpu.NDLoopInfo) -> jax.Array:
+    """START on a program's first tile, STOP on its last, STEADY between.
+
+    In STEADY and STOP the producer issues a tile's first loads as soon as their buffers are
+    consumed, during the previous tile's last steps and epilogue, instead of waiting for the whole
+    previous tile. A program with a single tile runs it as START, which skips only the producer's
+    final wait for the consumers' last releases: nothing reuses those buffers after it.
+    """
+    last = loop_info.local_index == loop_info.num_local_steps - 1
+    state = jnp.where(last, int(plgpu.PipelinePipeline.STOP), int(plgpu.PipelinePipeline.STEADY))
+    return jnp.where(loop_info.local_index == 0, int(plgpu.PipelinePipeline.START), state)
+
+
+def _store_consumer_rows(out, out_gmem, swizzled_smem, plain_smem, *, first_row, start, end):
+    """Stores rows [start, end) of one consumer's slab to out_gmem rows first_row + [start, end).
+
+    out: [R, tile_n] values (R = rows a consumer owns); out_gmem: [M, tile_n] the tile's columns;
+    swizzled_smem: [2, R, E] double-buffered epilogue tiles; plain_smem: [R, E] an unswizzled one.
+    """
+    rows, columns = out.shape
+    epilogue_n = plain_smem.shape[-1]
+    chunks = [pl.ds(c * epilogue_n, epilogue_n) for c in range(columns // epilogue_n)]
+    # The previous tile's stores must have read the SMEM this tile's epilogue overwrites.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    @pl.when((start == 0) & (end == rows))
+    def _whole_slab():
+        for index, chunk in enumerate(chunks):
+            slot = index % 2
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store that last read `slot`
+            swizzled_smem[slot] = out[:, chunk.start : chunk.start + epilogue_n]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                swizzled_smem.at[slot], out_gmem.at[pl.ds(first_row, rows), chunk]
+            )
+
+    @pl.when((start < end) & ((start > 0) | (end < rows)))
+    def _cut_slab():
+        for chunk in chunks:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plain_smem[...] = out[:, chunk.start : chunk.start + epilogue_n]
+            plgpu.commit_smem()
+            _store_row_range(plain_smem, out_gmem.at[:, chunk], first_row, start, end - start)
+
+
+def _store_row_range(src_smem, dst_gmem, first_row, start, count):
+    """TMA-stores src_smem rows [start, start + count) to dst_gmem rows first_row + the same.
+
+    TMA boxes have static shapes, so the dynamic count is stored as its binary digits: one
+    conditional store of 2^i rows for each bit i that is set, the widest first.
+    """
+    size = 1 << (src_smem.shape[0].bit_length() - 1)
+    while size:
+        @pl.when(count & size != 0)
+        def _store(size=size, start=start):
+            plgpu.copy_smem_to_gmem(
+                src_smem.at[pl.ds(start, size)], dst_gmem.at[pl.ds(first_row + start, size)]
+            )
+
+        start = start + (count & size)
+        size //= 2
