@@ -147,8 +147,13 @@ def timed_ms(run, iters: int, use_cupti: bool) -> tuple[float, str]:
     return median_seconds(run, iters, warmup=0) * 1e3, "wall time"
 
 
-def run(size: BenchSize, config_names, iters: int, use_cupti: bool) -> list[dict]:
-    """One row per (product, kernel): ms, TFLOP/s, speed-up over the bundled kernel, error."""
+def run(size: BenchSize, config_names, iters: int, use_cupti: bool, report=None) -> list[dict]:
+    """One row per (product, kernel): ms, TFLOP/s, speed-up over the bundled kernel, error.
+
+    `report(rows)` is called after each row (the GPU run writes its table as it goes, so a hung
+    or crashed kernel leaves the rows before it). Per product the bundled kernel and XLA's dense
+    dot run first, then our configs.
+    """
     sizes = jnp.asarray(routed_group_sizes(size.rows, size.groups))
     covered_rows = int(sizes.sum())
     rows = []
@@ -157,27 +162,32 @@ def run(size: BenchSize, config_names, iters: int, use_cupti: bool) -> list[dict
         flops = 2 * size.rows * product.contraction * product.columns
         expected = jax.jit(reference, static_argnums=3)(lhs, rhs, sizes, product.transpose_rhs)
         label = product.label(size.rows, size.groups)
-        timed = []
-        for name, config, kernel in kernels(product, config_names):
+        (bundled_name, bundled_config, bundled), *ours = kernels(product, config_names)
+        dense = jax.jit(jnp.dot)
+        timed = [
+            (bundled_name, bundled_config, bundled, (lhs, rhs, sizes)),
+            ("XLA dense jnp.dot", "same FLOPs", dense, (lhs, dense_rhs)),
+            *[(name, config, kernel, (lhs, rhs, sizes)) for name, config, kernel in ours],
+        ]
+        bundled_ms = None
+        for name, config, kernel, args in timed:
             row = dict(product=label, kernel=name, config=config)
             try:
-                out = kernel(lhs, rhs, sizes)
-                row["error"] = relative_error(out, expected, covered_rows)
-                call = functools.partial(kernel, lhs, rhs, sizes)
-                row["ms"], row["timer"] = timed_ms(call, iters, use_cupti)
+                out = kernel(*args)
+                if kernel is not dense:
+                    row["error"] = relative_error(out, expected, covered_rows)
+                row["ms"], row["timer"] = timed_ms(functools.partial(kernel, *args), iters,
+                                                   use_cupti)
             except Exception as error:  # one failing config must not lose the others' numbers
                 row["failure"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
-            timed.append(row)
-        dense = jax.jit(jnp.dot)
-        dense_ms, timer = timed_ms(lambda: dense(lhs, dense_rhs), iters, use_cupti)
-        timed.append(dict(product=label, kernel="XLA dense jnp.dot", config="same FLOPs",
-                          ms=dense_ms, timer=timer))
-        bundled_ms = timed[0].get("ms")
-        for row in timed:
-            if "ms" in row:
+            else:
+                if kernel is bundled:
+                    bundled_ms = row["ms"]
                 row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
                 row["speedup"] = bundled_ms / row["ms"] if bundled_ms else float("nan")
-        rows += timed
+            rows.append(row)
+            if report is not None:
+                report(rows)
     return rows
 
 
@@ -195,7 +205,7 @@ def markdown(size: BenchSize, rows: list[dict], command: str) -> str:
         f"- versions: jax {jax.__version__}, jaxlib {jax.lib.__version__}, "
         f"python {platform.python_version()}",
         f"- groups: {size.groups}, multinomial over {size.rows} rows (seed 0): sizes "
-        f"{sizes.min()}-{sizes.max()}, all rows covered",
+        f"{sizes.min()}-{sizes.max()}, {sizes.sum()} rows covered",
         f"- timer: {', '.join(timers)} (median); TFLOP/s = 2 M K N / time",
         f"- error: max |out - ref| / max |ref| against XLA ragged_dot (float32 output); "
         f"agreement means <= {AGREEMENT_TOLERANCE:g}",
@@ -215,7 +225,34 @@ def markdown(size: BenchSize, rows: list[dict], command: str) -> str:
             f"| {row['product']} | {row['kernel']} | {row['config']} | {row['ms']:.3f} | "
             f"{row['tflops']:.1f} | {row['speedup']:.3f} | {error} |"
         )
-    return "\n".join(lines + [""])
+    return "\n".join(lines + [""] + totals_markdown(rows))
+
+
+def totals_markdown(rows: list[dict]) -> list[str]:
+    """Each kernel's time summed over the products that every kernel finished: the step's view."""
+    products = {row["product"] for row in rows}
+    times: dict[tuple[str, str], dict[str, float]] = {}
+    for row in rows:
+        times.setdefault((row["kernel"], row["config"]), {})[row["product"]] = row.get("ms")
+    complete = [
+        product for product in products
+        if all(by_product.get(product) is not None for by_product in times.values())
+    ]
+    if not complete:
+        return []
+    totals = {key: sum(by_product[p] for p in complete) for key, by_product in times.items()}
+    bundled = next(total for (kernel, _), total in totals.items() if kernel.startswith("bundled"))
+    lines = [
+        f"Summed over the {len(complete)} product(s) every kernel finished:",
+        "",
+        "| kernel | config | total ms | bundled total / total |",
+        "|---|---|---:|---:|",
+    ]
+    lines += [
+        f"| {kernel} | {config} | {total:.3f} | {bundled / total:.3f} |"
+        for (kernel, config), total in totals.items()
+    ]
+    return lines + [""]
 
 
 def disagreements(rows: list[dict]) -> list[str]:
@@ -254,21 +291,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     if args.gpu and jax.default_backend() != "gpu":
         raise SystemExit("--gpu needs a CUDA device; use --smoke on CPU.")
+    size = GPU_SIZE if args.gpu else SMOKE_SIZE
     iters = args.iters or (20 if args.gpu else 1)
-    if args.gpu:
-        rows = run(GPU_SIZE, args.configs, iters, use_cupti=True)
-    else:
-        with interpreted_on_cpu(num_sms=4):
-            rows = run(SMOKE_SIZE, args.configs, iters, use_cupti=False)
     command = "python -m experiments.bench_grouped_matmul " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
-    table = markdown(GPU_SIZE if args.gpu else SMOKE_SIZE, rows, command)
-    print(table)
     out = args.out or ("benchmarks/grouped_matmul_h200.md" if args.gpu else None)
-    if out:
-        with open(out, "w") as f:
-            f.write(table)
+
+    def write_table(rows):
+        if out:
+            with open(out, "w") as f:
+                f.write(markdown(size, rows, command))
+
+    if args.gpu:
+        rows = run(size, args.configs, iters, use_cupti=True, report=write_table)
+    else:
+        with interpreted_on_cpu(num_sms=4):
+            rows = run(size, args.configs, iters, use_cupti=False, report=write_table)
+    print(markdown(size, rows, command))
     if bad := disagreements(rows):
         raise SystemExit("outputs disagree with the reference:\n" + "\n".join(bad))
     return rows
