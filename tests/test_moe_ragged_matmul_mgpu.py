@@ -198,7 +198,9 @@ def test_benchmark_smoke_writes_its_table(tmp_path):
     assert all(row["ms"] > 0 and row["tflops"] > 0 for row in rows)
     assert not bench_grouped_matmul.disagreements(rows)
     table = out.read_text()
-    assert table.count("| ours |") == len(bench_grouped_matmul.SMOKE_SIZE.products)
+    products = len(bench_grouped_matmul.SMOKE_SIZE.products)
+    assert table.count("| ours |") == products + 1  # one row a product, one in the totals
+    assert f"Summed over the {products} product(s)" in table
 
 
 def test_routed_group_sizes_cover_every_row():
