@@ -42,6 +42,7 @@ COMPUTE_WARPGROUPS = 2  # consumers; the producer warpgroup is one more
 _PRODUCER_REGISTERS = 40  # the producer only issues TMA; the consumers share the rest
 _WGMMA_ROWS = 64
 _SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+_TMA_ALIGNMENT = 128  # bytes: a TMA copy's SMEM address, hence the cut-slab rows
 _HOPPER_SMS = 132  # H100 / H200 SXM, used when no device or abstract mesh says otherwise
 
 
@@ -54,7 +55,8 @@ class RaggedMatmulConfig:
     tile_n: output columns a program computes at a time (each consumer takes all of them).
     tile_k: contraction width of one pipeline stage (64 bf16 = one 128-byte swizzle row).
     max_concurrent_steps: pipeline stages in flight (SMEM buffers per operand).
-    epilogue_tile_n: columns of each SMEM tile the epilogue stores through.
+    epilogue_tile_n: columns of each swizzled SMEM tile the epilogue stores whole slabs through
+        (slabs cut by a group boundary go through a plain tile of 128-byte rows).
     grid_tile_width: column blocks visited before the next row block (a band of this many column
         blocks sweeps the row blocks, so a group's rhs band stays in L2 while its rows stream).
     overlap_tiles: whether the producer starts loading a program's next tile while the current
@@ -75,9 +77,10 @@ class RaggedMatmulConfig:
                 f"tile_m must be a multiple of {COMPUTE_WARPGROUPS * _WGMMA_ROWS} (two warpgroups "
                 f"of whole 64-row wgmma tiles), got {self.tile_m}."
             )
-        if not 8 <= self.tile_n <= 256 or self.tile_n % 8:
+        if not 64 <= self.tile_n <= 256 or self.tile_n % 64:
             raise ValueError(
-                f"tile_n must be a multiple of 8 in [8, 256] (wgmma), got {self.tile_n}."
+                f"tile_n must be a multiple of 64 (128-byte rows for the cut-slab stores) up to "
+                f"256 (wgmma), got {self.tile_n}."
             )
         if self.tile_k % 64:
             raise ValueError(
@@ -328,7 +331,10 @@ def _kernel_body(
             dtype,
             transforms=_swizzled(epilogue_n, dtype),
         ),
-        plain_smem=plgpu.SMEM((COMPUTE_WARPGROUPS, rows_per_consumer, epilogue_n), dtype),
+        plain_smem=plgpu.SMEM(
+            (COMPUTE_WARPGROUPS, rows_per_consumer, _TMA_ALIGNMENT // jnp.dtype(dtype).itemsize),
+            dtype,
+        ),
         collective_axes="wg",
     )
     def _scope(pipeline_allocs, swizzled_smem, plain_smem):
@@ -402,20 +408,18 @@ def _store_consumer_rows(out, out_gmem, swizzled_smem, plain_smem, *, first_row,
     """Stores rows [start, end) of one consumer's slab to out_gmem rows first_row + [start, end).
 
     out: [R, tile_n] values (R = rows a consumer owns); out_gmem: [M, tile_n] the tile's columns;
-    swizzled_smem: [2, R, E] double-buffered epilogue tiles; plain_smem: [R, E] an unswizzled one.
+    swizzled_smem: [2, R, E] double-buffered epilogue tiles; plain_smem: [R, C] an unswizzled one.
     """
     rows, columns = out.shape
-    epilogue_n = plain_smem.shape[-1]
-    chunks = [pl.ds(c * epilogue_n, epilogue_n) for c in range(columns // epilogue_n)]
     # The previous tile's stores must have read the SMEM this tile's epilogue overwrites.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when((start == 0) & (end == rows))
     def _whole_slab():
-        for index, chunk in enumerate(chunks):
+        for index, chunk in enumerate(_chunks(columns, swizzled_smem.shape[-1])):
             slot = index % 2
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store that last read `slot`
-            swizzled_smem[slot] = out[:, chunk.start : chunk.start + epilogue_n]
+            swizzled_smem[slot] = out[:, chunk]
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(
                 swizzled_smem.at[slot], out_gmem.at[pl.ds(first_row, rows), chunk]
@@ -423,18 +427,23 @@ def _store_consumer_rows(out, out_gmem, swizzled_smem, plain_smem, *, first_row,
 
     @pl.when((start < end) & ((start > 0) | (end < rows)))
     def _cut_slab():
-        for chunk in chunks:
+        for chunk in _chunks(columns, plain_smem.shape[-1]):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            plain_smem[...] = out[:, chunk.start : chunk.start + epilogue_n]
+            plain_smem[...] = out[:, chunk]
             plgpu.commit_smem()
             _store_row_range(plain_smem, out_gmem.at[:, chunk], first_row, start, end - start)
+
+
+def _chunks(columns: int, width: int) -> list[slice]:
+    return [slice(start, start + width) for start in range(0, columns, width)]
 
 
 def _store_row_range(src_smem, dst_gmem, first_row, start, count):
     """TMA-stores src_smem rows [start, start + count) to dst_gmem rows first_row + the same.
 
     TMA boxes have static shapes, so the dynamic count is stored as its binary digits: one
-    conditional store of 2^i rows for each bit i that is set, the widest first.
+    conditional store of 2^i rows for each bit i that is set, the widest first. A TMA copy's SMEM
+    address must be 128-byte aligned, so src_smem's rows must be a multiple of 128 bytes.
     """
     size = 1 << (src_smem.shape[0].bit_length() - 1)
     while size:
