@@ -209,7 +209,9 @@ def work_table(
     items_end = jnp.cumsum(blocks)
     max_items = pl.cdiv(num_rows, tile_m) + num_groups - 1
     item = jnp.arange(max_items, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(items_end, item, side="right"), num_groups - 1)
+    # compare_all: one fused [W, G] comparison, not a loop of small kernels ahead of the GEMM.
+    group = jnp.searchsorted(items_end, item, side="right", method="compare_all")
+    group = jnp.minimum(group, num_groups - 1)
     group = group.astype(jnp.int32)
     block = first_block[group] + item - (items_end[group] - blocks[group])
     valid = item < items_end[-1]

@@ -192,10 +192,12 @@ def test_benchmark_smoke_writes_its_table(tmp_path):
     rows = bench_grouped_matmul.main(
         ["--smoke", "--configs", default_name, "--out", str(out)]
     )
-    kernels = {row["kernel"] for row in rows}
+    *products_rows, table_row = rows
+    kernels = {row["kernel"] for row in products_rows}
     assert kernels == {"bundled ragged_dot_mgpu", "ours", "XLA dense jnp.dot"}
-    assert len(rows) == 3 * len(bench_grouped_matmul.SMOKE_SIZE.products)
-    assert all(row["ms"] > 0 and row["tflops"] > 0 for row in rows)
+    assert len(products_rows) == 3 * len(bench_grouped_matmul.SMOKE_SIZE.products)
+    assert all(row["ms"] > 0 and row["tflops"] > 0 for row in products_rows)
+    assert table_row["kernel"] == bench_grouped_matmul.WORK_TABLE and table_row["ms"] > 0
     assert not bench_grouped_matmul.disagreements(rows)
     table = out.read_text()
     products = len(bench_grouped_matmul.SMOKE_SIZE.products)
