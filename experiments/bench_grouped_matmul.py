@@ -133,19 +133,23 @@ def relative_error(out: jax.Array, expected: jax.Array, rows: int) -> float:
     return float(np.max(np.abs(out - expected)) / np.max(np.abs(expected)))
 
 
-def timed_ms(run, iters: int, use_cupti: bool) -> tuple[float, str]:
-    """(median milliseconds of `run()`, which timer): CUPTI device time where it works."""
-    jax.block_until_ready(run())
+def timed_ms(jitted, args: tuple, iters: int, use_cupti: bool) -> tuple[float, str]:
+    """(median milliseconds of `jitted(*args)`, which timer): CUPTI device time where it works.
+
+    `jitted` must be a `jax.jit` function: CUPTI's `measure` would otherwise jit a closure and
+    bake the operands into it as constants.
+    """
+    jax.block_until_ready(jitted(*args))
     if use_cupti:
         try:
             from jax.experimental.mosaic.gpu import profiler
 
-            _, times = profiler.measure(lambda: run(), iterations=iters)()
+            _, times = profiler.measure(jitted, iterations=iters)(*args)
             if times and all(t is not None for t in times):
                 return statistics.median(times), "CUPTI device time"
         except Exception as error:  # CUPTI missing or busy: fall back to wall time
             print(f"CUPTI timing unavailable ({type(error).__name__}: {error}); using wall time")
-    return median_seconds(run, iters, warmup=0) * 1e3, "wall time"
+    return median_seconds(lambda: jitted(*args), iters, warmup=0) * 1e3, "wall time"
 
 
 def run(size: BenchSize, config_names, iters: int, use_cupti: bool, report=None) -> list[dict]:
@@ -177,8 +181,8 @@ def run(size: BenchSize, config_names, iters: int, use_cupti: bool, report=None)
                 out = kernel(*args)
                 if kernel is not dense:
                     row["error"] = relative_error(out, expected, covered_rows)
-                row["ms"], row["timer"] = timed_ms(functools.partial(kernel, *args), iters,
-                                                   use_cupti)
+                row["ms"], row["timer"] = timed_ms(kernel, args, iters, use_cupti)
+                use_cupti = use_cupti and row["timer"] != "wall time"  # fall back once
             except Exception as error:  # one failing config must not lose the others' numbers
                 row["failure"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
             else:
@@ -191,7 +195,7 @@ def run(size: BenchSize, config_names, iters: int, use_cupti: bool, report=None)
                 report(rows)
     table = jax.jit(work_table, static_argnums=(1, 2))
     for tile_m in sorted({SWEEP_CONFIGS[name].tile_m for name in config_names}):
-        ms, timer = timed_ms(lambda: table(sizes, size.rows, tile_m), iters, use_cupti)
+        ms, timer = timed_ms(table, (sizes, size.rows, tile_m), iters, use_cupti)
         rows.append(dict(product="all", kernel=WORK_TABLE, config=f"tile_m={tile_m}", ms=ms,
                          timer=timer))
     if report is not None:
