@@ -71,6 +71,10 @@ INTERPRETED_CASES = {
         DEFAULT_CONFIG, 200, 128, 256, [64, 64, 72], False, 2),
     "default, one group holds every row": (
         DEFAULT_CONFIG, 256, 128, 256, [0, 0, 256, 0], True, 2),
+    # Bands one column block wide: the tile order snakes down and up the work items.
+    "128x128, four column blocks in bands of one": (
+        RaggedMatmulConfig(tile_n=128, epilogue_tile_n=64, grid_tile_width=1),
+        256, 128, 512, [90, 100, 40], False, 3),
     **{
         f"{name}, boundaries inside blocks": (config, 384, 256, 256, [70, 0, 100, 150], True, 3)
         for name, config in SWEEP_CONFIGS.items()
