@@ -39,6 +39,8 @@ from moe.ragged_matmul_mgpu import SWEEP_CONFIGS, interpreted_on_cpu, ragged_mat
 
 AGREEMENT_TOLERANCE = 8e-3  # bf16 outputs: a rounding is 2^-9 of the value at most
 WORK_TABLE = "work_table alone (inside ours' times)"
+BUNDLED = "bundled ragged_dot_mgpu"
+DENSE = "XLA dense jnp.dot"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +98,12 @@ def product_operands(size: BenchSize, product: Product, seed: int = 0):
     return lhs, rhs, dense_rhs
 
 
-def kernels(product: Product, config_names) -> list[tuple[str, str, object]]:
-    """(kernel, its tiles, jitted f(lhs, rhs, group_sizes)) of every timed grouped kernel."""
+def timed_calls(product: Product, config_names, lhs, rhs, dense_rhs, group_sizes) -> list:
+    """(kernel, its tiles, jitted f, its arguments) of every timed call, in timing order.
+
+    The bundled kernel and the dense dot first, then our configs, those that do not overlap tiles
+    first (the simplest pipeline): if a kernel hangs, the rows timed before it are kept.
+    """
     bundled_tiles = _row_ragged_tiles(product.contraction, product.columns)
     bundled = jax.jit(
         lambda lhs, rhs, sizes: ragged_dot_mgpu.ragged_dot(
@@ -105,19 +111,17 @@ def kernels(product: Product, config_names) -> list[tuple[str, str, object]]:
         )
     )
     label = "{block_m}x{block_n} k{block_k} s{max_concurrent_steps} w{grid_block_n}"
-    ours = [
-        (
-            "ours",
-            name,
-            jax.jit(
-                functools.partial(
-                    ragged_matmul, transpose_rhs=product.transpose_rhs, config=SWEEP_CONFIGS[name]
-                )
-            ),
-        )
-        for name in config_names
+    grouped_args = (lhs, rhs, group_sizes)
+    calls = [
+        (BUNDLED, label.format(**bundled_tiles), bundled, grouped_args),
+        (DENSE, "same FLOPs", jax.jit(jnp.dot), (lhs, dense_rhs)),
     ]
-    return [("bundled ragged_dot_mgpu", label.format(**bundled_tiles), bundled), *ours]
+    for name in sorted(config_names, key=lambda name: SWEEP_CONFIGS[name].overlap_tiles):
+        ours = functools.partial(
+            ragged_matmul, transpose_rhs=product.transpose_rhs, config=SWEEP_CONFIGS[name]
+        )
+        calls.append(("ours", name, jax.jit(ours), grouped_args))
+    return calls
 
 
 def reference(lhs, rhs, group_sizes, transpose_rhs: bool) -> jax.Array:
@@ -155,41 +159,39 @@ def timed_ms(jitted, args: tuple, iters: int, use_cupti: bool) -> tuple[float, s
 def run(size: BenchSize, config_names, iters: int, use_cupti: bool, report=None) -> list[dict]:
     """One row per (product, kernel): ms, TFLOP/s, speed-up over the bundled kernel, error.
 
-    `report(rows)` is called after each row (the GPU run writes its table as it goes, so a hung
-    or crashed kernel leaves the rows before it). Per product the bundled kernel and XLA's dense
-    dot run first, then our configs.
+    Kernels are the outer loop (`timed_calls` order), products the inner one; `report(rows)` is
+    called after each row, so the GPU run writes its table as it goes and a hung or crashed
+    kernel leaves every row timed before it.
     """
     sizes = jnp.asarray(routed_group_sizes(size.rows, size.groups))
     covered_rows = int(sizes.sum())
-    rows = []
+    products = []
     for product in size.products:
         lhs, rhs, dense_rhs = product_operands(size, product)
-        flops = 2 * size.rows * product.contraction * product.columns
         expected = jax.jit(reference, static_argnums=3)(lhs, rhs, sizes, product.transpose_rhs)
-        label = product.label(size.rows, size.groups)
-        (bundled_name, bundled_config, bundled), *ours = kernels(product, config_names)
-        dense = jax.jit(jnp.dot)
-        timed = [
-            (bundled_name, bundled_config, bundled, (lhs, rhs, sizes)),
-            ("XLA dense jnp.dot", "same FLOPs", dense, (lhs, dense_rhs)),
-            *[(name, config, kernel, (lhs, rhs, sizes)) for name, config, kernel in ours],
-        ]
-        bundled_ms = None
-        for name, config, kernel, args in timed:
-            row = dict(product=label, kernel=name, config=config)
+        calls = timed_calls(product, config_names, lhs, rhs, dense_rhs, sizes)
+        products.append((product, expected, calls))
+    rows, bundled_ms = [], {}
+    for position in range(len(products[0][2])):
+        for index, (product, expected, calls) in enumerate(products):
+            name, config, kernel, args = calls[position]
+            label = product.label(size.rows, size.groups)
+            row = dict(product=label, kernel=name, config=config, order=(index, position))
             try:
                 out = kernel(*args)
-                if kernel is not dense:
+                if name != DENSE:
                     row["error"] = relative_error(out, expected, covered_rows)
+                del out
                 row["ms"], row["timer"] = timed_ms(kernel, args, iters, use_cupti)
                 use_cupti = use_cupti and row["timer"] != "wall time"  # fall back once
             except Exception as error:  # one failing config must not lose the others' numbers
                 row["failure"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
             else:
-                if kernel is bundled:
-                    bundled_ms = row["ms"]
+                if name == BUNDLED:
+                    bundled_ms[index] = row["ms"]
+                flops = 2 * size.rows * product.contraction * product.columns
                 row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
-                row["speedup"] = bundled_ms / row["ms"] if bundled_ms else float("nan")
+                row["speedup"] = bundled_ms.get(index, float("nan")) / row["ms"]
             rows.append(row)
             if report is not None:
                 report(rows)
@@ -197,7 +199,7 @@ def run(size: BenchSize, config_names, iters: int, use_cupti: bool, report=None)
     for tile_m in sorted({SWEEP_CONFIGS[name].tile_m for name in config_names}):
         ms, timer = timed_ms(table, (sizes, size.rows, tile_m), iters, use_cupti)
         rows.append(dict(product="all", kernel=WORK_TABLE, config=f"tile_m={tile_m}", ms=ms,
-                         timer=timer))
+                         timer=timer, order=(len(products), 0)))
     if report is not None:
         report(rows)
     return rows
@@ -221,11 +223,16 @@ def markdown(size: BenchSize, rows: list[dict], command: str) -> str:
         f"- timer: {', '.join(timers)} (median); TFLOP/s = 2 M K N / time",
         f"- error: max |out - ref| / max |ref| against XLA ragged_dot (float32 output); "
         f"agreement means <= {AGREEMENT_TOLERANCE:g}",
+    ]
+    if jax.default_backend() != "gpu":
+        lines.append("- CPU: the grouped kernels ran in Mosaic GPU interpret mode; their times "
+                     "say nothing about GPU speed")
+    lines += [
         "",
         "| product | kernel | config | ms | TFLOP/s | bundled ms / ms | error |",
         "|---|---|---|---:|---:|---:|---:|",
     ]
-    for row in rows:
+    for row in sorted(rows, key=lambda row: row["order"]):
         if "failure" in row:
             lines.append(
                 f"| {row['product']} | {row['kernel']} | {row['config']} | failed: "
@@ -257,7 +264,7 @@ def totals_markdown(rows: list[dict]) -> list[str]:
     if not complete:
         return []
     totals = {key: sum(by_product[p] for p in complete) for key, by_product in times.items()}
-    bundled = next(total for (kernel, _), total in totals.items() if kernel.startswith("bundled"))
+    bundled = next(total for (kernel, _), total in totals.items() if kernel == BUNDLED)
     lines = [
         f"Summed over the {len(complete)} product(s) every kernel finished:",
         "",
