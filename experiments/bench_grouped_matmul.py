@@ -8,7 +8,8 @@
 The four products are those of the MoE layer's expert matmuls that are ragged in their rows: the
 two forward products and their input gradients (rhs transposed). Each is timed for
 `moe.ragged_matmul_mgpu.ragged_matmul` under every config of `SWEEP_CONFIGS`, for JAX's bundled
-`ragged_dot_mgpu` with the tiles `moe.grouped_matmul` uses today, and for XLA's dense `jnp.dot`
+`ragged_dot_mgpu` with the tiles `moe.grouped_matmul` used before our kernel replaced it (swept on
+an H200), and for XLA's dense `jnp.dot`
 of the same FLOPs ([M, K] x [K, N]). Group sizes are one multinomial draw of M rows over G equal
 groups (fixed seed), as uniform routing gives. Every grouped result is checked against XLA's
 `ragged_dot` with float32 output on the rows the groups cover.
@@ -34,13 +35,20 @@ import numpy as np
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
 from experiments.profiling import median_seconds
-from moe.grouped_matmul import _row_ragged_tiles
 from moe.ragged_matmul_mgpu import SWEEP_CONFIGS, interpreted_on_cpu, ragged_matmul, work_table
 
 AGREEMENT_TOLERANCE = 8e-3  # bf16 outputs: a rounding is 2^-9 of the value at most
 WORK_TABLE = "work_table alone (inside ours' times)"
 BUNDLED = "bundled ragged_dot_mgpu"
 DENSE = "XLA dense jnp.dot"
+# The bundled kernel's best tiles from an earlier sweep on an H200 at these shapes: narrow for
+# products whose widths are all at most 1024, wide otherwise.
+BUNDLED_NARROW_TILES = dict(
+    block_m=128, block_n=128, block_k=64, max_concurrent_steps=5, grid_block_n=4
+)
+BUNDLED_WIDE_TILES = dict(
+    block_m=128, block_n=192, block_k=64, max_concurrent_steps=4, grid_block_n=4
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +112,8 @@ def timed_calls(product: Product, config_names, lhs, rhs, dense_rhs, group_sizes
     The bundled kernel and the dense dot first, then our configs, those that do not overlap tiles
     first (the simplest pipeline): if a kernel hangs, the rows timed before it are kept.
     """
-    bundled_tiles = _row_ragged_tiles(product.contraction, product.columns)
+    bundled_tiles = (BUNDLED_NARROW_TILES if max(product.contraction, product.columns) <= 1024
+                     else BUNDLED_WIDE_TILES)
     bundled = jax.jit(
         lambda lhs, rhs, sizes: ragged_dot_mgpu.ragged_dot(
             lhs, rhs, group_sizes=sizes, transpose_rhs=product.transpose_rhs, **bundled_tiles

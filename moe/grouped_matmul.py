@@ -3,9 +3,10 @@
 Two backends:
 - "xla": `jax.lax.ragged_dot`. Correct everywhere and fine on CPU, but on an H200 XLA runs it at
   about 12 TFLOP/s (measured at 131072 x 1024 x 2048, 64 groups), so it is not used on Hopper.
-- "mosaic_gpu": JAX's Hopper grouped-GEMM Pallas kernels (`ragged_dot_mgpu` for the forward and
-  the input gradient, `transposed_ragged_dot_mgpu` for the weight gradient) under a custom VJP.
-  372-498 TFLOP/s measured at the benchmark's shapes (dense bf16 GEMMs there: about 630).
+- "mosaic_gpu": Hopper kernels under a custom VJP: our warp-specialized `moe.ragged_matmul_mgpu`
+  for the forward and the input gradient (row-ragged products: 673-721 TFLOP/s on the H200 at the
+  MoE's shapes, 1.23-1.32x JAX's bundled `ragged_dot_mgpu`, `benchmarks/grouped_matmul_h200.md`),
+  and JAX's `transposed_ragged_dot_mgpu` for the weight gradient (630-650 TFLOP/s).
 
 "auto" takes "mosaic_gpu" when the call is on a Hopper GPU with bf16/f16 operands whose widths
 fit the kernels' tiles, and "xla" otherwise, so it is never wrong, only slower.
@@ -20,22 +21,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
-# Tile settings of the Mosaic GPU kernels, from a sweep on an H200 at the benchmark shapes (131072
-# rows, 64 groups; contraction and output widths 1024 and 2048): 372-446 TFLOP/s for the
-# row-ragged products, 419-498 TFLOP/s for the weight gradient.
-_WIDE_OUTPUT_TILES = dict(
-    block_m=128, block_n=192, block_k=64, max_concurrent_steps=4, grid_block_n=4
-)
-_NARROW_OUTPUT_TILES = dict(
-    block_m=128, block_n=128, block_k=64, max_concurrent_steps=5, grid_block_n=4
-)
+from moe.ragged_matmul_mgpu import config_for, ragged_matmul
+
+# Tiles of the bundled weight-gradient kernel, from a sweep on an H200 at the benchmark shapes
+# (131072 rows, 64 groups; widths 1024 and 2048): 419-498 TFLOP/s then, 630-650 since.
 _WEIGHT_GRAD_TILES = dict(
     block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1
 )
 _MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
 ROW_MULTIPLE = 8  # the kernels' bulk copies need the row count to be a multiple of 8
+_WIDTH_MULTIPLE = 128  # K and N: each is an output width of one of the three products
 
 
 def grouped_matmul(
@@ -65,8 +62,8 @@ def grouped_matmul(
     if backend == "mosaic_gpu":
         if not mosaic_gpu_supports(lhs, rhs):
             raise ValueError(
-                f"backend='mosaic_gpu' needs a Hopper GPU, bf16/f16 operands, M % 8 == 0, "
-                f"K % 64 == 0 and K, N % 128 == 0; got lhs {lhs.shape} {lhs.dtype}, rhs "
+                f"backend='mosaic_gpu' needs a Hopper GPU, bf16/f16 operands, M % 8 == 0 "
+                f"and K, N % 128 == 0; got lhs {lhs.shape} {lhs.dtype}, rhs "
                 f"{rhs.shape} on {jax.default_backend()}. Use backend='auto' to fall back to XLA."
             )
         return _mosaic_grouped_matmul(lhs, rhs, group_sizes.astype(jnp.int32))
@@ -92,10 +89,8 @@ def mosaic_gpu_supports(lhs, rhs) -> bool:
         and m % ROW_MULTIPLE == 0
         and lhs.dtype in _MOSAIC_DTYPES
         and rhs.dtype == lhs.dtype
-        and k % _WEIGHT_GRAD_TILES["block_m"] == 0
-        and n % _WEIGHT_GRAD_TILES["block_n"] == 0
-        and k % _WIDE_OUTPUT_TILES["block_k"] == 0
-        and n % _WIDE_OUTPUT_TILES["block_k"] == 0
+        and k % _WIDTH_MULTIPLE == 0
+        and n % _WIDTH_MULTIPLE == 0
     )
 
 
@@ -105,16 +100,9 @@ def _on_hopper() -> bool:
     return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
 
 
-def _row_ragged_tiles(contraction: int, output: int) -> dict:
-    """Tiles of `ragged_dot_mgpu` for a product with these contraction and output widths."""
-    return _NARROW_OUTPUT_TILES if max(contraction, output) <= 1024 else _WIDE_OUTPUT_TILES
-
-
 @jax.custom_vjp
 def _mosaic_grouped_matmul(lhs, rhs, group_sizes):
-    return ragged_dot_mgpu.ragged_dot(
-        lhs, rhs, group_sizes=group_sizes, **_row_ragged_tiles(lhs.shape[1], rhs.shape[2])
-    )
+    return ragged_matmul(lhs, rhs, group_sizes, config=config_for(lhs.shape[1], rhs.shape[2]))
 
 
 def _mosaic_forward(lhs, rhs, group_sizes):
@@ -124,13 +112,8 @@ def _mosaic_forward(lhs, rhs, group_sizes):
 def _mosaic_backward(residuals, out_grad):
     lhs, rhs, group_sizes = residuals
     out_grad = out_grad.astype(lhs.dtype)
-    lhs_grad = ragged_dot_mgpu.ragged_dot(
-        out_grad,
-        rhs,
-        group_sizes=group_sizes,
-        transpose_rhs=True,
-        **_row_ragged_tiles(rhs.shape[2], rhs.shape[1]),
-    )
+    lhs_grad = ragged_matmul(out_grad, rhs, group_sizes, transpose_rhs=True,
+                             config=config_for(rhs.shape[2], rhs.shape[1]))
     rhs_grad = transposed_ragged_dot_mgpu.transposed_ragged_dot(
         lhs, out_grad, group_sizes=group_sizes, **_WEIGHT_GRAD_TILES
     )

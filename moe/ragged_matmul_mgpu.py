@@ -113,6 +113,19 @@ SWEEP_CONFIGS = {
 }
 
 
+def config_for(contraction: int, columns: int) -> RaggedMatmulConfig:
+    """The tiles for a product of contraction width K and output width N: the default (fastest
+    at K, N in {1024, 2048} on the H200, `benchmarks/grouped_matmul_h200.md`) where they divide,
+    else 128-column tiles (N % 256 != 0) and no tile overlap (K / 64 steps not a multiple of 4).
+    K must be a multiple of 64 and N of 128."""
+    config = DEFAULT_CONFIG
+    if columns % config.tile_n:
+        config = SWEEP_CONFIGS["128x128 k64 s4 e64"]
+    if (contraction // config.tile_k) % config.max_concurrent_steps:
+        config = dataclasses.replace(config, overlap_tiles=False)
+    return config
+
+
 def ragged_matmul(
     lhs: jax.Array,
     rhs: jax.Array,

@@ -25,6 +25,7 @@ from moe.ragged_matmul_mgpu import (
     DEFAULT_CONFIG,
     SWEEP_CONFIGS,
     RaggedMatmulConfig,
+    config_for,
     interpreted_on_cpu,
     ragged_matmul,
     simulated_hopper,
@@ -75,6 +76,10 @@ INTERPRETED_CASES = {
     "128x128, four column blocks in bands of one": (
         RaggedMatmulConfig(tile_n=128, epilogue_tile_n=64, grid_tile_width=1),
         256, 128, 512, [90, 100, 40], False, 3),
+    # What `config_for` picks for widths the default does not divide (moe.grouped_matmul's
+    # GPU test): 128-column tiles and no tile overlap at K / 64 = 6 steps.
+    "config_for(384, 384), transposed rhs": (
+        config_for(384, 384), 256, 384, 384, [0, 100, 60, 96], True, 2),
     **{
         f"{name}, boundaries inside blocks": (config, 384, 256, 256, [70, 0, 100, 150], True, 3)
         for name, config in SWEEP_CONFIGS.items()
@@ -90,6 +95,14 @@ def test_interpreted_kernel_equals_ragged_dot(case):
     group_sizes = jnp.asarray(sizes, jnp.int32)
     out = interpreted(lhs, rhs, group_sizes, transpose_rhs, config, num_sms)
     assert_matches_ragged_dot(out, lhs, rhs, group_sizes, transpose_rhs)
+
+
+def test_config_for_takes_the_default_where_its_tiles_divide():
+    assert config_for(1024, 2048) == config_for(2048, 1024) == DEFAULT_CONFIG
+    narrow = config_for(256, 384)
+    assert narrow.tile_n == 128 and narrow.overlap_tiles
+    assert not config_for(384, 384).overlap_tiles and config_for(384, 384).tile_n == 128
+    assert not config_for(384, 512).overlap_tiles and config_for(384, 512).tile_n == 256
 
 
 def test_every_shipped_config_is_interpreted_here():
