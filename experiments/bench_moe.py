@@ -14,11 +14,12 @@ parameter gradients. TFLOP/s counts the matmul FLOPs of the active parameters (3
 forward, input gradient, weight gradient). On GPU the MoE layer is first checked against the same
 layer with XLA's `ragged_dot` in place of the Mosaic GPU grouped matmul.
 
-`--profile` adds two tables: each part of the MoE layer (router + top-k + plan, gathers, grouped
+`--profile` adds three tables: each part of the MoE layer (router + top-k + plan, gathers, grouped
 matmuls, activation, combine, norm and projections) jitted and timed on its own, forward and
-forward+backward; and the device ops of a `jax.profiler` trace of the layer's gradient step, read
+forward+backward; the device ops of a `jax.profiler` trace of the layer's gradient step, read
 back from the trace's `.xplane.pb` with `jax.profiler.ProfileData`, summed per op and labelled
-with their HLO opcode, shape and JAX source op.
+with their HLO opcode, shape and JAX source op; and when in that trace the device runs nothing
+(its idle time, longest gaps and the ops around them: `experiments.profiling.idle_summary`).
 """
 
 from __future__ import annotations

@@ -90,7 +90,9 @@ In-step breakdown (`--profile`): a few steps are traced and every device op's ti
 under the innermost named scope of `models.lm.PROFILE_SCOPES` in its HLO op_name
 (`experiments.profiling.scope_times`; the model and `train.step` run each part under its scope):
 the time each part takes inside the real step, all of it, "rest" included. The costliest device
-ops follow.
+ops follow, then the device's idle time in each traced step (the time between its ops, from the
+trace's timestamps), its longest gaps with the ops on either side, and idle time grouped by the op
+that ends each gap (`experiments.profiling.idle_summary`).
 """
 
 import argparse
@@ -646,8 +648,8 @@ def main(argv=None) -> dict:
                         "memory plan and the compile time (nothing is allocated or run)")
     parser.add_argument("--profile", action="store_true",
                         help="compile the step without command buffers and add its device time by "
-                        "part (named scope) and its top device ops (a jax.profiler trace of "
-                        f"{PROFILED_STEPS} steps) to the table")
+                        "part (named scope), its top device ops and its idle gaps (a "
+                        f"jax.profiler trace of {PROFILED_STEPS} steps) to the table")
     parser.add_argument("--out", help="write the markdown table here (--gpu default: "
                         "benchmarks/train_h200.md) and the numbers next to it as .json, "
                         "rewritten as each number is measured")
