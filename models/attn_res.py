@@ -80,6 +80,7 @@ class ResidualStream:
 
     @property
     def is_buffer(self) -> bool:
+        """Whether the snapshots are the fixed [S, B, T, D] buffer (else a tuple of planes)."""
         return self.num_sealed is not None
 
     def stacked(self, num_slots: int) -> "ResidualStream":
