@@ -21,6 +21,12 @@ a swizzled SMEM tile and one TMA store per epilogue chunk, double-buffered. Rows
 boundary leave through a plain (unswizzled) SMEM tile and a ladder of power-of-two-row TMA stores
 (TMA boxes have static sizes; a swizzled tile can only be sliced at multiples of 8 rows).
 
+GLU variants (the expert MLP's activation in the epilogues, `moe.dispatch.expert_mlp`):
+`ragged_matmul_glu` computes a tile of output columns j from the gate columns j and the up columns
+N + j of rhs (two accumulators a consumer) and stores gate, up and activation(gate, up);
+`ragged_matmul_glu_grad` loads the saved gate and up tiles while its pipeline runs and stores the
+activation's VJP (`jax.vjp`'s, float32) applied to the product instead of the product.
+
 Rows at or past sum(group_sizes) are left unwritten, as JAX's bundled `ragged_dot_mgpu` leaves
 them. Testing: `interpreted_on_cpu` runs the kernel in Mosaic GPU interpret mode; under
 `simulated_hopper`, lowering for "cuda" runs Mosaic GPU's compile-time checks without a GPU.
@@ -31,8 +37,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -44,6 +52,8 @@ _WGMMA_ROWS = 64
 _SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 _TMA_ALIGNMENT = 128  # bytes: a TMA copy's SMEM address, hence the cut-slab rows
 _HOPPER_SMS = 132  # H100 / H200 SXM, used when no device or abstract mesh says otherwise
+
+Activation = Callable[[jax.Array, jax.Array], jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +123,13 @@ SWEEP_CONFIGS = {
 }
 
 
+# The GLU variants: tile_n = 128 output columns, i.e. 128 gate and 128 up columns of rhs, so the
+# two accumulators a consumer holds are the default's one 64x256 (128 registers a thread), and a
+# stage's rhs tiles the default's one (224 KiB of SMEM as the default). "glu_grad" holds one
+# 64x128 accumulator but adds each consumer's gate and up tiles (64 KiB): 224 KiB too.
+GLU_CONFIG = RaggedMatmulConfig(tile_n=128, epilogue_tile_n=32)
+
+
 def config_for(contraction: int, columns: int) -> RaggedMatmulConfig:
     """The tiles for a product of contraction width K and output width N: the default (fastest
     at K, N in {1024, 2048} on the H200, `benchmarks/grouped_matmul_h200.md`) where they divide,
@@ -146,17 +163,112 @@ def ragged_matmul(
     Returns:
         [M, N] in lhs.dtype; rows at or past sum(group_sizes) are left unwritten.
     """
-    num_rows, contraction, columns = _checked_shape(
-        lhs, rhs, group_sizes, transpose_rhs, config
+    _checked_shape(lhs, rhs, group_sizes, transpose_rhs, config)
+    out_type = jax.ShapeDtypeStruct((lhs.shape[0], _columns(rhs, transpose_rhs)), lhs.dtype)
+    return _launch(_Epilogue(), lhs, rhs, group_sizes, (), out_type, transpose_rhs, config)
+
+
+def ragged_matmul_glu(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    activation: Activation,
+    *,
+    transpose_rhs: bool = False,
+    config: RaggedMatmulConfig = GLU_CONFIG,
+) -> tuple[jax.Array, jax.Array]:
+    """`ragged_matmul` into gate and up columns, with a GLU activation in the epilogue.
+
+    A program's tile is tile_n columns j of the output: the gate columns j and the up columns
+    N + j of rhs, one accumulator each, from one shared lhs tile.
+
+    Args:
+        lhs: [M, K] bf16 or f16, rows sorted by group.
+        rhs: [G, K, 2N] gate columns [0, N) and up columns [N, 2N) ([G, 2N, K] with
+            transpose_rhs=True), lhs.dtype.
+        group_sizes: [G] integer rows per group, summing to at most M.
+        activation: float32 elementwise `act(gate, up)` (as `moe.activations.fused_glu` takes),
+            applied to the bf16-rounded gate and up.
+        transpose_rhs: whether rhs holds each group's matrix transposed.
+        config: tile settings; tile_n counts output (N) columns; N must be a multiple of it.
+
+    Returns:
+        gate_up: [M, 2, N] the product (the activation's residual for the backward).
+        out: [M, N] activation(gate, up), in lhs.dtype.
+        Rows at or past sum(group_sizes) are left unwritten in both.
+    """
+    num_rows, _, both_columns = _checked_shape(lhs, rhs, group_sizes, transpose_rhs, config)
+    if both_columns % (2 * config.tile_n):
+        raise ValueError(
+            f"rhs {rhs.shape} must hold 2N columns (gate, then up) with N a multiple of "
+            f"tile_n={config.tile_n}, got 2N={both_columns}; choose a config whose tile_n "
+            "divides N."
+        )
+    columns = both_columns // 2
+    out_types = (
+        jax.ShapeDtypeStruct((num_rows, 2 * columns), lhs.dtype),
+        jax.ShapeDtypeStruct((num_rows, columns), lhs.dtype),
     )
+    gate_up, out = _launch(_Epilogue("glu", activation), lhs, rhs, group_sizes, (), out_types,
+                           transpose_rhs, config)
+    return gate_up.reshape(num_rows, 2, columns), out
+
+
+def ragged_matmul_glu_grad(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    gate_up: jax.Array,
+    activation: Activation,
+    *,
+    transpose_rhs: bool = False,
+    config: RaggedMatmulConfig = GLU_CONFIG,
+) -> jax.Array:
+    """The cotangent of a GLU's gate_up, given the product `ragged_matmul(lhs, rhs)` as the
+    cotangent of its output: the activation's VJP in the epilogue.
+
+    Args:
+        lhs: [M, K] bf16 or f16 (the GLU output's cotangent times the next layer's weights:
+            lhs = d_y, rhs = w_out with transpose_rhs=True), rows sorted by group.
+        rhs: [G, K, N] ([G, N, K] with transpose_rhs=True), lhs.dtype.
+        group_sizes: [G] integer rows per group, summing to at most M.
+        gate_up: [M, 2, N] the GLU's saved input (`ragged_matmul_glu`'s first result), lhs.dtype.
+        activation: the float32 `act(gate, up)`; its VJP is `jax.vjp`'s, in float32, at the
+            saved gate and up applied to the bf16-rounded product.
+        transpose_rhs, config: as in `ragged_matmul_glu`.
+
+    Returns:
+        [M, 2, N] (d_gate, d_up) in lhs.dtype; rows at or past sum(group_sizes) are left
+        unwritten.
+    """
+    num_rows, _, columns = _checked_shape(lhs, rhs, group_sizes, transpose_rhs, config)
+    if gate_up.shape != (num_rows, 2, columns) or gate_up.dtype != lhs.dtype:
+        raise ValueError(
+            f"gate_up must be [M, 2, N] = {(num_rows, 2, columns)} in {lhs.dtype}, got "
+            f"{gate_up.dtype} {gate_up.shape}; pass ragged_matmul_glu's first result."
+        )
+    out_type = jax.ShapeDtypeStruct((num_rows, 2 * columns), lhs.dtype)
+    grad = _launch(_Epilogue("glu_grad", activation), lhs, rhs, group_sizes,
+                   (gate_up.reshape(num_rows, 2 * columns),), out_type, transpose_rhs, config)
+    return grad.reshape(num_rows, 2, columns)
+
+
+def _launch(epilogue, lhs, rhs, group_sizes, extra_inputs, out_type, transpose_rhs, config):
+    """Runs `_kernel_body` on checked operands; the tile loop spans out_type's last [M, N]."""
+    num_rows, contraction = lhs.shape
+    columns = _columns(rhs, transpose_rhs) // epilogue.accumulators
     table, work_count = work_table(group_sizes, num_rows, config.tile_m)
     max_tiles = table.shape[1] * (columns // config.tile_n)
     body = functools.partial(
-        _kernel_body, config=config, transpose_rhs=transpose_rhs, contraction=contraction
+        _kernel_body,
+        config=config,
+        transpose_rhs=transpose_rhs,
+        contraction=contraction,
+        epilogue=epilogue,
     )
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((num_rows, columns), lhs.dtype),
+        out_type=out_type,
         grid=(min(_num_sms(), max_tiles),),
         grid_names=("sm",),
         num_threads=COMPUTE_WARPGROUPS + 1,
@@ -165,7 +277,11 @@ def ragged_matmul(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup
         ),
     )
-    return kernel(table, work_count, lhs, rhs)
+    return kernel(table, work_count, lhs, rhs, *extra_inputs)
+
+
+def _columns(rhs, transpose_rhs: bool) -> int:
+    return rhs.shape[1] if transpose_rhs else rhs.shape[2]
 
 
 def simulated_hopper(num_sms: int = _HOPPER_SMS) -> contextlib.AbstractContextManager:
@@ -296,30 +412,62 @@ def _swizzled(columns: int, dtype) -> tuple[plgpu.Transform, ...]:
     return plgpu.TilingTransform((8, swizzle_elements)), plgpu.SwizzleTransform(swizzle)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Epilogue:
+    """What a consumer does with its finished accumulator(s).
+
+    kind: "store" writes the product; "glu" multiplies the gate and up columns of rhs into two
+        accumulators and writes both (bf16) and activation(gate, up); "glu_grad" reads the saved
+        gate and up tiles and writes the activation's VJP applied to the product.
+    activation: the float32 elementwise `act(gate, up)` of the "glu" kinds.
+    """
+
+    kind: str = "store"
+    activation: Activation | None = None
+
+    @property
+    def accumulators(self) -> int:
+        return 2 if self.kind == "glu" else 1
+
+
 def _kernel_body(
-    table_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, *, config, transpose_rhs, contraction
+    table_gmem, count_gmem, lhs_gmem, rhs_gmem, *refs, config, transpose_rhs, contraction,
+    epilogue,
 ):
     """One persistent program: the producer loads, the two consumers multiply and store.
 
     table_gmem: [3, W] int32 and count_gmem: [1] int32 from `work_table`; lhs_gmem: [M, K];
-    rhs_gmem: [G, K, N] or [G, N, K]; out_gmem: [M, N].
+    rhs_gmem: [G, K, N'] or [G, N', K]. refs by `epilogue.kind`, with N the tile loop's width:
+    "store": out_gmem [M, N] (N' = N); "glu": gate_up_gmem [M, 2N] and out_gmem [M, N], both
+    written (N' = 2N, gate columns first); "glu_grad": gate_up_gmem [M, 2N] read and
+    out_gmem [M, 2N] written, the cotangent of gate_up (N' = N).
     """
+    if epilogue.kind == "store":
+        (out_gmem,) = refs
+        gate_up_gmem = None
+        columns = out_gmem.shape[1]
+    else:
+        gate_up_gmem, out_gmem = refs
+        columns = gate_up_gmem.shape[1] // 2
     dtype = lhs_gmem.dtype
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
     rows_per_consumer = tile_m // COMPUTE_WARPGROUPS
-    column_blocks = out_gmem.shape[1] // tile_n
+    column_blocks = columns // tile_n
     operand_transforms = _swizzled(tile_k, dtype)
 
     def pipeline(row_block, column_block, body, compute_context, pipeline_state=None):
-        rhs_spec = (
+        # The "glu" kind's second rhs tile is the up columns, column_blocks tiles further.
+        rhs_blocks = [column_block + half * column_blocks for half in range(epilogue.accumulators)]
+        rhs_specs = [
             plgpu.BlockSpec(
-                (tile_n, tile_k), lambda step: (column_block, step), transforms=operand_transforms
+                (tile_n, tile_k), lambda step, b=block: (b, step), transforms=operand_transforms
             )
             if transpose_rhs
             else plgpu.BlockSpec(
-                (tile_k, tile_n), lambda step: (step, column_block), transforms=operand_transforms
+                (tile_k, tile_n), lambda step, b=block: (step, b), transforms=operand_transforms
             )
-        )
+            for block in rhs_blocks
+        ]
         lhs_spec = plgpu.BlockSpec(
             (tile_m, tile_k), lambda step: (row_block, step), transforms=operand_transforms
         )
@@ -327,7 +475,7 @@ def _kernel_body(
             body,
             grid=(contraction // tile_k,),
             memory_registers=_PRODUCER_REGISTERS,
-            in_specs=[lhs_spec, rhs_spec],
+            in_specs=[lhs_spec, *rhs_specs],
             wg_axis="wg",
             num_compute_wgs=COMPUTE_WARPGROUPS,
             max_concurrent_steps=config.max_concurrent_steps,
@@ -338,11 +486,27 @@ def _kernel_body(
     def ignore(*_, **__):
         return None
 
-    epilogue_n = config.epilogue_tile_n
+    def gate_up_halves(column_block):
+        """The gate and the up columns of a tile in a [M, 2N] array."""
+        return [pl.ds(column_block * tile_n + half * columns, tile_n) for half in (0, 1)]
 
-    @functools.partial(
-        pl.run_scoped,
-        pipeline_allocs=pipeline(0, 0, ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0]),
+    def destinations(column_block):
+        """The tile's columns of each output, in the order `_epilogue_values` gives values."""
+        own_columns = out_gmem.at[:, pl.ds(column_block * tile_n, tile_n)]
+        if epilogue.kind == "store":
+            return [own_columns]
+        if epilogue.kind == "glu":
+            return [gate_up_gmem.at[:, half] for half in gate_up_halves(column_block)] + [
+                own_columns
+            ]
+        return [out_gmem.at[:, half] for half in gate_up_halves(column_block)]
+
+    def pipeline_operands(group):
+        return (lhs_gmem, *[rhs_gmem.at[group]] * epilogue.accumulators)
+
+    epilogue_n = config.epilogue_tile_n
+    scratch = dict(
+        pipeline_allocs=pipeline(0, 0, ignore, ignore).get_allocations(*pipeline_operands(0)),
         swizzled_smem=plgpu.SMEM(
             (COMPUTE_WARPGROUPS, 2, rows_per_consumer, epilogue_n),
             dtype,
@@ -352,9 +516,21 @@ def _kernel_body(
             (COMPUTE_WARPGROUPS, rows_per_consumer, _TMA_ALIGNMENT // jnp.dtype(dtype).itemsize),
             dtype,
         ),
-        collective_axes="wg",
     )
-    def _scope(pipeline_allocs, swizzled_smem, plain_smem):
+    if epilogue.kind == "glu_grad":
+        # Each consumer's gate and up tiles, loaded while its pipeline runs.
+        scratch["residual_smem"] = plgpu.SMEM(
+            (COMPUTE_WARPGROUPS, 2, rows_per_consumer, tile_n),
+            dtype,
+            transforms=_swizzled(tile_n, dtype),
+        )
+        scratch["residual_barriers"] = plgpu.Barrier(
+            num_arrivals=1, num_barriers=2 * COMPUTE_WARPGROUPS
+        )
+
+    @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
+    def _scope(pipeline_allocs, swizzled_smem, plain_smem, residual_smem=None,
+               residual_barriers=None):
         consumer = lax.axis_index("wg")
         work_count = count_gmem[0]
 
@@ -367,34 +543,65 @@ def _kernel_body(
             row_start = table_gmem[1, work]
             row_end = table_gmem[2, work]
             row_block = lax.div(row_start, jnp.int32(tile_m))
+            first_row = row_block * tile_m + consumer * rows_per_consumer
+            start = jnp.clip(row_start - first_row, 0, rows_per_consumer)
+            end = jnp.clip(row_end - first_row, 0, rows_per_consumer)
+            own_rows = pl.ds(first_row, rows_per_consumer)
+            halves = gate_up_halves(column_block)
 
-            def multiply(_, lhs_smem, rhs_smem, acc_ref):
-                own_rows = lhs_smem.at[pl.ds(consumer * rows_per_consumer, rows_per_consumer)]
-                plgpu.wgmma(
-                    acc_ref, own_rows, rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
-                )
+            def multiply(_, lhs_smem, *rhs_smem_and_accs):
+                *rhs_smems, accs = rhs_smem_and_accs
+                own_lhs = lhs_smem.at[pl.ds(consumer * rows_per_consumer, rows_per_consumer)]
+                for rhs_smem, acc_ref in zip(rhs_smems, accs):
+                    plgpu.wgmma(
+                        acc_ref, own_lhs, rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
+                    )
                 # Each stage is released as soon as its wgmma is done, not a step later
                 # (delay_release=1): the last stage of a tile would then still be read while the
                 # producer refills it for the next tile. The tensor cores stay busy anyway:
                 # while one consumer waits, the other's wgmma runs.
                 plgpu.wgmma_wait(0)
-                return acc_ref
+                return accs
+
+            def load_residuals():
+                for half in (0, 1):
+                    plgpu.copy_gmem_to_smem(
+                        gate_up_gmem.at[own_rows, halves[half]],
+                        residual_smem.at[consumer, half],
+                        residual_barriers.at[2 * consumer + half],
+                    )
+
+            def wait_residuals():
+                for half in (0, 1):
+                    plgpu.barrier_wait(residual_barriers.at[2 * consumer + half])
 
             def consume(run_pipeline):
                 @functools.partial(
-                    pl.run_scoped, acc_ref=plgpu.ACC((rows_per_consumer, tile_n), jnp.float32)
+                    pl.run_scoped,
+                    accs=[plgpu.ACC((rows_per_consumer, tile_n), jnp.float32)]
+                    * epilogue.accumulators,
                 )
-                def _accumulate(acc_ref):
-                    run_pipeline(acc_ref)
-                    first_row = row_block * tile_m + consumer * rows_per_consumer
+                def _accumulate(accs):
+                    has_rows = start < end
+                    if epilogue.kind == "glu_grad":
+                        pl.when(has_rows)(load_residuals)
+                    run_pipeline(tuple(accs))
+                    if epilogue.kind == "glu_grad":
+                        pl.when(has_rows)(wait_residuals)
+                    values = _epilogue_values(
+                        epilogue,
+                        [acc_ref[...] for acc_ref in accs],
+                        None if residual_smem is None else residual_smem.at[consumer],
+                        dtype,
+                    )
                     _store_consumer_rows(
-                        acc_ref[...].astype(dtype),
-                        out_gmem.at[:, pl.ds(column_block * tile_n, tile_n)],
+                        values,
+                        destinations(column_block),
                         swizzled_smem.at[consumer],
                         plain_smem.at[consumer],
                         first_row=first_row,
-                        start=jnp.clip(row_start - first_row, 0, rows_per_consumer),
-                        end=jnp.clip(row_end - first_row, 0, rows_per_consumer),
+                        start=start,
+                        end=end,
                     )
 
             pipeline(
@@ -403,9 +610,39 @@ def _kernel_body(
                 multiply,
                 consume,
                 _pipeline_state(loop_info) if config.overlap_tiles else None,
-            )(lhs_gmem, rhs_gmem.at[group], allocations=pipeline_allocs)
+            )(*pipeline_operands(group), allocations=pipeline_allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _epilogue_values(epilogue, accs, residual_smem, dtype):
+    """values(chunk) -> the [R, chunk] value of each of a consumer's outputs.
+
+    accs: its [R, tile_n] float32 accumulators; residual_smem: [2, R, tile_n] its gate and up
+    tiles ("glu_grad" only). Each output value is cast to dtype once; the activation and its VJP
+    see the bf16-rounded operands, exactly what the unfused GMM -> fused_glu pair computes.
+    """
+    if epilogue.kind == "store":
+        out = accs[0].astype(dtype)
+        return lambda chunk: [out[:, chunk]]
+    if epilogue.kind == "glu":
+        gate, up = (acc.astype(dtype) for acc in accs)
+
+        def glu_values(chunk):
+            gate_chunk, up_chunk = gate[:, chunk], up[:, chunk]
+            act = epilogue.activation(gate_chunk.astype(jnp.float32), up_chunk.astype(jnp.float32))
+            return [gate_chunk, up_chunk, act.astype(dtype)]
+
+        return glu_values
+    out_grad = accs[0].astype(dtype).astype(jnp.float32)
+
+    def glu_grad_values(chunk):
+        gate = residual_smem[0][:, chunk].astype(jnp.float32)
+        up = residual_smem[1][:, chunk].astype(jnp.float32)
+        grads = _activation_vjp(epilogue.activation, gate, up, out_grad[:, chunk])
+        return [grad.astype(dtype) for grad in grads]
+
+    return glu_grad_values
 
 
 def _pipeline_state(loop_info: plgpu.NDLoopInfo) -> jax.Array:
@@ -421,34 +658,85 @@ def _pipeline_state(loop_info: plgpu.NDLoopInfo) -> jax.Array:
     return jnp.where(loop_info.local_index == 0, int(plgpu.PipelinePipeline.START), state)
 
 
-def _store_consumer_rows(out, out_gmem, swizzled_smem, plain_smem, *, first_row, start, end):
-    """Stores rows [start, end) of one consumer's slab to out_gmem rows first_row + [start, end).
+# Primitives of `jax.vjp`'s pullbacks that Mosaic GPU does not lower, as ones that it does
+# (one_minus_square as XLA lowers it, for the same float32 result).
+_PULLBACK_REWRITES = {
+    "add_any": lax.add,
+    "one_minus_square": lambda x: (1 + x) * (1 - x),
+}
 
-    out: [R, tile_n] values (R = rows a consumer owns); out_gmem: [M, tile_n] the tile's columns;
-    swizzled_smem: [2, R, E] double-buffered epilogue tiles; plain_smem: [R, C] an unswizzled one.
+
+def _activation_vjp(activation, gate, up, out_grad):
+    """(d_gate, d_up): `jax.vjp(activation, gate, up)`'s pullback of out_grad, lowerable.
+
+    The pullback is traced to a jaxpr and replayed with `_PULLBACK_REWRITES` applied and nested
+    jits inlined, so the activation's derivative is still derived by JAX, in one place.
     """
-    rows, columns = out.shape
+
+    def pullback(gate, up, out_grad):
+        return jax.vjp(activation, gate, up)[1](out_grad)
+
+    args = (gate, up, out_grad)
+    closed = jax.make_jaxpr(pullback)(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args))
+    return _replay_rewritten(closed.jaxpr, closed.consts, *args)
+
+
+def _replay_rewritten(jaxpr, consts, *args):
+    env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+
+    def read(atom):
+        return atom.val if isinstance(atom, jax.extend.core.Literal) else env[atom]
+
+    for eqn in jaxpr.eqns:
+        inputs = [read(atom) for atom in eqn.invars]
+        if eqn.primitive.name in _PULLBACK_REWRITES:
+            outputs = [_PULLBACK_REWRITES[eqn.primitive.name](*inputs)]
+        elif eqn.primitive.name in ("jit", "pjit"):
+            inner = eqn.params["jaxpr"]
+            outputs = _replay_rewritten(inner.jaxpr, inner.consts, *inputs)
+        else:
+            result = eqn.primitive.bind(*inputs, **eqn.params)
+            outputs = result if eqn.primitive.multiple_results else [result]
+        env.update(zip(eqn.outvars, outputs))
+    return [read(atom) for atom in jaxpr.outvars]
+
+
+def _store_consumer_rows(values, destinations, swizzled_smem, plain_smem, *, first_row, start,
+                         end):
+    """Stores rows [start, end) of one consumer's slabs to rows first_row + [start, end).
+
+    values(chunk) -> [R, len(chunk)] values, one for each of `destinations` [M, C] (the tile's
+    columns of each output; R = rows a consumer owns), computed a column chunk at a time so that
+    an activation's intermediates stay a chunk wide; swizzled_smem: [2, R, E] double-buffered
+    epilogue tiles; plain_smem: [R, P] an unswizzled one.
+    """
+    rows = swizzled_smem.shape[1]
+    columns = destinations[0].shape[1]
     # The previous tile's stores must have read the SMEM this tile's epilogue overwrites.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when((start == 0) & (end == rows))
     def _whole_slab():
-        for index, chunk in enumerate(_chunks(columns, swizzled_smem.shape[-1])):
-            slot = index % 2
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store that last read `slot`
-            swizzled_smem[slot] = out[:, chunk]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                swizzled_smem.at[slot], out_gmem.at[pl.ds(first_row, rows), chunk]
-            )
+        slot = 0
+        for chunk in _chunks(columns, swizzled_smem.shape[-1]):
+            for value, destination in zip(values(chunk), destinations):
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store that last read slot
+                swizzled_smem[slot] = value
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    swizzled_smem.at[slot], destination.at[pl.ds(first_row, rows), chunk]
+                )
+                slot = 1 - slot
 
     @pl.when((start < end) & ((start > 0) | (end < rows)))
     def _cut_slab():
         for chunk in _chunks(columns, plain_smem.shape[-1]):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            plain_smem[...] = out[:, chunk]
-            plgpu.commit_smem()
-            _store_row_range(plain_smem, out_gmem.at[:, chunk], first_row, start, end - start)
+            for value, destination in zip(values(chunk), destinations):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plain_smem[...] = value
+                plgpu.commit_smem()
+                _store_row_range(plain_smem, destination.at[:, chunk], first_row, start,
+                                 end - start)
 
 
 def _chunks(columns: int, width: int) -> list[slice]:

@@ -1,0 +1,139 @@
+"""The GLU fused into the grouped GEMMs' epilogues: `moe.ragged_matmul_mgpu.ragged_matmul_glu`
+(forward) and `ragged_matmul_glu_grad` (the activation's VJP after GMM2's input gradient).
+
+On CPU the kernels run in Mosaic GPU interpret mode with race detection (see
+`test_moe_ragged_matmul_mgpu.py`). Operands are small integers (times 1/16 for the weights, so the
+activation sees values of order 1): every float32 sum is exact, so the products' bf16 roundings
+equal XLA's `ragged_dot` bit for bit and any difference comes from the activation alone. Its
+float32 math may round differently from XLA's fused CPU code by an ulp of float32, which can move
+the bf16 result by one bf16 ulp (2^-8 relative): that is the tolerance. Rows past
+sum(group_sizes) must stay unwritten (interpret mode fills fresh buffers with NaN). Both variants
+are also lowered for Hopper at the MoE layer's real shapes.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+# Interpret mode has no public race report; jax is pinned, so the private one is stable here.
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
+
+from moe.activations import GLUActivation
+from moe.ragged_matmul_mgpu import (
+    GLU_CONFIG,
+    RaggedMatmulConfig,
+    interpreted_on_cpu,
+    ragged_matmul_glu,
+    ragged_matmul_glu_grad,
+    simulated_hopper,
+)
+
+BF16_ULP = 2.0**-8  # relative spacing of bf16 values: one rounding step
+
+
+def integer_valued(shape, seed, scale=1.0):
+    """bf16 array of integers in [-3, 3] times `scale` (a power of two): exact float32 sums."""
+    values = np.random.default_rng(seed).integers(-3, 4, shape) * scale
+    return jnp.asarray(values, jnp.bfloat16)
+
+
+def interpreted(kernel, *args, num_sms, **kwargs):
+    """kernel(*args) in interpret mode, failing on any data race; outputs as numpy float32."""
+    gpu_interpret.reset_gpu_interpret_mode_state()
+    with interpreted_on_cpu(num_sms=num_sms, detect_races=True):
+        outs = kernel(*args, **kwargs)
+        outs = jax.tree.map(lambda a: np.asarray(a.astype(jnp.float32)), outs)
+    assert not gpu_interpret.get_races().races_found, "the kernel has a data race"
+    return outs
+
+
+def assert_close_to_bf16(out, expected, covered):
+    """Within one bf16 ulp of the reference on covered rows; NaN (unwritten) past them."""
+    expected = np.asarray(expected.astype(jnp.float32))
+    np.testing.assert_allclose(out[:covered], expected[:covered], rtol=BF16_ULP, atol=1e-6)
+    assert np.isnan(out[covered:]).all(), "rows past sum(group_sizes) were written"
+
+
+def ragged_dot_bf16(lhs, rhs, group_sizes):
+    out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+    return out.astype(jnp.bfloat16)
+
+
+# (activation, config, M, K, N, group sizes, simulated SMs). Group boundaries inside row blocks
+# and inside a consumer's 64 rows, empty groups, rows past the total, M not a multiple of tile_m.
+CASES = {
+    "situ, empty groups, rows past the total": (
+        "situ", GLU_CONFIG, 256, 128, 128, [100, 0, 90, 30], 2),
+    "swiglu, M not a multiple of tile_m, two column blocks": (
+        "swiglu", GLU_CONFIG, 200, 256, 256, [64, 0, 70, 66], 3),
+    "situ, no tile overlap, one group": (
+        "situ", RaggedMatmulConfig(tile_n=128, overlap_tiles=False), 128, 128, 128, [0, 128], 1),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_writes_gate_up_and_the_activation(case):
+    kind, config, num_rows, contraction, columns, sizes, num_sms = CASES[case]
+    activation = GLUActivation(kind)
+    lhs = integer_valued((num_rows, contraction), seed=0)
+    rhs = integer_valued((len(sizes), contraction, 2 * columns), seed=1, scale=1 / 16)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    gate_up, out = interpreted(ragged_matmul_glu, lhs, rhs, group_sizes, activation,
+                               config=config, num_sms=num_sms)
+    expected_gate_up = ragged_dot_bf16(lhs, rhs, group_sizes).reshape(num_rows, 2, columns)
+    expected = activation(expected_gate_up[:, 0], expected_gate_up[:, 1]).astype(jnp.bfloat16)
+    covered = sum(sizes)
+    np.testing.assert_array_equal(gate_up[:covered], expected_gate_up[:covered].astype(float))
+    assert np.isnan(gate_up[covered:]).all(), "rows past sum(group_sizes) were written"
+    assert_close_to_bf16(out, expected, covered)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_backward_writes_the_activation_vjp(case):
+    kind, config, num_rows, width, hidden, sizes, num_sms = CASES[case]
+    activation = GLUActivation(kind)
+    out_grad = integer_valued((num_rows, width), seed=2)
+    w_out = integer_valued((len(sizes), hidden, width), seed=3, scale=1 / 16)
+    gate_up = integer_valued((num_rows, 2, hidden), seed=4, scale=1 / 2)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    grad = interpreted(ragged_matmul_glu_grad, out_grad, w_out, group_sizes, gate_up, activation,
+                       transpose_rhs=True, config=config, num_sms=num_sms)
+    hidden_grad = ragged_dot_bf16(out_grad, jnp.swapaxes(w_out, 1, 2), group_sizes)
+    _, pullback = jax.vjp(activation, gate_up[:, 0].astype(jnp.float32),
+                          gate_up[:, 1].astype(jnp.float32))
+    expected = jnp.stack(pullback(hidden_grad.astype(jnp.float32)), axis=1)
+    assert_close_to_bf16(grad, expected.astype(jnp.bfloat16), sum(sizes))
+
+
+@pytest.mark.parametrize("kind", ["situ", "swiglu", "clamped_swiglu"])
+def test_both_variants_lower_for_hopper_at_the_real_shapes(kind):
+    """131072 rows, 64 experts, width = hidden = 1024: layouts, wgmma, TMA and the 227 KiB SMEM."""
+    rows, experts, width, hidden = 131072, 64, 1024, 1024
+    activation = GLUActivation(kind)
+    bf16 = jnp.bfloat16
+    sizes = jax.ShapeDtypeStruct((experts,), jnp.int32)
+    forward = jax.jit(lambda x, w, s: ragged_matmul_glu(x, w, s, activation))
+    backward = jax.jit(lambda dy, w, s, gate_up: ragged_matmul_glu_grad(
+        dy, w, s, gate_up, activation, transpose_rhs=True))
+    with simulated_hopper():
+        lowered = [
+            forward.trace(jax.ShapeDtypeStruct((rows, width), bf16),
+                          jax.ShapeDtypeStruct((experts, width, 2 * hidden), bf16), sizes),
+            backward.trace(jax.ShapeDtypeStruct((rows, width), bf16),
+                           jax.ShapeDtypeStruct((experts, hidden, width), bf16), sizes,
+                           jax.ShapeDtypeStruct((rows, 2, hidden), bf16)),
+        ]
+        lowered = [traced.lower(lowering_platforms=("cuda",)) for traced in lowered]
+    assert all("mosaic_gpu" in program.as_text() for program in lowered)
+
+
+def test_bad_glu_calls_raise_value_errors():
+    lhs = jnp.zeros((64, 128), jnp.bfloat16)
+    sizes = jnp.zeros((2,), jnp.int32)
+    activation = GLUActivation("situ")
+    with pytest.raises(ValueError, match="2N columns"):  # N = 64: not whole 128-column tiles
+        ragged_matmul_glu(lhs, jnp.zeros((2, 128, 128), jnp.bfloat16), sizes, activation)
+    with pytest.raises(ValueError, match="gate_up must be"):
+        ragged_matmul_glu_grad(lhs, jnp.zeros((2, 128, 128), jnp.bfloat16), sizes,
+                               jnp.zeros((64, 256), jnp.bfloat16), activation)
