@@ -63,6 +63,10 @@ class MoEConfig:
         qb_minibatches: number of mini-batches of "minibatch_mean".
         gmm_backend: grouped matmul: "auto" (Mosaic GPU kernel on Hopper, else XLA), "xla"
             (`jax.lax.ragged_dot`), or "mosaic_gpu".
+        fuse_glu_epilogues: compute the routed experts' activation in the grouped matmuls'
+            epilogues (`moe.dispatch.fused_expert_mlp`) where the Mosaic GPU kernels run;
+            elsewhere it has no effect. False by default until the H200 measures the fused path
+            faster (`python -m experiments.bench_grouped_matmul --gpu --expert-mlp`).
     """
 
     num_experts: int = 64
@@ -88,6 +92,7 @@ class MoEConfig:
     qb_bins: int = 1024
     qb_minibatches: int = 1
     gmm_backend: str = "auto"
+    fuse_glu_epilogues: bool = False
 
     def __post_init__(self):
         _require(self.num_experts >= 1, "num_experts", self.num_experts, "an integer >= 1")
@@ -163,6 +168,12 @@ class MoEConfig:
             "gmm_backend",
             self.gmm_backend,
             f"one of {GMM_BACKENDS}",
+        )
+        _require(
+            isinstance(self.fuse_glu_epilogues, bool),
+            "fuse_glu_epilogues",
+            self.fuse_glu_epilogues,
+            "True or False",
         )
 
     def routed_width(self, d_model: int) -> int:

@@ -23,10 +23,22 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 from jax.sharding import PartitionSpec as P
 
+from moe import activations
 from moe.activations import fused_glu
-from moe.grouped_matmul import ROW_MULTIPLE, grouped_matmul
+# The same weight-gradient tiles and GLU-kernel conditions as the unfused path (one place each).
+from moe.grouped_matmul import _WEIGHT_GRAD_TILES as WEIGHT_GRAD_TILES
+from moe.grouped_matmul import ROW_MULTIPLE, grouped_matmul, mosaic_gpu_supports
+from moe.ragged_matmul_mgpu import (
+    GLU_CONFIG,
+    config_for,
+    glu_config_for,
+    ragged_matmul,
+    ragged_matmul_glu,
+    ragged_matmul_glu_grad,
+)
 from moe.routing import PERMUTATION_NAME, load_counts
 
 EXPERT_AXIS = "expert"
@@ -70,6 +82,7 @@ def expert_mlp(
     activation: Activation,
     *,
     backend: str = "auto",
+    fuse_glu_epilogues: bool = False,
 ) -> jax.Array:
     """Every expert's GLU MLP on its rows.
 
@@ -80,16 +93,115 @@ def expert_mlp(
         w_out: [E, M, W] down projections.
         activation: `act(gate, up)` -> float32.
         backend: grouped matmul backend.
+        fuse_glu_epilogues: run `fused_expert_mlp` (the activation in the grouped matmuls'
+            epilogues) where `fused_epilogues_apply`; elsewhere, or when False, the grouped
+            matmul, `fused_glu`, grouped matmul path.
 
     Returns:
         [R, W] in x_sorted.dtype.
     """
     num_experts, width, _, hidden = w_in.shape
-    gate_up = grouped_matmul(
-        x_sorted, w_in.reshape(num_experts, width, 2 * hidden), group_sizes, backend=backend
-    )
+    w_gate_up = w_in.reshape(num_experts, width, 2 * hidden)
+    if fuse_glu_epilogues and fused_epilogues_apply(x_sorted, w_gate_up, w_out, backend):
+        return fused_expert_mlp(
+            activation,
+            x_sorted,
+            group_sizes.astype(jnp.int32),
+            w_gate_up.astype(x_sorted.dtype),
+            w_out.astype(x_sorted.dtype),
+        )
+    gate_up = grouped_matmul(x_sorted, w_gate_up, group_sizes, backend=backend)
     hidden_act = fused_glu(activation, gate_up.reshape(-1, 2, hidden))
     return grouped_matmul(hidden_act, w_out, group_sizes, backend=backend)
+
+
+def fused_epilogues_apply(x_sorted, w_gate_up, w_out, backend: str) -> bool:
+    """Whether `expert_mlp` may take `fused_expert_mlp`: where its unfused path would run the
+    Mosaic GPU grouped matmuls (Hopper, supported shapes and dtypes) and the Pallas GLU kernels
+    (`moe.activations`' conditions: a GPU, arrays whole on the device), with M a multiple of the
+    GLU kernels' 128-column tiles.
+
+    x_sorted: [R, W], w_gate_up: [E, W, 2M], w_out: [E, M, W] (arrays or ShapeDtypeStructs).
+    """
+    rows, hidden = x_sorted.shape[0], w_out.shape[1]
+    as_lhs_dtype = functools.partial(jax.ShapeDtypeStruct, dtype=x_sorted.dtype)
+    return (
+        backend in ("auto", "mosaic_gpu")
+        and hidden % GLU_CONFIG.tile_n == 0
+        and mosaic_gpu_supports(x_sorted, as_lhs_dtype(w_gate_up.shape))
+        and mosaic_gpu_supports(as_lhs_dtype((rows, hidden)), as_lhs_dtype(w_out.shape))
+        and activations._on_kernel_path(as_lhs_dtype((rows, 2, hidden)))
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def fused_expert_mlp(
+    activation: Activation,
+    x_sorted: jax.Array,
+    group_sizes: jax.Array,
+    w_gate_up: jax.Array,
+    w_out: jax.Array,
+) -> jax.Array:
+    """`expert_mlp` with the activation in the grouped matmuls' epilogues (Hopper kernels).
+
+    The forward's first product writes gate_up (the backward's residual, as `fused_glu` keeps it)
+    and h = activation(gate, up) in its epilogue (`ragged_matmul_glu`), and the second reads h.
+    The backward's input gradient of the second product writes d(gate_up), the activation's VJP
+    at the saved gate_up, instead of d_h (`ragged_matmul_glu_grad`), so neither h nor d_h makes
+    an extra trip through HBM and no elementwise kernel runs. Same roundings as the unfused path.
+
+    Args:
+        activation: `act(gate, up)` -> float32, elementwise.
+        x_sorted: [R, W] rows grouped by expert, bf16 or f16.
+        group_sizes: [E] int32 rows per expert.
+        w_gate_up: [E, W, 2M] gate columns [0, M), up columns [M, 2M), x_sorted.dtype.
+        w_out: [E, M, W], x_sorted.dtype.
+
+    Returns:
+        [R, W] in x_sorted.dtype; rows at or past sum(group_sizes) are left unwritten (in the
+        gradient of x_sorted too), as `grouped_matmul`'s "mosaic_gpu" backend leaves them.
+    """
+    return _fused_expert_mlp_forward(activation, x_sorted, group_sizes, w_gate_up, w_out)[0]
+
+
+def _fused_expert_mlp_forward(activation, x_sorted, group_sizes, w_gate_up, w_out):
+    width, hidden = x_sorted.shape[1], w_out.shape[1]
+    gate_up, hidden_act = ragged_matmul_glu(
+        x_sorted, w_gate_up, group_sizes, activation, config=glu_config_for(width)
+    )
+    y = ragged_matmul(hidden_act, w_out, group_sizes, config=config_for(hidden, width))
+    return y, (x_sorted, group_sizes, w_gate_up, w_out, gate_up, hidden_act)
+
+
+def _fused_expert_mlp_backward(activation, residuals, out_grad):
+    x_sorted, group_sizes, w_gate_up, w_out, gate_up, hidden_act = residuals
+    rows, width = x_sorted.shape
+    out_grad = out_grad.astype(x_sorted.dtype)
+    gate_up_grad = ragged_matmul_glu_grad(
+        out_grad, w_out, group_sizes, gate_up, activation, transpose_rhs=True,
+        config=glu_config_for(width),
+    ).reshape(rows, w_gate_up.shape[2])
+    x_grad = ragged_matmul(
+        gate_up_grad, w_gate_up, group_sizes, transpose_rhs=True,
+        config=config_for(w_gate_up.shape[2], width),
+    )
+    return (
+        x_grad,
+        None,
+        weight_gradient(x_sorted, gate_up_grad, group_sizes),
+        weight_gradient(hidden_act, out_grad, group_sizes),
+    )
+
+
+fused_expert_mlp.defvjp(_fused_expert_mlp_forward, _fused_expert_mlp_backward)
+
+
+def weight_gradient(lhs: jax.Array, out_grad: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """[G, K, N] `lhs[rows of g]^T @ out_grad[rows of g]`: JAX's bundled Hopper kernel with the
+    tiles `moe.grouped_matmul` gives it. lhs: [R, K], out_grad: [R, N]."""
+    return transposed_ragged_dot_mgpu.transposed_ragged_dot(
+        lhs, out_grad, group_sizes=group_sizes, **WEIGHT_GRAD_TILES
+    )
 
 
 def combine(y_copies: jax.Array, weights: jax.Array) -> jax.Array:
@@ -112,6 +224,7 @@ def dropless_moe(
     activation: Activation,
     *,
     backend: str = "auto",
+    fuse_glu_epilogues: bool = False,
 ) -> jax.Array:
     """Routed-expert output of every token, no token copy dropped.
 
@@ -122,6 +235,7 @@ def dropless_moe(
         w_in: [E, W, 2, M], w_out: [E, M, W] expert weights (cast to x.dtype).
         activation: `act(gate, up)` -> float32.
         backend: grouped matmul backend.
+        fuse_glu_epilogues: as in `expert_mlp`.
 
     Returns:
         [T, W] `sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`, in x.dtype.
@@ -138,6 +252,7 @@ def dropless_moe(
         w_out.astype(x.dtype),
         activation,
         backend=backend,
+        fuse_glu_epilogues=fuse_glu_epilogues,
     )
     return unsort_combine(y_sorted, weights, plan.order, plan.inverse)
 
@@ -153,12 +268,14 @@ def expert_parallel_moe(
     copy_mask: jax.Array | None = None,
     capacity_factor: float | None = None,
     backend: str = "auto",
+    fuse_glu_epilogues: bool = False,
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`dropless_moe` with experts sharded over the `expert` mesh axis (fixed-capacity all-to-all).
 
     Args:
-        x, expert_ids, weights, w_in, w_out, activation, backend: as in `dropless_moe`; the token
+        x, expert_ids, weights, w_in, w_out, activation, backend, fuse_glu_epilogues: as in
+            `dropless_moe`; the token
             count must divide by the mesh size and E by the `expert` axis size.
         copy_mask: [T, k] bool, copies to send (None = all); the others contribute nothing and
             take no buffer room.
@@ -207,6 +324,7 @@ def expert_parallel_moe(
         activation=activation,
         capacity=capacity,
         backend=backend,
+        fuse_glu_epilogues=fuse_glu_epilogues,
         all_axes=mesh.axis_names,
     )
     return jax.shard_map(
@@ -218,7 +336,8 @@ def expert_parallel_moe(
 
 
 def _expert_parallel_shard(
-    x, expert_ids, weights, copy_mask, w_in, w_out, *, activation, capacity, backend, all_axes
+    x, expert_ids, weights, copy_mask, w_in, w_out, *, activation, capacity, backend,
+    fuse_glu_epilogues, all_axes
 ):
     """One shard's part of `expert_parallel_moe` (local tokens n, local experts E/P)."""
     shards = jax.lax.axis_size(EXPERT_AXIS)
@@ -254,6 +373,7 @@ def _expert_parallel_shard(
         w_out,
         activation,
         backend=backend,
+        fuse_glu_epilogues=fuse_glu_epilogues,
     )
     # Rows past the groups are padding the grouped matmul may leave unwritten: select, never
     # multiply, so that whatever they hold cannot leak.

@@ -138,8 +138,18 @@ def config_for(contraction: int, columns: int) -> RaggedMatmulConfig:
     config = DEFAULT_CONFIG
     if columns % config.tile_n:
         config = SWEEP_CONFIGS["128x128 k64 s4 e64"]
+    return _without_overlap_unless_it_fits(config, contraction)
+
+
+def glu_config_for(contraction: int) -> RaggedMatmulConfig:
+    """The tiles of the GLU variants at contraction width K (a multiple of 64): GLU_CONFIG,
+    without tile overlap where K / 64 steps are not a multiple of its 4 stages."""
+    return _without_overlap_unless_it_fits(GLU_CONFIG, contraction)
+
+
+def _without_overlap_unless_it_fits(config, contraction):
     if (contraction // config.tile_k) % config.max_concurrent_steps:
-        config = dataclasses.replace(config, overlap_tiles=False)
+        return dataclasses.replace(config, overlap_tiles=False)
     return config
 
 

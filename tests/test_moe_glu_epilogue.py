@@ -1,5 +1,6 @@
 """The GLU fused into the grouped GEMMs' epilogues: `moe.ragged_matmul_mgpu.ragged_matmul_glu`
-(forward) and `ragged_matmul_glu_grad` (the activation's VJP after GMM2's input gradient).
+(forward) and `ragged_matmul_glu_grad` (the activation's VJP after GMM2's input gradient), and the
+custom-VJP expert MLP built on them (`moe.dispatch.fused_expert_mlp`).
 
 On CPU the kernels run in Mosaic GPU interpret mode with race detection (see
 `test_moe_ragged_matmul_mgpu.py`). Operands are small integers (times 1/16 for the weights, so the
@@ -19,7 +20,9 @@ import pytest
 # Interpret mode has no public race report; jax is pinned, so the private one is stable here.
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
 
+from moe import dispatch
 from moe.activations import GLUActivation
+from moe.config import MoEConfig
 from moe.ragged_matmul_mgpu import (
     GLU_CONFIG,
     RaggedMatmulConfig,
@@ -137,3 +140,88 @@ def test_bad_glu_calls_raise_value_errors():
     with pytest.raises(ValueError, match="gate_up must be"):
         ragged_matmul_glu_grad(lhs, jnp.zeros((2, 128, 128), jnp.bfloat16), sizes,
                                jnp.zeros((64, 256), jnp.bfloat16), activation)
+
+
+def xla_weight_gradient(lhs, out_grad, group_sizes):
+    """`dispatch.weight_gradient` through XLA: JAX's bundled Hopper kernel reads the device's SM
+    count, so it cannot run in interpret mode on CPU (the `gpu` tests and the benchmark run it)."""
+    rhs = jnp.zeros((group_sizes.shape[0], lhs.shape[1], out_grad.shape[1]), lhs.dtype)
+    _, pullback = jax.vjp(
+        lambda w: jax.lax.ragged_dot(lhs, w, group_sizes, preferred_element_type=jnp.float32), rhs
+    )
+    return pullback(out_grad.astype(jnp.float32))[0].astype(lhs.dtype)
+
+
+def relative_error(out, expected):
+    out, expected = np.asarray(out, np.float32), np.asarray(expected, np.float32)
+    return float(np.max(np.abs(out - expected)) / np.max(np.abs(expected)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["situ", "swiglu"])
+def test_fused_expert_mlp_matches_the_unfused_xla_path_with_gradients(kind, monkeypatch):
+    """Output and every gradient against `jax.vjp` of `expert_mlp(backend="xla")`.
+
+    Both paths round to bf16 at the same points (gate_up, h, y; d_h, d(gate_up), and each
+    gradient) and differ only in float32 summation order, which can move a bf16 rounding by one
+    step (2^-8 of the value); such a step in gate_up or d_h carries through one more product, so
+    each result must agree within two steps of its largest element (2^-7).
+    """
+    monkeypatch.setattr(dispatch, "weight_gradient", xla_weight_gradient)
+    rows, width, hidden, sizes = 256, 128, 128, [100, 0, 90, 30]
+    keys = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(keys[0], (rows, width), jnp.bfloat16)
+    w_in = (jax.random.normal(keys[1], (len(sizes), width, 2, hidden)) * width**-0.5 * 2)
+    w_out = jax.random.normal(keys[2], (len(sizes), hidden, width)) * hidden**-0.5
+    w_in, w_out = w_in.astype(jnp.bfloat16), w_out.astype(jnp.bfloat16)
+    out_grad = jax.random.normal(keys[3], (rows, width), jnp.bfloat16)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    activation = GLUActivation(kind)
+
+    def fused(x, w_in, w_out):
+        w_gate_up = w_in.reshape(len(sizes), width, 2 * hidden)
+        return dispatch.fused_expert_mlp(activation, x, group_sizes, w_gate_up, w_out)
+
+    def unfused(x, w_in, w_out):
+        return dispatch.expert_mlp(x, group_sizes, w_in, w_out, activation, backend="xla")
+
+    def value_and_grads(mlp):
+        out, pullback = jax.vjp(mlp, x, w_in, w_out)
+        return [np.asarray(a.astype(jnp.float32)) for a in (out, *pullback(out_grad))]
+
+    expected = value_and_grads(unfused)
+    gpu_interpret.reset_gpu_interpret_mode_state()
+    with interpreted_on_cpu(num_sms=3, detect_races=True):
+        ours = value_and_grads(fused)
+    assert not gpu_interpret.get_races().races_found, "a kernel has a data race"
+    covered = sum(sizes)  # rows past the groups: unwritten in y and d x, zeros in XLA's
+    for name, out, ref in zip(["y", "d_x", "d_w_in", "d_w_out"], ours, expected):
+        if name in ("y", "d_x"):
+            out, ref = out[:covered], ref[:covered]
+        assert relative_error(out, ref) <= 2.0**-7, (name, relative_error(out, ref))
+
+
+def test_expert_mlp_fuses_only_where_the_kernels_run():
+    """Off Hopper, fuse_glu_epilogues=True runs the unfused path unchanged."""
+    keys = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(keys[0], (64, 128), jnp.bfloat16)
+    w_in = jax.random.normal(keys[1], (2, 128, 2, 128), jnp.bfloat16)
+    w_out = jax.random.normal(keys[2], (2, 128, 128), jnp.bfloat16)
+    group_sizes = jnp.asarray([40, 24], jnp.int32)
+    w_gate_up = w_in.reshape(2, 128, 256)
+    assert dispatch.fused_epilogues_apply(x, w_gate_up, w_out, "auto") == (
+        jax.default_backend() == "gpu" and dispatch.mosaic_gpu_supports(x, w_gate_up)
+    )
+    assert not dispatch.fused_epilogues_apply(x, w_gate_up, w_out, "xla")
+    assert not dispatch.fused_epilogues_apply(x, w_gate_up[..., :192], w_out[:, :96], "auto")
+    if jax.default_backend() != "gpu":
+        mlp = [dispatch.expert_mlp(x, group_sizes, w_in, w_out, GLUActivation(),
+                                   fuse_glu_epilogues=fuse) for fuse in (False, True)]
+        np.testing.assert_array_equal(np.asarray(mlp[0]), np.asarray(mlp[1]))
+
+
+def test_config_field_defaults_off_and_is_validated():
+    assert MoEConfig().fuse_glu_epilogues is False
+    assert MoEConfig(fuse_glu_epilogues=True).fuse_glu_epilogues
+    with pytest.raises(ValueError, match="fuse_glu_epilogues"):
+        MoEConfig(fuse_glu_epilogues="yes")
