@@ -4,6 +4,9 @@
                                                          # top-8), 64 groups; writes
                                                          # benchmarks/grouped_matmul_h200.md
     python -m experiments.bench_grouped_matmul --smoke   # tiny sizes on CPU (interpret mode)
+    python -m experiments.bench_grouped_matmul --gpu --expert-mlp   # the expert MLP, GLU fused
+                                                         # into the GEMM epilogues or not; writes
+                                                         # benchmarks/expert_mlp_h200.md
 
 The four products are those of the MoE layer's expert matmuls that are ragged in their rows: the
 two forward products and their input gradients (rhs transposed). Each is timed for
@@ -13,6 +16,13 @@ an H200), and for XLA's dense `jnp.dot`
 of the same FLOPs ([M, K] x [K, N]). Group sizes are one multinomial draw of M rows over G equal
 groups (fixed seed), as uniform routing gives. Every grouped result is checked against XLA's
 `ragged_dot` with float32 output on the rows the groups cover.
+
+`--expert-mlp` times the whole expert MLP (`moe.dispatch.expert_mlp`: 131072 rows, 64 experts,
+width = hidden = 1024, SiTU-GLU) forward and forward+backward, unfused (our GEMM, the Pallas GLU
+kernel, our GEMM: `backend="mosaic_gpu"`) against `moe.dispatch.fused_expert_mlp` (the GLU in the
+GEMMs' epilogues), and checks that the two agree (output and the three gradients). On CPU
+(`--smoke`) only the forward runs, the unfused path on XLA (JAX's bundled weight-gradient kernel
+and `moe.grouped_matmul`'s Hopper check have no CPU interpret mode).
 
 On GPU the time is the median over `--iters` calls of the device time of the call's kernels
 (CUPTI through `jax.experimental.mosaic.gpu.profiler`; our table preparation included), or of its
@@ -35,6 +45,8 @@ import numpy as np
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
 from experiments.profiling import median_seconds
+from moe import dispatch
+from moe.activations import GLUActivation
 from moe.ragged_matmul_mgpu import SWEEP_CONFIGS, interpreted_on_cpu, ragged_matmul, work_table
 
 AGREEMENT_TOLERANCE = 8e-3  # bf16 outputs: a rounding is 2^-9 of the value at most
@@ -87,6 +99,22 @@ SMOKE_SIZE = BenchSize(
     groups=4,
     products=(Product(128, 256, False), Product(256, 256, True)),
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertMLPSize:
+    """The expert MLP: rows [R, W] through w_in [E, W, 2, M] and w_out [E, M, W]."""
+
+    rows: int
+    experts: int
+    width: int
+    hidden: int
+
+
+EXPERT_MLP_GPU_SIZE = ExpertMLPSize(rows=131072, experts=64, width=1024, hidden=1024)
+EXPERT_MLP_SMOKE_SIZE = ExpertMLPSize(rows=256, experts=4, width=128, hidden=128)
+FUSED = "fused GLU epilogues"
+FORWARD, FORWARD_BACKWARD = "forward", "forward+backward"
 
 
 def routed_group_sizes(rows: int, groups: int, seed: int = 0) -> np.ndarray:
@@ -214,6 +242,116 @@ def run(size: BenchSize, config_names, iters: int, use_cupti: bool, report=None)
     return rows
 
 
+def expert_mlp_operands(size: ExpertMLPSize, seed: int = 0):
+    """x [R, W], w_in [E, W, 2, M], w_out [E, M, W] (scaled by fan-in) and an output cotangent
+    [R, W], bf16 normal; group sizes as `routed_group_sizes`."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    bf16 = jnp.bfloat16
+    x = jax.random.normal(keys[0], (size.rows, size.width), bf16)
+    w_in = jax.random.normal(keys[1], (size.experts, size.width, 2, size.hidden)) * (
+        size.width**-0.5)
+    w_out = jax.random.normal(keys[2], (size.experts, size.hidden, size.width)) * (
+        size.hidden**-0.5)
+    out_grad = jax.random.normal(keys[3], (size.rows, size.width), bf16)
+    group_sizes = jnp.asarray(routed_group_sizes(size.rows, size.experts))
+    return x, w_in.astype(bf16), w_out.astype(bf16), out_grad, group_sizes
+
+
+def expert_mlp_calls(size: ExpertMLPSize, unfused_backend: str, passes) -> list:
+    """(path, pass, jitted f, arguments) of every timed call, the unfused path first.
+
+    A forward returns y [R, W]; a forward+backward returns y and the gradients of x, w_in and
+    w_out for a fixed output cotangent.
+    """
+    x, w_in, w_out, out_grad, group_sizes = expert_mlp_operands(size)
+    activation = GLUActivation("situ")
+
+    def fused(x, w_in, w_out, group_sizes):
+        w_gate_up = w_in.reshape(size.experts, size.width, 2 * size.hidden)
+        return dispatch.fused_expert_mlp(activation, x, group_sizes, w_gate_up, w_out)
+
+    def unfused(x, w_in, w_out, group_sizes):
+        return dispatch.expert_mlp(x, group_sizes, w_in, w_out, activation,
+                                   backend=unfused_backend)
+
+    def forward_backward(mlp, x, w_in, w_out, group_sizes, out_grad):
+        y, pullback = jax.vjp(lambda *weights: mlp(*weights, group_sizes), x, w_in, w_out)
+        return (y, *pullback(out_grad))
+
+    calls = []
+    for path, mlp in ((f"unfused (grouped_matmul backend={unfused_backend})", unfused),
+                      (FUSED, fused)):
+        if FORWARD in passes:
+            calls.append((path, FORWARD, jax.jit(mlp), (x, w_in, w_out, group_sizes)))
+        if FORWARD_BACKWARD in passes:
+            calls.append((path, FORWARD_BACKWARD, jax.jit(functools.partial(forward_backward, mlp)),
+                          (x, w_in, w_out, group_sizes, out_grad)))
+    return calls
+
+
+def run_expert_mlp(size: ExpertMLPSize, unfused_backend: str, passes, iters: int,
+                   use_cupti: bool, report=None) -> list[dict]:
+    """One row per (path, pass): ms, the unfused path's ms / ms, and for the fused path the
+    largest relative error (`relative_error` over covered rows) of its outputs against the
+    unfused path's."""
+    rows, results, unfused_ms = [], {}, {}
+    for path, pass_name, jitted, args in expert_mlp_calls(size, unfused_backend, passes):
+        row = dict(product=pass_name, kernel=path, config="situ", order=(0, len(rows)))
+        try:
+            outs = jax.tree.map(lambda a: a.astype(jnp.float32), jitted(*args))
+            if pass_name in results:
+                row["error"] = max(
+                    relative_error(ours, ref, ours.shape[0])
+                    for ours, ref in zip(jax.tree.leaves(outs), jax.tree.leaves(results[pass_name]))
+                )
+            else:
+                results[pass_name] = outs
+            del outs
+            row["ms"], row["timer"] = timed_ms(jitted, args, iters, use_cupti)
+            use_cupti = use_cupti and row["timer"] != "wall time"
+        except Exception as error:  # a failing path must not lose the other's numbers
+            row["failure"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+        else:
+            unfused_ms.setdefault(pass_name, row["ms"])
+            row["speedup"] = unfused_ms[pass_name] / row["ms"]
+        rows.append(row)
+        if report is not None:
+            report(rows)
+    return rows
+
+
+def expert_mlp_markdown(size: ExpertMLPSize, rows: list[dict], command: str) -> str:
+    sizes = routed_group_sizes(size.rows, size.experts)
+    timers = sorted({row["timer"] for row in rows if "timer" in row})
+    lines = [
+        "# Expert MLP: the GLU fused into the grouped GEMMs' epilogues vs unfused",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
+        f"- device: {jax.devices()[0].device_kind} ({jax.default_backend()})",
+        f"- versions: jax {jax.__version__}, jaxlib {jax.lib.__version__}",
+        f"- x [{size.rows}, {size.width}], w_in [{size.experts}, {size.width}, 2, {size.hidden}], "
+        f"w_out [{size.experts}, {size.hidden}, {size.width}] bf16, SiTU-GLU; group sizes "
+        f"{sizes.min()}-{sizes.max()} (multinomial, seed 0)",
+        f"- timer: {', '.join(timers)} (median)",
+        f"- error: the fused path's largest max |out - unfused| / max |unfused| over y and (with "
+        f"the backward) d x, d w_in, d w_out; agreement means <= {AGREEMENT_TOLERANCE:g}",
+    ]
+    if jax.default_backend() != "gpu":
+        lines.append("- CPU: the fused kernels ran in Mosaic GPU interpret mode, the unfused path "
+                     "on XLA; the times say nothing about GPU speed")
+    lines += ["", "| pass | path | ms | unfused ms / ms | error |", "|---|---|---:|---:|---:|"]
+    for row in sorted(rows, key=lambda row: (row["product"], row["order"])):
+        if "failure" in row:
+            lines.append(f"| {row['product']} | {row['kernel']} | failed: {row['failure']} | | |")
+            continue
+        error = f"{row['error']:.1e}" if "error" in row else ""
+        lines.append(f"| {row['product']} | {row['kernel']} | {row['ms']:.3f} | "
+                     f"{row['speedup']:.3f} | {error} |")
+    return "\n".join(lines + [""])
+
+
 def markdown(size: BenchSize, rows: list[dict], command: str) -> str:
     sizes = routed_group_sizes(size.rows, size.groups)
     device = jax.devices()[0]
@@ -304,6 +442,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--gpu", action="store_true", help="the H200 sizes (131072 rows, 64 groups)")
     size.add_argument("--smoke", action="store_true", help="tiny sizes, interpret mode on CPU")
+    parser.add_argument(
+        "--expert-mlp", action="store_true",
+        help="time the expert MLP with the GLU fused into the GEMM epilogues against unfused",
+    )
     parser.add_argument("--iters", type=int, default=None, help="timed calls (default 20 / 1)")
     parser.add_argument(
         "--configs",
@@ -323,6 +465,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     if args.gpu and jax.default_backend() != "gpu":
         raise SystemExit("--gpu needs a CUDA device; use --smoke on CPU.")
+    if args.expert_mlp:
+        return expert_mlp_main(args, argv)
     size = GPU_SIZE if args.gpu else SMOKE_SIZE
     iters = args.iters or (20 if args.gpu else 1)
     command = "python -m experiments.bench_grouped_matmul " + " ".join(
@@ -343,6 +487,38 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(markdown(size, rows, command))
     if bad := disagreements(rows):
         raise SystemExit("outputs disagree with the reference:\n" + "\n".join(bad))
+    return rows
+
+
+def expert_mlp_main(args: argparse.Namespace, argv: list[str] | None) -> list[dict]:
+    size = EXPERT_MLP_GPU_SIZE if args.gpu else EXPERT_MLP_SMOKE_SIZE
+    iters = args.iters or (20 if args.gpu else 1)
+    command = "python -m experiments.bench_grouped_matmul " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
+    out = args.out or ("benchmarks/expert_mlp_h200.md" if args.gpu else None)
+
+    def write_table(rows):
+        if out:
+            with open(out, "w") as f:
+                f.write(expert_mlp_markdown(size, rows, command))
+
+    if args.gpu:
+        gate_up_weights = jax.ShapeDtypeStruct(
+            (size.experts, size.width, 2 * size.hidden), jnp.bfloat16)
+        rows_in = jax.ShapeDtypeStruct((size.rows, size.width), jnp.bfloat16)
+        out_weights = jax.ShapeDtypeStruct((size.experts, size.hidden, size.width), jnp.bfloat16)
+        if not dispatch.fused_epilogues_apply(rows_in, gate_up_weights, out_weights, "auto"):
+            raise SystemExit("expert_mlp would not take the fused path here (needs Hopper).")
+        rows = run_expert_mlp(size, "mosaic_gpu", (FORWARD, FORWARD_BACKWARD), iters,
+                              use_cupti=True, report=write_table)
+    else:
+        with interpreted_on_cpu(num_sms=4):
+            rows = run_expert_mlp(size, "xla", (FORWARD,), iters, use_cupti=False,
+                                  report=write_table)
+    print(expert_mlp_markdown(size, rows, command))
+    if bad := disagreements(rows):
+        raise SystemExit("the fused path disagrees with the unfused one:\n" + "\n".join(bad))
     return rows
 
 

@@ -20,6 +20,7 @@ import pytest
 # Interpret mode has no public race report; jax is pinned, so the private one is stable here.
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
 
+from experiments import bench_grouped_matmul
 from moe import dispatch
 from moe.activations import GLUActivation
 from moe.config import MoEConfig
@@ -225,3 +226,35 @@ def test_config_field_defaults_off_and_is_validated():
     assert MoEConfig(fuse_glu_epilogues=True).fuse_glu_epilogues
     with pytest.raises(ValueError, match="fuse_glu_epilogues"):
         MoEConfig(fuse_glu_epilogues="yes")
+
+
+@pytest.mark.slow
+def test_expert_mlp_benchmark_smoke_writes_its_table(tmp_path):
+    out = tmp_path / "expert_mlp_smoke.md"
+    rows = bench_grouped_matmul.main(["--smoke", "--expert-mlp", "--out", str(out)])
+    assert [(row["product"], row["kernel"] == bench_grouped_matmul.FUSED) for row in rows] == [
+        (bench_grouped_matmul.FORWARD, False), (bench_grouped_matmul.FORWARD, True)]
+    assert all(row["ms"] > 0 for row in rows)
+    assert 0 < rows[1]["error"] <= bench_grouped_matmul.AGREEMENT_TOLERANCE
+    assert not bench_grouped_matmul.disagreements(rows)
+    assert out.read_text().count("| forward |") == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["situ", "swiglu"])
+def test_fused_expert_mlp_on_gpu_matches_the_unfused_kernels(kind):
+    """On Hopper, expert_mlp with and without fuse_glu_epilogues (both on the Mosaic GPU GEMMs)."""
+    size = bench_grouped_matmul.ExpertMLPSize(rows=16384, experts=8, width=1024, hidden=1024)
+    x, w_in, w_out, out_grad, group_sizes = bench_grouped_matmul.expert_mlp_operands(size)
+    w_gate_up = w_in.reshape(size.experts, size.width, 2 * size.hidden)
+    assert dispatch.fused_epilogues_apply(x, w_gate_up, w_out, "auto")
+    activation = GLUActivation(kind)
+
+    def value_and_grads(fuse):
+        mlp = jax.jit(lambda x, w_in, w_out: dispatch.expert_mlp(
+            x, group_sizes, w_in, w_out, activation, fuse_glu_epilogues=fuse))
+        out, pullback = jax.vjp(mlp, x, w_in, w_out)
+        return [np.asarray(a.astype(jnp.float32)) for a in (out, *pullback(out_grad))]
+
+    for ours, ref in zip(value_and_grads(True), value_and_grads(False)):
+        assert relative_error(ours, ref) <= bench_grouped_matmul.AGREEMENT_TOLERANCE
