@@ -598,14 +598,14 @@ def _kernel_body(
                     run_pipeline(tuple(accs))
                     if epilogue.kind == "glu_grad":
                         pl.when(has_rows)(wait_residuals)
-                    values = _epilogue_values(
+                    prepare = _epilogue_values(
                         epilogue,
                         [acc_ref[...] for acc_ref in accs],
                         None if residual_smem is None else residual_smem.at[consumer],
                         dtype,
                     )
                     _store_consumer_rows(
-                        values,
+                        prepare,
                         destinations(column_block),
                         swizzled_smem.at[consumer],
                         plain_smem.at[consumer],
@@ -626,7 +626,9 @@ def _kernel_body(
 
 
 def _epilogue_values(epilogue, accs, residual_smem, dtype):
-    """values(chunk) -> the [R, chunk] value of each of a consumer's outputs.
+    """prepare() -> values, with values(chunk) -> the [R, chunk] value of each of a consumer's
+    outputs; prepare runs where the values are stored (it reads SMEM that only consumers owning
+    rows of the tile have loaded).
 
     accs: its [R, tile_n] float32 accumulators; residual_smem: [2, R, tile_n] its gate and up
     tiles ("glu_grad" only). Each output value is cast to dtype once; the activation and its VJP
@@ -634,7 +636,7 @@ def _epilogue_values(epilogue, accs, residual_smem, dtype):
     """
     if epilogue.kind == "store":
         out = accs[0].astype(dtype)
-        return lambda chunk: [out[:, chunk]]
+        return lambda: lambda chunk: [out[:, chunk]]
     if epilogue.kind == "glu":
         gate, up = (acc.astype(dtype) for acc in accs)
 
@@ -643,16 +645,23 @@ def _epilogue_values(epilogue, accs, residual_smem, dtype):
             act = epilogue.activation(gate_chunk.astype(jnp.float32), up_chunk.astype(jnp.float32))
             return [gate_chunk, up_chunk, act.astype(dtype)]
 
-        return glu_values
+        return lambda: glu_values
     out_grad = accs[0].astype(dtype).astype(jnp.float32)
 
-    def glu_grad_values(chunk):
-        gate = residual_smem[0][:, chunk].astype(jnp.float32)
-        up = residual_smem[1][:, chunk].astype(jnp.float32)
-        grads = _activation_vjp(epilogue.activation, gate, up, out_grad[:, chunk])
-        return [grad.astype(dtype) for grad in grads]
+    def prepare():
+        # Whole tiles read once: a swizzled tile cannot be sliced narrower than its 64-column
+        # swizzle rows.
+        gate_tile, up_tile = residual_smem[0], residual_smem[1]
 
-    return glu_grad_values
+        def glu_grad_values(chunk):
+            gate = gate_tile[:, chunk].astype(jnp.float32)
+            up = up_tile[:, chunk].astype(jnp.float32)
+            grads = _activation_vjp(epilogue.activation, gate, up, out_grad[:, chunk])
+            return [grad.astype(dtype) for grad in grads]
+
+        return glu_grad_values
+
+    return prepare
 
 
 def _pipeline_state(loop_info: plgpu.NDLoopInfo) -> jax.Array:
@@ -711,13 +720,14 @@ def _replay_rewritten(jaxpr, consts, *args):
     return [read(atom) for atom in jaxpr.outvars]
 
 
-def _store_consumer_rows(values, destinations, swizzled_smem, plain_smem, *, first_row, start,
+def _store_consumer_rows(prepare, destinations, swizzled_smem, plain_smem, *, first_row, start,
                          end):
     """Stores rows [start, end) of one consumer's slabs to rows first_row + [start, end).
 
-    values(chunk) -> [R, len(chunk)] values, one for each of `destinations` [M, C] (the tile's
-    columns of each output; R = rows a consumer owns), computed a column chunk at a time so that
-    an activation's intermediates stay a chunk wide; swizzled_smem: [2, R, E] double-buffered
+    prepare() -> values, run once where rows are stored; values(chunk) -> [R, len(chunk)] values,
+    one for each of `destinations` [M, C] (the tile's columns of each output; R = rows a consumer
+    owns), computed a column chunk at a time so that an activation's intermediates stay a chunk
+    wide; swizzled_smem: [2, R, E] double-buffered
     epilogue tiles; plain_smem: [R, P] an unswizzled one.
     """
     rows = swizzled_smem.shape[1]
@@ -727,7 +737,7 @@ def _store_consumer_rows(values, destinations, swizzled_smem, plain_smem, *, fir
 
     @pl.when((start == 0) & (end == rows))
     def _whole_slab():
-        slot = 0
+        values, slot = prepare(), 0
         for chunk in _chunks(columns, swizzled_smem.shape[-1]):
             for value, destination in zip(values(chunk), destinations):
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store that last read slot
@@ -740,6 +750,7 @@ def _store_consumer_rows(values, destinations, swizzled_smem, plain_smem, *, fir
 
     @pl.when((start < end) & ((start > 0) | (end < rows)))
     def _cut_slab():
+        values = prepare()
         for chunk in _chunks(columns, plain_smem.shape[-1]):
             for value, destination in zip(values(chunk), destinations):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
