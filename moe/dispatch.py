@@ -147,8 +147,9 @@ def fused_expert_mlp(
     The forward's first product writes gate_up (the backward's residual, as `fused_glu` keeps it)
     and h = activation(gate, up) in its epilogue (`ragged_matmul_glu`), and the second reads h.
     The backward's input gradient of the second product writes d(gate_up), the activation's VJP
-    at the saved gate_up, instead of d_h (`ragged_matmul_glu_grad`), so neither h nor d_h makes
-    an extra trip through HBM and no elementwise kernel runs. Same roundings as the unfused path.
+    at the saved gate_up, instead of d_h (`ragged_matmul_glu_grad`). Against the unfused path no
+    GLU kernel runs: the forward no longer re-reads gate_up, the backward no longer writes and
+    re-reads d_h. The bf16 roundings are the unfused path's (gate_up, h, y; d_h, d(gate_up)).
 
     Args:
         activation: `act(gate, up)` -> float32, elementwise.
@@ -275,8 +276,8 @@ def expert_parallel_moe(
 
     Args:
         x, expert_ids, weights, w_in, w_out, activation, backend, fuse_glu_epilogues: as in
-            `dropless_moe`; the token
-            count must divide by the mesh size and E by the `expert` axis size.
+            `dropless_moe`; the token count must divide by the mesh size and E by the `expert`
+            axis size.
         copy_mask: [T, k] bool, copies to send (None = all); the others contribute nothing and
             take no buffer room.
         capacity_factor: buffer rows per destination shard = ceil(capacity_factor · n·k / P) for
