@@ -93,7 +93,9 @@ def fused_glu(activation: Callable[[jax.Array, jax.Array], jax.Array], gate_up: 
     return _fused_glu(activation, gate_up)
 
 
-def _on_kernel_path(gate_up) -> bool:
+def glu_kernel_runs(gate_up) -> bool:
+    """Whether `fused_glu` runs its Pallas kernels for this gate_up [..., 2, M] (array or
+    ShapeDtypeStruct): on a GPU, for shapes `moe.glu_kernel.supports`, arrays whole on the device."""
     return (jax.default_backend() == "gpu" and glu_kernel.supports(gate_up)
             and _arrays_are_whole_on_each_device())
 
@@ -109,7 +111,7 @@ def _arrays_are_whole_on_each_device() -> bool:
 
 
 def _fused_glu(activation, gate_up):
-    if _on_kernel_path(gate_up):
+    if glu_kernel_runs(gate_up):
         return glu_kernel.glu_forward(activation, gate_up)
     return activation(gate_up[..., 0, :], gate_up[..., 1, :]).astype(gate_up.dtype)
 
@@ -119,7 +121,7 @@ def _fused_glu_forward(activation, gate_up):
 
 
 def _fused_glu_backward(activation, gate_up, out_grad):
-    if _on_kernel_path(gate_up):
+    if glu_kernel_runs(gate_up):
         return (glu_kernel.glu_backward(activation, gate_up, out_grad),)
     # Forward and backward share one XLA program: without the barrier, common-subexpression
     # elimination merges the recomputed intermediates with the forward's and the float32

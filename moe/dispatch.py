@@ -23,13 +23,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 from jax.sharding import PartitionSpec as P
 
-from moe import activations
-from moe.activations import fused_glu
-# The same weight-gradient tiles and GLU-kernel conditions as the unfused path (one place each).
-from moe.grouped_matmul import _WEIGHT_GRAD_TILES as WEIGHT_GRAD_TILES
+from moe import grouped_matmul as grouped
+from moe.activations import fused_glu, glu_kernel_runs
 from moe.grouped_matmul import ROW_MULTIPLE, grouped_matmul, mosaic_gpu_supports
 from moe.ragged_matmul_mgpu import (
     GLU_CONFIG,
@@ -130,7 +127,7 @@ def fused_epilogues_apply(x_sorted, w_gate_up, w_out, backend: str) -> bool:
         and hidden % GLU_CONFIG.tile_n == 0
         and mosaic_gpu_supports(x_sorted, as_lhs_dtype(w_gate_up.shape))
         and mosaic_gpu_supports(as_lhs_dtype((rows, hidden)), as_lhs_dtype(w_out.shape))
-        and activations._on_kernel_path(as_lhs_dtype((rows, 2, hidden)))
+        and glu_kernel_runs(as_lhs_dtype((rows, 2, hidden)))
     )
 
 
@@ -189,20 +186,12 @@ def _fused_expert_mlp_backward(activation, residuals, out_grad):
     return (
         x_grad,
         None,
-        weight_gradient(x_sorted, gate_up_grad, group_sizes),
-        weight_gradient(hidden_act, out_grad, group_sizes),
+        grouped.weight_gradient(x_sorted, gate_up_grad, group_sizes),
+        grouped.weight_gradient(hidden_act, out_grad, group_sizes),
     )
 
 
 fused_expert_mlp.defvjp(_fused_expert_mlp_forward, _fused_expert_mlp_backward)
-
-
-def weight_gradient(lhs: jax.Array, out_grad: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """[G, K, N] `lhs[rows of g]^T @ out_grad[rows of g]`: JAX's bundled Hopper kernel with the
-    tiles `moe.grouped_matmul` gives it. lhs: [R, K], out_grad: [R, N]."""
-    return transposed_ragged_dot_mgpu.transposed_ragged_dot(
-        lhs, out_grad, group_sizes=group_sizes, **WEIGHT_GRAD_TILES
-    )
 
 
 def combine(y_copies: jax.Array, weights: jax.Array) -> jax.Array:

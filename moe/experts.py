@@ -277,10 +277,12 @@ class StableLatentMoE(nnx.Module):
                 copy_mask=copy_mask,
                 capacity_factor=self.cfg.capacity_factor,
                 backend=self.cfg.gmm_backend,
+                fuse_glu_epilogues=self.cfg.fuse_glu_epilogues,
                 mesh=mesh,
             )
         y = dropless_moe(
-            z, expert_ids, weights, w_in, w_out, self.activation, backend=self.cfg.gmm_backend
+            z, expert_ids, weights, w_in, w_out, self.activation, backend=self.cfg.gmm_backend,
+            fuse_glu_epilogues=self.cfg.fuse_glu_epilogues,
         )
         return y, jnp.zeros((), jnp.float32)
 

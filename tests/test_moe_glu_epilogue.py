@@ -16,12 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 # Interpret mode has no public race report; jax is pinned, so the private one is stable here.
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
 
 from experiments import bench_grouped_matmul
-from moe import dispatch
+from moe import dispatch, experts, grouped_matmul
 from moe.activations import GLUActivation
 from moe.config import MoEConfig
 from moe.ragged_matmul_mgpu import (
@@ -144,8 +145,9 @@ def test_bad_glu_calls_raise_value_errors():
 
 
 def xla_weight_gradient(lhs, out_grad, group_sizes):
-    """`dispatch.weight_gradient` through XLA: JAX's bundled Hopper kernel reads the device's SM
-    count, so it cannot run in interpret mode on CPU (the `gpu` tests and the benchmark run it)."""
+    """`moe.grouped_matmul.weight_gradient` through XLA: JAX's bundled Hopper kernel reads the
+    device's SM count, so it cannot run in interpret mode on CPU (the `gpu` tests and the
+    benchmark run it)."""
     rhs = jnp.zeros((group_sizes.shape[0], lhs.shape[1], out_grad.shape[1]), lhs.dtype)
     _, pullback = jax.vjp(
         lambda w: jax.lax.ragged_dot(lhs, w, group_sizes, preferred_element_type=jnp.float32), rhs
@@ -168,7 +170,7 @@ def test_fused_expert_mlp_matches_the_unfused_xla_path_with_gradients(kind, monk
     step (2^-8 of the value); such a step in gate_up or d_h carries through one more product, so
     each result must agree within two steps of its largest element (2^-7).
     """
-    monkeypatch.setattr(dispatch, "weight_gradient", xla_weight_gradient)
+    monkeypatch.setattr(grouped_matmul, "weight_gradient", xla_weight_gradient)
     rows, width, hidden, sizes = 256, 128, 128, [100, 0, 90, 30]
     keys = jax.random.split(jax.random.key(0), 4)
     x = jax.random.normal(keys[0], (rows, width), jnp.bfloat16)
@@ -219,6 +221,23 @@ def test_expert_mlp_fuses_only_where_the_kernels_run():
         mlp = [dispatch.expert_mlp(x, group_sizes, w_in, w_out, GLUActivation(),
                                    fuse_glu_epilogues=fuse) for fuse in (False, True)]
         np.testing.assert_array_equal(np.asarray(mlp[0]), np.asarray(mlp[1]))
+
+
+def test_moe_layer_passes_the_config_field_to_the_dispatch(monkeypatch):
+    seen = []
+
+    def spy(*args, fuse_glu_epilogues, **kwargs):
+        seen.append(fuse_glu_epilogues)
+        return original(*args, fuse_glu_epilogues=fuse_glu_epilogues, **kwargs)
+
+    original = experts.dropless_moe
+    monkeypatch.setattr(experts, "dropless_moe", spy)
+    x = jax.random.normal(jax.random.key(2), (1, 8, 32))
+    for fuse in (False, True):
+        cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=16, latent_dim=16,
+                        fuse_glu_epilogues=fuse)
+        experts.StableLatentMoE(32, cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))(x)
+    assert seen == [False, True]
 
 
 def test_config_field_defaults_off_and_is_validated():

@@ -114,12 +114,12 @@ def test_kernels_only_where_arrays_are_whole_on_each_device(monkeypatch):
     from moe import activations  # noqa: PLC0415 (the dispatch rule is private)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     gate_up = jnp.zeros((16, 2, 128), jnp.bfloat16)
-    assert activations._on_kernel_path(gate_up)
+    assert activations.glu_kernel_runs(gate_up)
     mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.devices()[:2])
     with jax.set_mesh(mesh):
-        assert not activations._on_kernel_path(gate_up)  # jit would gather sharded operands
+        assert not activations.glu_kernel_runs(gate_up)  # jit would gather sharded operands
         seen = []
-        jax.shard_map(lambda x: (seen.append(activations._on_kernel_path(x)), x)[1],
+        jax.shard_map(lambda x: (seen.append(activations.glu_kernel_runs(x)), x)[1],
                       in_specs=jax.P("data"), out_specs=jax.P("data"))(gate_up)
         assert seen == [True]  # inside shard_map the arrays are local
