@@ -24,13 +24,14 @@ import dataclasses
 import functools
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from experiments.bench_kda import (cell, compiled_once, compiled_peak_mib, package_version,
-                                  report_preamble, table_row)
+                                  report_preamble, table_row, timing_cells)
 from experiments.profiling import median_seconds
 from models.attn_res import (ResidualStream, attn_res_read, num_seal_slots, seal_period,
                              sublayer_input)
@@ -75,6 +76,14 @@ def walk(layout: str, setup: Setup):
     return run
 
 
+class LayoutTiming(NamedTuple):
+    """Median ms of one layout's forward and forward+backward, and the latter's compiled MiB."""
+
+    forward_ms: float
+    forward_backward_ms: float
+    peak_mib: float
+
+
 def make_inputs(setup: Setup, seed: int = 0):
     keys = iter(jax.random.split(jax.random.key(seed), 3 * 2 * setup.num_layers + 4))
     d = setup.d_model
@@ -98,8 +107,8 @@ def forward_backward(run):
 
 
 def measure(setup: Setup, repeats: int, warmup: int) -> tuple[dict, float]:
-    """{layout: dict(forward_ms, forward_backward_ms, peak_mib)} and the largest relative
-    difference of the planes layout's output and gradients from the buffer's."""
+    """{layout: LayoutTiming} and the largest relative difference of the planes layout's output
+    and gradients from the buffer's."""
     embedding, params, cotangent = make_inputs(setup)
     results, outputs = {}, {}
     for layout in LAYOUTS:
@@ -107,7 +116,7 @@ def measure(setup: Setup, repeats: int, warmup: int) -> tuple[dict, float]:
         forward = compiled_once(run, embedding, params)
         both = compiled_once(forward_backward(run), embedding, params, cotangent)
         outputs[layout] = both(embedding, params, cotangent)
-        results[layout] = dict(
+        results[layout] = LayoutTiming(
             forward_ms=1e3 * median_seconds(lambda: forward(embedding, params), repeats, warmup),
             forward_backward_ms=1e3 * median_seconds(
                 lambda: both(embedding, params, cotangent), repeats, warmup),
@@ -136,12 +145,9 @@ def write_table(path: Path, results: dict, difference: float, setup: Setup, comm
         "| layout | forward ms | fwd+bwd ms | fwd speedup | fwd+bwd speedup | peak MiB |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for layout, r in results.items():
-        lines.append(table_row(
-            layout, cell(r["forward_ms"], ".3f"), cell(r["forward_backward_ms"], ".3f"),
-            cell(base["forward_ms"] / r["forward_ms"], ".2f"),
-            cell(base["forward_backward_ms"] / r["forward_backward_ms"], ".2f"),
-            cell(r["peak_mib"], ".0f")))
+    for layout, timing in results.items():
+        lines.append(table_row(layout, *timing_cells(timing, base, ".3f"),
+                               cell(timing.peak_mib, ".0f")))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
 
