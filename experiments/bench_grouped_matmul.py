@@ -17,6 +17,14 @@ of the same FLOPs ([M, K] x [K, N]). Group sizes are one multinomial draw of M r
 groups (fixed seed), as uniform routing gives. Every grouped result is checked against XLA's
 `ragged_dot` with float32 output on the rows the groups cover.
 
+The two weight gradients (lhs [M, K]^T x out_grad [M, N] reduced over each group's rows, [G, K,
+N]: the gradients of the two forward products' weights) are timed for
+`moe.ragged_matmul_mgpu.transposed_ragged_matmul` under every config of
+`TRANSPOSED_SWEEP_CONFIGS`, for JAX's bundled `transposed_ragged_dot_mgpu` with the tiles
+`moe.grouped_matmul.weight_gradient` runs it with (GPU only: it has no interpret mode), and for
+XLA's dense lhs^T x out_grad; they are checked against XLA's `ragged_dot_general` with float32
+output.
+
 `--expert-mlp` times the whole expert MLP (`moe.dispatch.expert_mlp`: 131072 rows, 64 experts,
 width = hidden = 1024, SiTU-GLU) forward and forward+backward, unfused (our GEMM, the Pallas GLU
 kernel, our GEMM: `backend="mosaic_gpu"`) against `moe.dispatch.fused_expert_mlp` (the GLU in the
@@ -45,13 +53,25 @@ import numpy as np
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
 from experiments.profiling import median_seconds
+from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+
 from moe import dispatch
 from moe.activations import GLUActivation
-from moe.ragged_matmul_mgpu import SWEEP_CONFIGS, interpreted_on_cpu, ragged_matmul, work_table
+from moe.grouped_matmul import _WEIGHT_GRAD_TILES
+from moe.ragged_matmul_mgpu import (
+    SWEEP_CONFIGS,
+    TRANSPOSED_SWEEP_CONFIGS,
+    interpreted_on_cpu,
+    ragged_matmul,
+    transposed_ragged_matmul,
+    work_table,
+)
 
 AGREEMENT_TOLERANCE = 8e-3  # bf16 outputs: a rounding is 2^-9 of the value at most
 WORK_TABLE = "work_table alone (inside ours' times)"
 BUNDLED = "bundled ragged_dot_mgpu"
+BUNDLED_TRANSPOSED = "bundled transposed_ragged_dot_mgpu"
+ROW_RAGGED, WEIGHT_GRADIENT = "row-ragged", "weight-gradient"
 DENSE = "XLA dense jnp.dot"
 # The bundled kernel's best tiles from an earlier sweep on an H200 at these shapes: narrow for
 # products whose widths are all at most 1024, wide otherwise.
@@ -78,10 +98,22 @@ class Product:
 
 
 @dataclasses.dataclass(frozen=True)
+class WeightGradient:
+    """lhs [M, K]^T times out_grad [M, N], reduced over each group's rows: [G, K, N]."""
+
+    lhs_width: int
+    out_width: int
+
+    def label(self, rows: int, groups: int) -> str:
+        return f"[{rows},{self.lhs_width}]^T x [{rows},{self.out_width}] -> [{groups},...]"
+
+
+@dataclasses.dataclass(frozen=True)
 class BenchSize:
     rows: int
     groups: int
     products: tuple[Product, ...]
+    weight_gradients: tuple[WeightGradient, ...]
 
 
 GPU_SIZE = BenchSize(
@@ -93,11 +125,16 @@ GPU_SIZE = BenchSize(
         Product(2048, 1024, True),  # input gradient of the first
         Product(1024, 1024, True),  # input gradient of the second
     ),
+    weight_gradients=(
+        WeightGradient(1024, 2048),  # weight gradient of the first
+        WeightGradient(1024, 1024),  # weight gradient of the second
+    ),
 )
 SMOKE_SIZE = BenchSize(
     rows=384,
     groups=4,
     products=(Product(128, 256, False), Product(256, 256, True)),
+    weight_gradients=(WeightGradient(128, 256),),
 )
 
 
@@ -161,6 +198,44 @@ def timed_calls(product: Product, config_names, lhs, rhs, dense_rhs, group_sizes
     return calls
 
 
+def weight_gradient_operands(size: BenchSize, product: WeightGradient, seed: int = 0):
+    """lhs [M, K] and out_grad [M, N], bf16 normal."""
+    lhs_key, out_grad_key = jax.random.split(jax.random.key(seed))
+    lhs = jax.random.normal(lhs_key, (size.rows, product.lhs_width), jnp.bfloat16)
+    out_grad = jax.random.normal(out_grad_key, (size.rows, product.out_width), jnp.bfloat16)
+    return lhs, out_grad
+
+
+def weight_gradient_calls(config_names, lhs, out_grad, group_sizes, with_bundled: bool) -> list:
+    """(kernel, its tiles, jitted f, its arguments) of every timed weight-gradient call: the
+    bundled kernel (where `with_bundled`) and the dense dot first, then our configs."""
+    label = "{block_m}x{block_n} k{block_k} s{max_concurrent_steps} w{grid_block_n}"
+    grouped_args = (lhs, out_grad, group_sizes)
+    calls = [(DENSE, "same FLOPs", jax.jit(lambda lhs, out_grad: lhs.T @ out_grad),
+              (lhs, out_grad))]
+    if with_bundled:
+        bundled = jax.jit(lambda lhs, out_grad, sizes: transposed_ragged_dot_mgpu.
+                          transposed_ragged_dot(lhs, out_grad, group_sizes=sizes,
+                                                **_WEIGHT_GRAD_TILES))
+        calls.insert(0, (BUNDLED_TRANSPOSED, label.format(**_WEIGHT_GRAD_TILES), bundled,
+                         grouped_args))
+    for name in config_names:
+        ours = functools.partial(transposed_ragged_matmul, config=TRANSPOSED_SWEEP_CONFIGS[name])
+        calls.append(("ours", name, jax.jit(ours), grouped_args))
+    return calls
+
+
+def weight_gradient_reference(lhs, out_grad, group_sizes) -> jax.Array:
+    """XLA's ragged_dot_general reducing over each group's rows, float32 output: [G, K, N]."""
+    numbers = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((0,), (0,)), ((), ())),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[],
+    )
+    return jax.lax.ragged_dot_general(lhs, out_grad, group_sizes, numbers,
+                                      preferred_element_type=jnp.float32)
+
+
 def reference(lhs, rhs, group_sizes, transpose_rhs: bool) -> jax.Array:
     """XLA's ragged_dot with float32 output: [M, N]."""
     rhs = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
@@ -193,40 +268,52 @@ def timed_ms(jitted, args: tuple, iters: int, use_cupti: bool) -> tuple[float, s
     return median_seconds(lambda: jitted(*args), iters, warmup=0) * 1e3, "wall time"
 
 
-def run(size: BenchSize, config_names, iters: int, use_cupti: bool, report=None) -> list[dict]:
+def run(size: BenchSize, config_names, weight_grad_config_names, iters: int, use_cupti: bool,
+        report=None) -> list[dict]:
     """One row per (product, kernel): ms, TFLOP/s, speed-up over the bundled kernel, error.
 
-    Kernels are the outer loop (`timed_calls` order), products the inner one; `report(rows)` is
-    called after each row, so the GPU run writes its table as it goes and a hung or crashed
-    kernel leaves every row timed before it.
+    Kernels are the outer loop (`timed_calls` and `weight_gradient_calls` order), products the
+    inner one; `report(rows)` is called after each row, so the GPU run writes its table as it
+    goes and a hung or crashed kernel leaves every row timed before it.
     """
     sizes = jnp.asarray(routed_group_sizes(size.rows, size.groups))
-    covered_rows = int(sizes.sum())
+    # (label, family, FLOPs, reference, leading rows the check compares, calls) of each product.
     products = []
     for product in size.products:
         lhs, rhs, dense_rhs = product_operands(size, product)
         expected = jax.jit(reference, static_argnums=3)(lhs, rhs, sizes, product.transpose_rhs)
         calls = timed_calls(product, config_names, lhs, rhs, dense_rhs, sizes)
-        products.append((product, expected, calls))
+        flops = 2 * size.rows * product.contraction * product.columns
+        products.append((product.label(size.rows, size.groups), ROW_RAGGED, flops, expected,
+                         int(sizes.sum()), calls))
+    for product in size.weight_gradients:
+        lhs, out_grad = weight_gradient_operands(size, product)
+        expected = jax.jit(weight_gradient_reference)(lhs, out_grad, sizes)
+        calls = weight_gradient_calls(weight_grad_config_names, lhs, out_grad, sizes,
+                                      with_bundled=jax.default_backend() == "gpu")
+        flops = 2 * size.rows * product.lhs_width * product.out_width
+        products.append((product.label(size.rows, size.groups), WEIGHT_GRADIENT, flops,
+                         expected, size.groups, calls))
     rows, bundled_ms = [], {}
-    for position in range(len(products[0][2])):
-        for index, (product, expected, calls) in enumerate(products):
+    for position in range(max(len(calls) for *_, calls in products)):
+        for index, (label, family, flops, expected, checked, calls) in enumerate(products):
+            if position >= len(calls):
+                continue
             name, config, kernel, args = calls[position]
-            label = product.label(size.rows, size.groups)
-            row = dict(product=label, kernel=name, config=config, order=(index, position))
+            row = dict(product=label, family=family, kernel=name, config=config,
+                       order=(index, position))
             try:
                 out = kernel(*args)
                 if name != DENSE:
-                    row["error"] = relative_error(out, expected, covered_rows)
+                    row["error"] = relative_error(out, expected, checked)
                 del out
                 row["ms"], row["timer"] = timed_ms(kernel, args, iters, use_cupti)
                 use_cupti = use_cupti and row["timer"] != "wall time"  # fall back once
             except Exception as error:  # one failing config must not lose the others' numbers
                 row["failure"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
             else:
-                if name == BUNDLED:
+                if name in (BUNDLED, BUNDLED_TRANSPOSED):
                     bundled_ms[index] = row["ms"]
-                flops = 2 * size.rows * product.contraction * product.columns
                 row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
                 row["speedup"] = bundled_ms.get(index, float("nan")) / row["ms"]
             rows.append(row)
@@ -235,8 +322,8 @@ def run(size: BenchSize, config_names, iters: int, use_cupti: bool, report=None)
     table = jax.jit(work_table, static_argnums=(1, 2))
     for tile_m in sorted({SWEEP_CONFIGS[name].tile_m for name in config_names}):
         ms, timer = timed_ms(table, (sizes, size.rows, tile_m), iters, use_cupti)
-        rows.append(dict(product="all", kernel=WORK_TABLE, config=f"tile_m={tile_m}", ms=ms,
-                         timer=timer, order=(len(products), 0)))
+        rows.append(dict(product="all", family=ROW_RAGGED, kernel=WORK_TABLE,
+                         config=f"tile_m={tile_m}", ms=ms, timer=timer, order=(len(products), 0)))
     if report is not None:
         report(rows)
     return rows
@@ -357,7 +444,7 @@ def markdown(size: BenchSize, rows: list[dict], command: str) -> str:
     device = jax.devices()[0]
     timers = sorted({row["timer"] for row in rows if "timer" in row})
     lines = [
-        "# Row-ragged grouped GEMM: ours (moe.ragged_matmul_mgpu) vs JAX's bundled kernel",
+        "# Grouped GEMMs of the MoE: ours (moe.ragged_matmul_mgpu) vs JAX's bundled kernels",
         "",
         f"Command: `{command}`",
         "",
@@ -368,12 +455,14 @@ def markdown(size: BenchSize, rows: list[dict], command: str) -> str:
         f"- groups: {size.groups}, multinomial over {size.rows} rows (seed 0): sizes "
         f"{sizes.min()}-{sizes.max()}, {sizes.sum()} rows covered",
         f"- timer: {', '.join(timers)} (median); TFLOP/s = 2 M K N / time",
-        f"- error: max |out - ref| / max |ref| against XLA ragged_dot (float32 output); "
+        f"- error: max |out - ref| / max |ref| against XLA ragged_dot (ragged_dot_general for "
+        f"the weight gradients; float32 output); "
         f"agreement means <= {AGREEMENT_TOLERANCE:g}",
     ]
     if jax.default_backend() != "gpu":
         lines.append("- CPU: the grouped kernels ran in Mosaic GPU interpret mode; their times "
-                     "say nothing about GPU speed")
+                     "say nothing about GPU speed; the bundled weight-gradient kernel has no "
+                     "interpret mode and was not run")
     lines += [
         "",
         "| product | kernel | config | ms | TFLOP/s | bundled ms / ms | error |",
@@ -397,7 +486,15 @@ def markdown(size: BenchSize, rows: list[dict], command: str) -> str:
 
 
 def totals_markdown(rows: list[dict]) -> list[str]:
-    """Each kernel's time summed over the products that every kernel finished: the step's view."""
+    """Each kernel's time summed over the products of a family (row-ragged, weight-gradient)
+    that every kernel of the family finished: the step's view."""
+    lines = []
+    for family in (ROW_RAGGED, WEIGHT_GRADIENT):
+        lines += family_totals_markdown(family, [row for row in rows if row["family"] == family])
+    return lines
+
+
+def family_totals_markdown(family: str, rows: list[dict]) -> list[str]:
     products = {row["product"] for row in rows if row["kernel"] != WORK_TABLE}
     times: dict[tuple[str, str], dict[str, float]] = {}
     for row in rows:
@@ -411,9 +508,10 @@ def totals_markdown(rows: list[dict]) -> list[str]:
     if not complete:
         return []
     totals = {key: sum(by_product[p] for p in complete) for key, by_product in times.items()}
-    bundled = next(total for (kernel, _), total in totals.items() if kernel == BUNDLED)
+    bundled = next((total for (kernel, _), total in totals.items()
+                    if kernel in (BUNDLED, BUNDLED_TRANSPOSED)), float("nan"))
     lines = [
-        f"Summed over the {len(complete)} product(s) every kernel finished:",
+        f"Summed over the {len(complete)} {family} product(s) every kernel finished:",
         "",
         "| kernel | config | total ms | bundled total / total |",
         "|---|---|---:|---:|",
@@ -455,6 +553,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="our configs to time (default: all of SWEEP_CONFIGS)",
     )
     parser.add_argument(
+        "--weight-grad-configs",
+        nargs="+",
+        choices=sorted(TRANSPOSED_SWEEP_CONFIGS),
+        default=list(TRANSPOSED_SWEEP_CONFIGS),
+        help="our weight-gradient configs to time (default: all of TRANSPOSED_SWEEP_CONFIGS)",
+    )
+    parser.add_argument(
         "--out", default=None, help="markdown table (default benchmarks/grouped_matmul_h200.md "
         "with --gpu)"
     )
@@ -480,10 +585,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 f.write(markdown(size, rows, command))
 
     if args.gpu:
-        rows = run(size, args.configs, iters, use_cupti=True, report=write_table)
+        rows = run(size, args.configs, args.weight_grad_configs, iters, use_cupti=True,
+                   report=write_table)
     else:
         with interpreted_on_cpu(num_sms=4):
-            rows = run(size, args.configs, iters, use_cupti=False, report=write_table)
+            rows = run(size, args.configs, args.weight_grad_configs, iters, use_cupti=False,
+                       report=write_table)
     print(markdown(size, rows, command))
     if bad := disagreements(rows):
         raise SystemExit("outputs disagree with the reference:\n" + "\n".join(bad))

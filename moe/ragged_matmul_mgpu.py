@@ -27,6 +27,16 @@ N + j of rhs (two accumulators a consumer) and stores gate, up and activation(ga
 `ragged_matmul_glu_grad` loads the saved gate and up tiles while its pipeline runs and stores the
 activation's VJP (`jax.vjp`'s, float32) applied to the product instead of the product.
 
+Weight gradient. `transposed_ragged_matmul` (out[g] = lhs[rows of g]^T @ out_grad[rows of g],
+[G, K, N]; JAX's bundled `transposed_ragged_dot_mgpu` computes the same) is the same design with
+the rows as the contraction: a program walks (group, K block, N block) output tiles, each
+consumer owning 64 rows of K, and a tile's pipeline walks the row steps that hold rows of its
+group (a dynamic number of them). A step that straddles a group boundary is loaded whole; each
+consumer zeroes the other groups' rows of its half of the lhs tile in SMEM before its wgmma
+reads it. Tiles do not overlap as a pipeline of pipelines (Pallas allows that only for a static
+step count), but the producer loads a tile's first stages while the consumers store the previous
+tile.
+
 Rows at or past sum(group_sizes) are left unwritten, as JAX's bundled `ragged_dot_mgpu` leaves
 them. Testing: `interpreted_on_cpu` runs the kernel in Mosaic GPU interpret mode; under
 `simulated_hopper`, lowering for "cuda" runs Mosaic GPU's compile-time checks without a GPU.
@@ -737,16 +747,7 @@ def _store_consumer_rows(prepare, destinations, swizzled_smem, plain_smem, *, fi
 
     @pl.when((start == 0) & (end == rows))
     def _whole_slab():
-        values, slot = prepare(), 0
-        for chunk in _chunks(columns, swizzled_smem.shape[-1]):
-            for value, destination in zip(values(chunk), destinations):
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store that last read slot
-                swizzled_smem[slot] = value
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    swizzled_smem.at[slot], destination.at[pl.ds(first_row, rows), chunk]
-                )
-                slot = 1 - slot
+        _store_slab(prepare(), destinations, swizzled_smem, first_row)
 
     @pl.when((start < end) & ((start > 0) | (end < rows)))
     def _cut_slab():
@@ -758,6 +759,23 @@ def _store_consumer_rows(prepare, destinations, swizzled_smem, plain_smem, *, fi
                 plgpu.commit_smem()
                 _store_row_range(plain_smem, destination.at[:, chunk], first_row, start,
                                  end - start)
+
+
+def _store_slab(values, destinations, swizzled_smem, first_row):
+    """Stores a consumer's whole slab: values(chunk) -> [R, len(chunk)] values, one for each of
+    `destinations` [M, C], to rows first_row + [0, R), a chunk at a time through swizzled_smem
+    [2, R, E] (double-buffered: a chunk is written while the previous one's store runs)."""
+    rows = swizzled_smem.shape[1]
+    slot = 0
+    for chunk in _chunks(destinations[0].shape[1], swizzled_smem.shape[-1]):
+        for value, destination in zip(values(chunk), destinations):
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store that last read slot
+            swizzled_smem[slot] = value
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                swizzled_smem.at[slot], destination.at[pl.ds(first_row, rows), chunk]
+            )
+            slot = 1 - slot
 
 
 def _chunks(columns: int, width: int) -> list[slice]:
@@ -781,3 +799,249 @@ def _store_row_range(src_smem, dst_gmem, first_row, start, count):
 
         start = start + (count & size)
         size //= 2
+
+
+# The weight gradient: out[g] = lhs[rows of g]^T @ out_grad[rows of g], a reduction over each
+# group's rows (the grouped GEMM above is ragged in its output rows, this one in its contraction).
+
+
+@dataclasses.dataclass(frozen=True)
+class TransposedRaggedMatmulConfig:
+    """Tile settings of `transposed_ragged_matmul`.
+
+    An output tile is TRANSPOSED_TILE_K rows of K (64 a consumer: one wgmma's rows) by tile_n
+    columns of N; each pipeline stage loads tile_rows rows of lhs and out_grad.
+
+    tile_n: output columns a program computes at a time (each consumer takes all of them).
+    tile_rows: rows of the reduction a pipeline stage loads (a multiple of 64).
+    max_concurrent_steps: pipeline stages in flight (SMEM buffers per operand).
+    epilogue_tile_n: columns of each swizzled SMEM tile the output is stored through.
+    """
+
+    tile_n: int = 256
+    tile_rows: int = 64
+    max_concurrent_steps: int = 4
+    epilogue_tile_n: int = 32
+
+    def __post_init__(self):
+        if not 64 <= self.tile_n <= 256 or self.tile_n % 64:
+            raise ValueError(
+                f"tile_n must be a multiple of 64 up to 256 (wgmma), got {self.tile_n}."
+            )
+        if self.tile_rows % 64 or self.tile_rows <= 0:
+            raise ValueError(
+                f"tile_rows must be a positive multiple of 64 (128-byte swizzle), got "
+                f"{self.tile_rows}."
+            )
+        if self.tile_n % self.epilogue_tile_n or self.epilogue_tile_n % 8:
+            raise ValueError(
+                f"epilogue_tile_n must be a multiple of 8 dividing tile_n={self.tile_n}, "
+                f"got {self.epilogue_tile_n}."
+            )
+        if self.max_concurrent_steps < 2:
+            raise ValueError(
+                "max_concurrent_steps must be at least 2 (loads overlap the math), "
+                f"got {self.max_concurrent_steps}."
+            )
+
+
+TRANSPOSED_TILE_K = COMPUTE_WARPGROUPS * _WGMMA_ROWS
+# Shared memory of the default: 4 stages of 64x128 lhs + 64x256 out_grad bf16 (192 KiB) and the
+# double-buffered 32-column epilogue tiles (16 KiB).
+TRANSPOSED_DEFAULT_CONFIG = TransposedRaggedMatmulConfig()
+# Alternatives for a sweep (each lowers for Hopper at the benchmark shapes: see the tests).
+TRANSPOSED_SWEEP_CONFIGS = {
+    "128x256 r64 s4 e32": TRANSPOSED_DEFAULT_CONFIG,
+    "128x256 r128 s2 e32": TransposedRaggedMatmulConfig(tile_rows=128, max_concurrent_steps=2),
+    "128x128 r64 s6 e64": TransposedRaggedMatmulConfig(
+        tile_n=128, max_concurrent_steps=6, epilogue_tile_n=64
+    ),
+}
+
+
+def transposed_ragged_matmul(
+    lhs: jax.Array,
+    out_grad: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    config: TransposedRaggedMatmulConfig = TRANSPOSED_DEFAULT_CONFIG,
+) -> jax.Array:
+    """Each group's rows of lhs, transposed, times its rows of out_grad, on a Hopper GPU: the
+    weight gradient of `ragged_matmul`.
+
+    Args:
+        lhs: [R, K] bf16 or f16, rows sorted by group.
+        out_grad: [R, N] in lhs.dtype, rows as lhs's.
+        group_sizes: [G] integer rows per group, summing to at most R.
+        config: tile settings; K must be a multiple of TRANSPOSED_TILE_K and N of tile_n.
+
+    Returns:
+        [G, K, N] in lhs.dtype (as JAX's bundled `transposed_ragged_dot`): out[g] =
+        lhs[rows of g]^T @ out_grad[rows of g], accumulated in float32; zeros for empty groups.
+        Rows at or past sum(group_sizes) contribute nothing as long as they are finite (a row's
+        lhs is zeroed before the product, its out_grad is not: NaN * 0 is NaN).
+    """
+    num_rows, contraction, columns = _checked_transposed_shape(lhs, out_grad, group_sizes, config)
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.minimum(jnp.cumsum(sizes), num_rows)
+    bounds = jnp.stack([jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]]), ends])
+    num_tiles = sizes.shape[0] * (contraction // TRANSPOSED_TILE_K) * (columns // config.tile_n)
+    kernel = plgpu.kernel(
+        functools.partial(_transposed_kernel_body, config=config),
+        out_type=jax.ShapeDtypeStruct((sizes.shape[0], contraction, columns), lhs.dtype),
+        grid=(min(_num_sms(), num_tiles),),
+        grid_names=("sm",),
+        num_threads=COMPUTE_WARPGROUPS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+        ),
+    )
+    return kernel(bounds, lhs, out_grad)
+
+
+def _checked_transposed_shape(lhs, out_grad, group_sizes, config):
+    """(R, K, N) of a call, or a ValueError naming what does not fit."""
+    if lhs.ndim != 2 or out_grad.ndim != 2 or lhs.shape[0] != out_grad.shape[0]:
+        raise ValueError(
+            f"transposed_ragged_matmul needs lhs [R, K] and out_grad [R, N] with the same rows, "
+            f"got lhs {lhs.shape} and out_grad {out_grad.shape}."
+        )
+    (num_rows, contraction), columns = lhs.shape, out_grad.shape[1]
+    if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(
+            f"group_sizes must be integers of shape [G], got {group_sizes.dtype} "
+            f"{group_sizes.shape}."
+        )
+    if lhs.dtype not in _SUPPORTED_DTYPES or out_grad.dtype != lhs.dtype:
+        raise ValueError(
+            f"lhs and out_grad must both be bfloat16 or both float16, got {lhs.dtype} and "
+            f"{out_grad.dtype}; cast them first."
+        )
+    if contraction % TRANSPOSED_TILE_K or columns % config.tile_n:
+        raise ValueError(
+            f"K={contraction} must be a multiple of {TRANSPOSED_TILE_K} and N={columns} of "
+            f"tile_n={config.tile_n}; choose a config whose tile_n divides N."
+        )
+    if num_rows == 0 or group_sizes.shape[0] == 0:
+        raise ValueError(
+            f"lhs needs a row and group_sizes a group, got {lhs.shape} and {group_sizes.shape}."
+        )
+    return num_rows, contraction, columns
+
+
+def _transposed_kernel_body(bounds_gmem, lhs_gmem, out_grad_gmem, out_gmem, *, config):
+    """One persistent program over (group, K block, N block) output tiles.
+
+    bounds_gmem: [2, G] int32 first and end row of each group (clipped to R); lhs_gmem: [R, K];
+    out_grad_gmem: [R, N]; out_gmem: [G, K, N]. A tile's pipeline walks the tile_rows-row steps
+    that hold rows of its group (aligned to tile_rows, so a dynamic number of them); in a step
+    that also holds rows of other groups (or past the total), each consumer zeroes those rows of
+    its own 64 columns of the lhs tile before its wgmma reads it.
+    """
+    dtype = lhs_gmem.dtype
+    num_groups, contraction, columns = out_gmem.shape
+    tile_n, tile_rows = config.tile_n, config.tile_rows
+    k_blocks, n_blocks = contraction // TRANSPOSED_TILE_K, columns // tile_n
+
+    def pipeline(first_step, steps, k_block, n_block, body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(steps,),
+            memory_registers=_PRODUCER_REGISTERS,
+            in_specs=[
+                plgpu.BlockSpec(
+                    (tile_rows, TRANSPOSED_TILE_K),
+                    lambda step: (first_step + step, k_block),
+                    transforms=_swizzled(TRANSPOSED_TILE_K, dtype),
+                ),
+                plgpu.BlockSpec(
+                    (tile_rows, tile_n),
+                    lambda step: (first_step + step, n_block),
+                    transforms=_swizzled(tile_n, dtype),
+                ),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=COMPUTE_WARPGROUPS,
+            max_concurrent_steps=config.max_concurrent_steps,
+            compute_context=compute_context,
+        )
+
+    def ignore(*_, **__):
+        return None
+
+    # A static grid of max_concurrent_steps steps allocates every stage a dynamic one uses.
+    allocations = pipeline(0, config.max_concurrent_steps, 0, 0, ignore, ignore).get_allocations(
+        lhs_gmem, out_grad_gmem
+    )
+    scratch = dict(
+        pipeline_allocs=allocations,
+        swizzled_smem=plgpu.SMEM(
+            (COMPUTE_WARPGROUPS, 2, _WGMMA_ROWS, config.epilogue_tile_n),
+            dtype,
+            transforms=_swizzled(config.epilogue_tile_n, dtype),
+        ),
+    )
+
+    @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
+    def _scope(pipeline_allocs, swizzled_smem):
+        consumer = lax.axis_index("wg")
+
+        @plgpu.nd_loop((num_groups * k_blocks * n_blocks,), collective_axes="sm")
+        def _tile_loop(loop_info: plgpu.NDLoopInfo):
+            # Group-major: the tiles running at once share a group's rows, read through L2.
+            tile = loop_info.index[0]
+            group = lax.div(tile, jnp.int32(k_blocks * n_blocks))
+            k_block = lax.div(lax.rem(tile, jnp.int32(k_blocks * n_blocks)), jnp.int32(n_blocks))
+            n_block = lax.rem(tile, jnp.int32(n_blocks))
+            start, end = bounds_gmem[0, group], bounds_gmem[1, group]
+            first_step = lax.div(start, jnp.int32(tile_rows))
+            steps = jnp.where(end > start, pl.cdiv(end, tile_rows) - first_step, 0)
+
+            def multiply(indices, lhs_smem, out_grad_smem, acc_ref):
+                first_row = (first_step + indices[0]) * tile_rows
+                holds_others = (first_row < start) | (first_row + tile_rows > end)
+                # A static slice for each consumer: its 64 columns of the shared lhs tile.
+                for wg in range(COMPUTE_WARPGROUPS):
+                    own_lhs = lhs_smem.at[:, pl.ds(wg * _WGMMA_ROWS, _WGMMA_ROWS)]
+
+                    @pl.when((consumer == wg) & holds_others)
+                    def _zero_other_rows(own_lhs=own_lhs):
+                        rows = first_row + plgpu.layout_cast(
+                            lax.broadcasted_iota(jnp.int32, own_lhs.shape, 0),
+                            plgpu.Layout.WGMMA,
+                        )
+                        own_rows = (rows >= start) & (rows < end)
+                        own_lhs[...] = jnp.where(own_rows, own_lhs[...], 0).astype(dtype)
+                        plgpu.commit_smem()
+
+                    @pl.when(consumer == wg)
+                    def _accumulate(own_lhs=own_lhs):
+                        plgpu.wgmma(acc_ref, own_lhs.transpose((1, 0)), out_grad_smem)
+
+                # Released as soon as the wgmma is done; the other consumer's wgmma runs
+                # meanwhile (as `ragged_matmul`'s multiply).
+                plgpu.wgmma_wait(0)
+                return acc_ref
+
+            def consume(run_pipeline):
+                @functools.partial(
+                    pl.run_scoped, acc_ref=plgpu.ACC((_WGMMA_ROWS, tile_n), jnp.float32)
+                )
+                def _accumulate(acc_ref):
+                    run_pipeline(acc_ref)
+                    out = acc_ref[...].astype(dtype)
+                    # The previous tile's stores must have read the SMEM this one overwrites.
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    _store_slab(
+                        lambda chunk: [out[:, chunk]],
+                        [out_gmem.at[group, :, pl.ds(n_block * tile_n, tile_n)]],
+                        swizzled_smem.at[consumer],
+                        k_block * TRANSPOSED_TILE_K + consumer * _WGMMA_ROWS,
+                    )
+
+            pipeline(first_step, steps, k_block, n_block, multiply, consume)(
+                lhs_gmem, out_grad_gmem, allocations=pipeline_allocs
+            )
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)

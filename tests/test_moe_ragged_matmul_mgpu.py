@@ -24,6 +24,8 @@ from experiments import bench_grouped_matmul
 from moe.ragged_matmul_mgpu import (
     DEFAULT_CONFIG,
     SWEEP_CONFIGS,
+    TRANSPOSED_DEFAULT_CONFIG,
+    TRANSPOSED_SWEEP_CONFIGS,
     RaggedMatmulConfig,
     config_for,
     interpreted_on_cpu,
@@ -206,20 +208,30 @@ def test_bad_configs_raise_value_errors(options, match):
 def test_benchmark_smoke_writes_its_table(tmp_path):
     out = tmp_path / "grouped_matmul_smoke.md"
     default_name = next(name for name, c in SWEEP_CONFIGS.items() if c == DEFAULT_CONFIG)
+    default_weight_grad_name = next(
+        name for name, c in TRANSPOSED_SWEEP_CONFIGS.items() if c == TRANSPOSED_DEFAULT_CONFIG)
     rows = bench_grouped_matmul.main(
-        ["--smoke", "--configs", default_name, "--out", str(out)]
+        ["--smoke", "--configs", default_name, "--weight-grad-configs", default_weight_grad_name,
+         "--out", str(out)]
     )
     *products_rows, table_row = rows
-    kernels = {row["kernel"] for row in products_rows}
-    assert kernels == {bench_grouped_matmul.BUNDLED, "ours", bench_grouped_matmul.DENSE}
-    assert len(products_rows) == 3 * len(bench_grouped_matmul.SMOKE_SIZE.products)
+    row_ragged = [row for row in products_rows if row["family"] == bench_grouped_matmul.ROW_RAGGED]
+    weight_grads = [row for row in products_rows if row not in row_ragged]
+    assert {row["kernel"] for row in row_ragged} == {
+        bench_grouped_matmul.BUNDLED, "ours", bench_grouped_matmul.DENSE}
+    # The bundled weight-gradient kernel has no interpret mode: ours and dense only on CPU.
+    assert {row["kernel"] for row in weight_grads} == {"ours", bench_grouped_matmul.DENSE}
+    products = len(bench_grouped_matmul.SMOKE_SIZE.products)
+    weight_gradients = len(bench_grouped_matmul.SMOKE_SIZE.weight_gradients)
+    assert len(row_ragged) == 3 * products and len(weight_grads) == 2 * weight_gradients
     assert all(row["ms"] > 0 and row["tflops"] > 0 for row in products_rows)
     assert table_row["kernel"] == bench_grouped_matmul.WORK_TABLE and table_row["ms"] > 0
     assert not bench_grouped_matmul.disagreements(rows)
     table = out.read_text()
-    products = len(bench_grouped_matmul.SMOKE_SIZE.products)
-    assert table.count("| ours |") == products + 1  # one row a product, one in the totals
-    assert f"Summed over the {products} product(s)" in table
+    # One row a product, one in each family's totals.
+    assert table.count("| ours |") == products + weight_gradients + 2
+    assert f"Summed over the {products} row-ragged product(s)" in table
+    assert f"Summed over the {weight_gradients} weight-gradient product(s)" in table
 
 
 def test_routed_group_sizes_cover_every_row():
