@@ -154,15 +154,24 @@ def test_bad_configs_raise_value_errors(options, match):
         TransposedRaggedMatmulConfig(**options)
 
 
+def test_benchmark_reference_equals_ragged_dot_vjp():
+    """The GPU test's and the benchmark's reference (a dense product a group) is the VJP's."""
+    sizes = np.asarray([0, 70, 1, 100, 0], np.int32)
+    lhs, out_grad = integer_operands(200, 128, 64)
+    expected = ragged_dot_weight_gradient(lhs, out_grad, jnp.asarray(sizes))
+    reference = bench_grouped_matmul.weight_gradient_reference(lhs, out_grad, sizes)
+    np.testing.assert_array_equal(np.asarray(reference), np.asarray(expected))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(TRANSPOSED_SWEEP_CONFIGS))
 def test_real_sizes_on_gpu_match_xla(name):
     size = bench_grouped_matmul.GPU_SIZE
-    group_sizes = jnp.asarray(bench_grouped_matmul.routed_group_sizes(size.rows, size.groups))
+    sizes = bench_grouped_matmul.routed_group_sizes(size.rows, size.groups)
     for product in size.weight_gradients:
         lhs, out_grad = bench_grouped_matmul.weight_gradient_operands(size, product)
-        out = transposed_ragged_matmul(lhs, out_grad, group_sizes,
+        out = transposed_ragged_matmul(lhs, out_grad, jnp.asarray(sizes),
                                        config=TRANSPOSED_SWEEP_CONFIGS[name])
-        expected = bench_grouped_matmul.weight_gradient_reference(lhs, out_grad, group_sizes)
+        expected = bench_grouped_matmul.weight_gradient_reference(lhs, out_grad, sizes)
         error = bench_grouped_matmul.relative_error(out, expected, size.groups)
         assert error <= bench_grouped_matmul.AGREEMENT_TOLERANCE, (product, error)
