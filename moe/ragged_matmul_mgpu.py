@@ -32,10 +32,11 @@ Weight gradient. `transposed_ragged_matmul` (out[g] = lhs[rows of g]^T @ out_gra
 the rows as the contraction: a program walks (group, K block, N block) output tiles, each
 consumer owning 64 rows of K, and a tile's pipeline walks the row steps that hold rows of its
 group (a dynamic number of them). A step that straddles a group boundary is loaded whole; each
-consumer zeroes the other groups' rows of its half of the lhs tile in SMEM before its wgmma
-reads it. Tiles do not overlap as a pipeline of pipelines (Pallas allows that only for a static
-step count), but the producer loads a tile's first stages while the consumers store the previous
-tile.
+consumer zeroes the other groups' rows in its 64 columns of the lhs tile and in half the
+out_grad tile (which both read: a barrier) before the wgmmas, so rows past the total left
+unwritten (NaN, say) contribute nothing either. Tiles do not overlap as a pipeline of pipelines
+(Pallas allows that only for a static step count), but the producer loads a tile's first stages
+while the consumers store the previous tile.
 
 Rows at or past sum(group_sizes) are left unwritten, as JAX's bundled `ragged_dot_mgpu` leaves
 them. Testing: `interpreted_on_cpu` runs the kernel in Mosaic GPU interpret mode; under
@@ -812,7 +813,9 @@ class TransposedRaggedMatmulConfig:
     An output tile is TRANSPOSED_TILE_K rows of K (64 a consumer: one wgmma's rows) by tile_n
     columns of N; each pipeline stage loads tile_rows rows of lhs and out_grad.
 
-    tile_n: output columns a program computes at a time (each consumer takes all of them).
+    tile_n: output columns a program computes at a time (each consumer takes all of them; each
+        zeroes half of them in a step's out_grad tile, so 128 or 256: whole 64-column swizzle
+        rows a half).
     tile_rows: rows of the reduction a pipeline stage loads (a multiple of 64).
     max_concurrent_steps: pipeline stages in flight (SMEM buffers per operand).
     epilogue_tile_n: columns of each swizzled SMEM tile the output is stored through.
@@ -824,9 +827,10 @@ class TransposedRaggedMatmulConfig:
     epilogue_tile_n: int = 32
 
     def __post_init__(self):
-        if not 64 <= self.tile_n <= 256 or self.tile_n % 64:
+        if self.tile_n not in (128, 256):
             raise ValueError(
-                f"tile_n must be a multiple of 64 up to 256 (wgmma), got {self.tile_n}."
+                f"tile_n must be 128 or 256 (wgmma width; halves of whole 64-column swizzle "
+                f"rows), got {self.tile_n}."
             )
         if self.tile_rows % 64 or self.tile_rows <= 0:
             raise ValueError(
@@ -878,8 +882,7 @@ def transposed_ragged_matmul(
     Returns:
         [G, K, N] in lhs.dtype (as JAX's bundled `transposed_ragged_dot`): out[g] =
         lhs[rows of g]^T @ out_grad[rows of g], accumulated in float32; zeros for empty groups.
-        Rows at or past sum(group_sizes) contribute nothing as long as they are finite (a row's
-        lhs is zeroed before the product, its out_grad is not: NaN * 0 is NaN).
+        Rows at or past sum(group_sizes) contribute nothing, even unwritten ones holding NaN.
     """
     num_rows, contraction, columns = _checked_transposed_shape(lhs, out_grad, group_sizes, config)
     sizes = group_sizes.astype(jnp.int32)
@@ -937,7 +940,8 @@ def _transposed_kernel_body(bounds_gmem, lhs_gmem, out_grad_gmem, out_gmem, *, c
     out_grad_gmem: [R, N]; out_gmem: [G, K, N]. A tile's pipeline walks the tile_rows-row steps
     that hold rows of its group (aligned to tile_rows, so a dynamic number of them); in a step
     that also holds rows of other groups (or past the total), each consumer zeroes those rows of
-    its own 64 columns of the lhs tile before its wgmma reads it.
+    its own 64 columns of the lhs tile and of half the out_grad tile before the wgmmas read them
+    (both tiles: a non-finite value in either would survive a product with a zero).
     """
     dtype = lhs_gmem.dtype
     num_groups, contraction, columns = out_gmem.shape
@@ -981,10 +985,12 @@ def _transposed_kernel_body(bounds_gmem, lhs_gmem, out_grad_gmem, out_gmem, *, c
             dtype,
             transforms=_swizzled(config.epilogue_tile_n, dtype),
         ),
+        # Both consumers have zeroed their halves of a step's tiles (other groups' rows).
+        zeroed_barrier=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
     )
 
     @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-    def _scope(pipeline_allocs, swizzled_smem):
+    def _scope(pipeline_allocs, swizzled_smem, zeroed_barrier):
         consumer = lax.axis_index("wg")
 
         @plgpu.nd_loop((num_groups * k_blocks * n_blocks,), collective_axes="sm")
@@ -998,22 +1004,30 @@ def _transposed_kernel_body(bounds_gmem, lhs_gmem, out_grad_gmem, out_gmem, *, c
             first_step = lax.div(start, jnp.int32(tile_rows))
             steps = jnp.where(end > start, pl.cdiv(end, tile_rows) - first_step, 0)
 
+            def zero_other_rows(tile_smem, first_row):
+                rows = first_row + plgpu.layout_cast(
+                    lax.broadcasted_iota(jnp.int32, tile_smem.shape, 0), plgpu.Layout.WGMMA
+                )
+                own_rows = (rows >= start) & (rows < end)
+                tile_smem[...] = jnp.where(own_rows, tile_smem[...], 0).astype(dtype)
+
             def multiply(indices, lhs_smem, out_grad_smem, acc_ref):
                 first_row = (first_step + indices[0]) * tile_rows
                 holds_others = (first_row < start) | (first_row + tile_rows > end)
-                # A static slice for each consumer: its 64 columns of the shared lhs tile.
+                # Static slices for each consumer: its 64 columns of the lhs tile, which only it
+                # reads, and half the out_grad tile, which both read (hence the barrier).
                 for wg in range(COMPUTE_WARPGROUPS):
                     own_lhs = lhs_smem.at[:, pl.ds(wg * _WGMMA_ROWS, _WGMMA_ROWS)]
+                    half = tile_n // COMPUTE_WARPGROUPS
+                    out_grad_half = out_grad_smem.at[:, pl.ds(wg * half, half)]
 
                     @pl.when((consumer == wg) & holds_others)
-                    def _zero_other_rows(own_lhs=own_lhs):
-                        rows = first_row + plgpu.layout_cast(
-                            lax.broadcasted_iota(jnp.int32, own_lhs.shape, 0),
-                            plgpu.Layout.WGMMA,
-                        )
-                        own_rows = (rows >= start) & (rows < end)
-                        own_lhs[...] = jnp.where(own_rows, own_lhs[...], 0).astype(dtype)
+                    def _zero_other_rows(own_lhs=own_lhs, out_grad_half=out_grad_half):
+                        zero_other_rows(own_lhs, first_row)
+                        zero_other_rows(out_grad_half, first_row)
                         plgpu.commit_smem()
+                        plgpu.barrier_arrive(zeroed_barrier)
+                        plgpu.barrier_wait(zeroed_barrier)
 
                     @pl.when(consumer == wg)
                     def _accumulate(own_lhs=own_lhs):
