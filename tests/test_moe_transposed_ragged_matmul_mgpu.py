@@ -177,3 +177,23 @@ def test_real_sizes_on_gpu_match_xla(name):
         expected = bench_grouped_matmul.weight_gradient_reference(lhs, out_grad, sizes)
         error = bench_grouped_matmul.relative_error(out, expected, size.groups)
         assert error <= bench_grouped_matmul.AGREEMENT_TOLERANCE, (product, error)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(TRANSPOSED_SWEEP_CONFIGS))
+def test_boundaries_and_nan_rows_past_the_total_on_gpu(name):
+    """The swizzled SMEM zeroing on real hardware: boundaries inside steps, empty groups, NaN in
+    both operands past the total."""
+    sizes = np.asarray([0, 1000, 37, 0, 2500, 3001, 1, 500], np.int32)
+    num_rows = 8192
+    lhs_key, out_grad_key = jax.random.split(jax.random.key(1))
+    lhs = jax.random.normal(lhs_key, (num_rows, 256), jnp.bfloat16)
+    out_grad = jax.random.normal(out_grad_key, (num_rows, 256), jnp.bfloat16)
+    expected = bench_grouped_matmul.weight_gradient_reference(lhs, out_grad, sizes)
+    lhs, out_grad = (operand.at[sizes.sum():].set(jnp.nan) for operand in (lhs, out_grad))
+    out = transposed_ragged_matmul(lhs, out_grad, jnp.asarray(sizes),
+                                   config=TRANSPOSED_SWEEP_CONFIGS[name])
+    out = np.asarray(out.astype(jnp.float32))
+    assert not out[sizes == 0].any()
+    error = bench_grouped_matmul.relative_error(out, expected, len(sizes))
+    assert error <= bench_grouped_matmul.AGREEMENT_TOLERANCE, error
