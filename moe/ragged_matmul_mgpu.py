@@ -1013,25 +1013,22 @@ def _transposed_kernel_body(bounds_gmem, lhs_gmem, out_grad_gmem, out_gmem, *, c
 
             def multiply(indices, lhs_smem, out_grad_smem, acc_ref):
                 first_row = (first_step + indices[0]) * tile_rows
-                holds_others = (first_row < start) | (first_row + tile_rows > end)
-                # Static slices for each consumer: its 64 columns of the lhs tile, which only it
-                # reads, and half the out_grad tile, which both read (hence the barrier).
-                for wg in range(COMPUTE_WARPGROUPS):
-                    own_lhs = lhs_smem.at[:, pl.ds(wg * _WGMMA_ROWS, _WGMMA_ROWS)]
-                    half = tile_n // COMPUTE_WARPGROUPS
-                    out_grad_half = out_grad_smem.at[:, pl.ds(wg * half, half)]
+                # The consumer's 64 columns of the lhs tile, which only it reads, and its half of
+                # the out_grad tile, which both read (hence the barrier). Slices of whole
+                # 64-column swizzle rows.
+                own_lhs = lhs_smem.at[:, pl.ds(consumer * _WGMMA_ROWS, _WGMMA_ROWS)]
+                half = tile_n // COMPUTE_WARPGROUPS
+                own_out_grad = out_grad_smem.at[:, pl.ds(consumer * half, half)]
 
-                    @pl.when((consumer == wg) & holds_others)
-                    def _zero_other_rows(own_lhs=own_lhs, out_grad_half=out_grad_half):
-                        zero_other_rows(own_lhs, first_row)
-                        zero_other_rows(out_grad_half, first_row)
-                        plgpu.commit_smem()
-                        plgpu.barrier_arrive(zeroed_barrier)
-                        plgpu.barrier_wait(zeroed_barrier)
+                @pl.when((first_row < start) | (first_row + tile_rows > end))
+                def _zero_other_rows():
+                    zero_other_rows(own_lhs, first_row)
+                    zero_other_rows(own_out_grad, first_row)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(zeroed_barrier)
+                    plgpu.barrier_wait(zeroed_barrier)
 
-                    @pl.when(consumer == wg)
-                    def _accumulate(own_lhs=own_lhs):
-                        plgpu.wgmma(acc_ref, own_lhs.transpose((1, 0)), out_grad_smem)
+                plgpu.wgmma(acc_ref, own_lhs.transpose((1, 0)), out_grad_smem)
 
                 # Released as soon as the wgmma is done; the other consumer's wgmma runs
                 # meanwhile (as `ragged_matmul`'s multiply).
