@@ -849,7 +849,7 @@ class TransposedRaggedMatmulConfig:
             )
 
 
-TRANSPOSED_TILE_K = COMPUTE_WARPGROUPS * _WGMMA_ROWS
+TRANSPOSED_TILE_K = COMPUTE_WARPGROUPS * _WGMMA_ROWS  # output rows of K a tile has
 # Shared memory of the default: 4 stages of 64x128 lhs + 64x256 out_grad bf16 (192 KiB) and the
 # double-buffered 32-column epilogue tiles (16 KiB).
 TRANSPOSED_DEFAULT_CONFIG = TransposedRaggedMatmulConfig()
@@ -861,6 +861,14 @@ TRANSPOSED_SWEEP_CONFIGS = {
         tile_n=128, max_concurrent_steps=6, epilogue_tile_n=64
     ),
 }
+
+
+def transposed_config_for(columns: int) -> TransposedRaggedMatmulConfig:
+    """The tiles for an output width N (a multiple of 128): the default where its 256 columns
+    divide N, else its 128-column alternative."""
+    if columns % TRANSPOSED_DEFAULT_CONFIG.tile_n:
+        return TRANSPOSED_SWEEP_CONFIGS["128x128 r64 s6 e64"]
+    return TRANSPOSED_DEFAULT_CONFIG
 
 
 def transposed_ragged_matmul(

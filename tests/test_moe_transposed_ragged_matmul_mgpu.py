@@ -23,6 +23,7 @@ from moe.ragged_matmul_mgpu import (
     TRANSPOSED_SWEEP_CONFIGS,
     TransposedRaggedMatmulConfig,
     interpreted_on_cpu,
+    transposed_config_for,
     simulated_hopper,
     transposed_ragged_matmul,
 )
@@ -79,6 +80,12 @@ def test_interpreted_kernel_equals_ragged_dot_vjp(case):
     assert out.dtype == np.float32 and out.shape == expected.shape
     np.testing.assert_array_equal(out, expected)
     assert not out[np.asarray(sizes) == 0].any(), "an empty group's output is not zero"
+
+
+def test_transposed_config_for_takes_the_default_where_its_tiles_divide():
+    assert transposed_config_for(2048) == transposed_config_for(1024) == TRANSPOSED_DEFAULT_CONFIG
+    assert transposed_config_for(384).tile_n == 128
+    assert transposed_config_for(384) in TRANSPOSED_SWEEP_CONFIGS.values()
 
 
 def test_every_shipped_config_is_interpreted_here():
