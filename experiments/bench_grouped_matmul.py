@@ -50,11 +50,9 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
 from experiments.profiling import median_seconds
-from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
-
 from moe import dispatch
 from moe.activations import GLUActivation
 from moe.grouped_matmul import _WEIGHT_GRAD_TILES
@@ -279,9 +277,10 @@ def run(size: BenchSize, config_names, weight_grad_config_names, iters: int, use
         report=None) -> list[dict]:
     """One row per (product, kernel): ms, TFLOP/s, speed-up over the bundled kernel, error.
 
-    Kernels are the outer loop (`timed_calls` and `weight_gradient_calls` order), products the
-    inner one; `report(rows)` is called after each row, so the GPU run writes its table as it
-    goes and a hung or crashed kernel leaves every row timed before it.
+    The row-ragged products first, then the weight gradients; within each, kernels are the outer
+    loop (`timed_calls` and `weight_gradient_calls` order), products the inner one;
+    `report(rows)` is called after each row, so the GPU run writes its table as it goes and a
+    hung or crashed kernel leaves every row timed before it.
     """
     sizes = jnp.asarray(routed_group_sizes(size.rows, size.groups))
     # (label, family, FLOPs, reference, leading rows the check compares, calls) of each product.
@@ -302,30 +301,37 @@ def run(size: BenchSize, config_names, weight_grad_config_names, iters: int, use
         products.append((product.label(size.rows, size.groups), WEIGHT_GRADIENT, flops,
                          expected, size.groups, calls))
     rows, bundled_ms = [], {}
-    for position in range(max(len(calls) for *_, calls in products)):
-        for index, (label, family, flops, expected, checked, calls) in enumerate(products):
-            if position >= len(calls):
-                continue
-            name, config, kernel, args = calls[position]
-            row = dict(product=label, family=family, kernel=name, config=config,
-                       order=(index, position))
-            try:
-                out = kernel(*args)
-                if name != DENSE:
-                    row["error"] = relative_error(out, expected, checked)
-                del out
-                row["ms"], row["timer"] = timed_ms(kernel, args, iters, use_cupti)
-                use_cupti = use_cupti and row["timer"] != "wall time"  # fall back once
-            except Exception as error:  # one failing config must not lose the others' numbers
-                row["failure"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
-            else:
-                if name in (BUNDLED, BUNDLED_TRANSPOSED):
-                    bundled_ms[index] = row["ms"]
-                row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
-                row["speedup"] = bundled_ms.get(index, float("nan")) / row["ms"]
-            rows.append(row)
-            if report is not None:
-                report(rows)
+    # The row-ragged family first: the weight-gradient kernel is newer, and a hang there must not
+    # cost the other family's numbers.
+    schedule = [
+        (index, position)
+        for family in (ROW_RAGGED, WEIGHT_GRADIENT)
+        for position in range(max(len(calls) for *_, calls in products))
+        for index, (_, product_family, *_, calls) in enumerate(products)
+        if product_family == family and position < len(calls)
+    ]
+    for index, position in schedule:
+        label, family, flops, expected, checked, calls = products[index]
+        name, config, kernel, args = calls[position]
+        row = dict(product=label, family=family, kernel=name, config=config,
+                   order=(index, position))
+        try:
+            out = kernel(*args)
+            if name != DENSE:
+                row["error"] = relative_error(out, expected, checked)
+            del out
+            row["ms"], row["timer"] = timed_ms(kernel, args, iters, use_cupti)
+            use_cupti = use_cupti and row["timer"] != "wall time"  # fall back once
+        except Exception as error:  # one failing config must not lose the others' numbers
+            row["failure"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+        else:
+            if name in (BUNDLED, BUNDLED_TRANSPOSED):
+                bundled_ms[index] = row["ms"]
+            row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
+            row["speedup"] = bundled_ms.get(index, float("nan")) / row["ms"]
+        rows.append(row)
+        if report is not None:
+            report(rows)
     table = jax.jit(work_table, static_argnums=(1, 2))
     for tile_m in sorted({SWEEP_CONFIGS[name].tile_m for name in config_names}):
         ms, timer = timed_ms(table, (sizes, size.rows, tile_m), iters, use_cupti)
