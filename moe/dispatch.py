@@ -80,6 +80,7 @@ def expert_mlp(
     *,
     backend: str = "auto",
     fuse_glu_epilogues: bool = False,
+    rows_past_groups: bool = False,
 ) -> jax.Array:
     """Every expert's GLU MLP on its rows.
 
@@ -93,13 +94,20 @@ def expert_mlp(
         fuse_glu_epilogues: run `fused_expert_mlp` (the activation in the grouped matmuls'
             epilogues) where `fused_epilogues_apply`; elsewhere, or when False, the grouped
             matmul, `fused_glu`, grouped matmul path.
+        rows_past_groups: whether rows at or past sum(group_sizes) may exist (expert
+            parallelism's capacity slack). The Mosaic GPU kernels leave such rows unwritten, and
+            JAX's weight-gradient kernel masks rows by multiplying, so a NaN left there would
+            reach the weight gradients (through the GLU's backward too). With it, the first
+            product's rows past the groups are selected to zero (one pass over [R, 2M]; the
+            fused path is not taken).
 
     Returns:
-        [R, W] in x_sorted.dtype.
+        [R, W] in x_sorted.dtype; rows past the groups are unspecified (callers select them away).
     """
     num_experts, width, _, hidden = w_in.shape
     w_gate_up = w_in.reshape(num_experts, width, 2 * hidden)
-    if fuse_glu_epilogues and fused_epilogues_apply(x_sorted, w_gate_up, w_out, backend):
+    if (fuse_glu_epilogues and not rows_past_groups
+            and fused_epilogues_apply(x_sorted, w_gate_up, w_out, backend)):
         return fused_expert_mlp(
             activation,
             x_sorted,
@@ -108,6 +116,9 @@ def expert_mlp(
             w_out.astype(x_sorted.dtype),
         )
     gate_up = grouped_matmul(x_sorted, w_gate_up, group_sizes, backend=backend)
+    if rows_past_groups:
+        in_groups = jnp.arange(gate_up.shape[0]) < jnp.sum(group_sizes)
+        gate_up = jnp.where(in_groups[:, None], gate_up, 0)
     hidden_act = fused_glu(activation, gate_up.reshape(-1, 2, hidden))
     return grouped_matmul(hidden_act, w_out, group_sizes, backend=backend)
 
@@ -364,6 +375,7 @@ def _expert_parallel_shard(
         activation,
         backend=backend,
         fuse_glu_epilogues=fuse_glu_epilogues,
+        rows_past_groups=True,
     )
     # Rows past the groups are padding the grouped matmul may leave unwritten: select, never
     # multiply, so that whatever they hold cannot leak.

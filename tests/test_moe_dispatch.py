@@ -242,3 +242,65 @@ def test_mosaic_grouped_matmul_matches_xla_with_gradients():
         np.testing.assert_allclose(
             np.asarray(ours, np.float32), np.asarray(ref, np.float32), rtol=2e-2, atol=2e-1
         )
+
+
+def kernel_like_grouped_matmul(lhs, rhs, group_sizes, *, backend="auto"):
+    """XLA's grouped matmul, behaving past the groups as the Mosaic GPU kernels may: NaN in the
+    product's and the input gradient's rows past sum(group_sizes) (left unwritten), and a weight
+    gradient that masks those rows by multiplying (JAX's bundled kernel's last block)."""
+    del backend
+    rows = lhs.shape[0]
+    in_groups = (jnp.arange(rows) < jnp.sum(group_sizes))[:, None]
+    last_group_to_the_end = group_sizes.at[-1].add(rows - jnp.sum(group_sizes))
+
+    def poisoned(x):
+        return jnp.where(in_groups, x, jnp.nan)
+
+    @jax.custom_vjp
+    def product(lhs, rhs):
+        return poisoned(jax.lax.ragged_dot(lhs, rhs, group_sizes))
+
+    def forward(lhs, rhs):
+        return product(lhs, rhs), (lhs, rhs)
+
+    def backward(residuals, out_grad):
+        lhs, rhs = residuals
+        lhs_grad = poisoned(jax.lax.ragged_dot(out_grad, jnp.swapaxes(rhs, 1, 2), group_sizes))
+        masked = lhs * in_groups.astype(lhs.dtype)
+        _, pullback = jax.vjp(
+            lambda w: jax.lax.ragged_dot(masked, w, last_group_to_the_end), rhs)
+        return lhs_grad, pullback(out_grad)[0]
+
+    product.defvjp(forward, backward)
+    return product(lhs, rhs)
+
+
+@pytest.mark.parametrize("rows_past_groups", [False, True])
+def test_rows_past_the_groups_cannot_reach_the_weight_gradients(rows_past_groups, monkeypatch):
+    """Expert parallelism's capacity slack leaves rows past the groups; with the kernels' garbage
+    there (NaN here), `rows_past_groups` keeps the weight gradients and the grouped rows' input
+    gradients finite, and without it they are not (the test's witness)."""
+    from moe import dispatch
+
+    keys = jax.random.split(jax.random.key(3), 4)
+    x = jax.random.normal(keys[0], (12, 8))
+    w_in = jax.random.normal(keys[1], (3, 8, 2, 6)) * 0.3
+    w_out = jax.random.normal(keys[2], (3, 6, 8)) * 0.3
+    group_sizes = jnp.array([4, 0, 5])  # rows 9-11 belong to no group
+    in_groups = (jnp.arange(12) < 9)[:, None]
+    cotangent = jnp.where(in_groups, jax.random.normal(keys[3], (12, 8)), 0)  # callers select
+
+    def loss(x, w_in, w_out):
+        y = dispatch.expert_mlp(x, group_sizes, w_in, w_out, SITU,
+                                rows_past_groups=rows_past_groups)
+        return jnp.sum(jnp.where(in_groups, y, 0) * cotangent)
+
+    expected = jax.grad(loss, argnums=(0, 1, 2))(x, w_in, w_out)  # XLA: zeros past the groups
+    monkeypatch.setattr(dispatch, "grouped_matmul", kernel_like_grouped_matmul)
+    x_grad, w_in_grad, w_out_grad = jax.grad(loss, argnums=(0, 1, 2))(x, w_in, w_out)
+    finite = [bool(jnp.isfinite(g).all()) for g in (x_grad[:9], w_in_grad, w_out_grad)]
+    assert finite == ([True] * 3 if rows_past_groups else [True, False, False])
+    if rows_past_groups:
+        for got, want in zip((x_grad[:9], w_in_grad, w_out_grad),
+                             (expected[0][:9], *expected[1:])):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
