@@ -40,6 +40,7 @@ wall time if CUPTI is not available (the table says which). TFLOP/s counts 2 M K
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -50,12 +51,12 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
 from experiments.profiling import median_seconds
 from moe import dispatch
 from moe.activations import GLUActivation
-from moe.grouped_matmul import _WEIGHT_GRAD_TILES
+from moe.grouped_matmul import WEIGHT_GRAD_TILES, weight_gradient
 from moe.ragged_matmul_mgpu import (
     SWEEP_CONFIGS,
     TRANSPOSED_SWEEP_CONFIGS,
@@ -213,11 +214,8 @@ def weight_gradient_calls(config_names, lhs, out_grad, group_sizes, with_bundled
     calls = [(DENSE, "same FLOPs", jax.jit(lambda lhs, out_grad: lhs.T @ out_grad),
               (lhs, out_grad))]
     if with_bundled:
-        bundled = jax.jit(lambda lhs, out_grad, sizes: transposed_ragged_dot_mgpu.
-                          transposed_ragged_dot(lhs, out_grad, group_sizes=sizes,
-                                                **_WEIGHT_GRAD_TILES))
-        calls.insert(0, (BUNDLED_TRANSPOSED, label.format(**_WEIGHT_GRAD_TILES), bundled,
-                         grouped_args))
+        calls.insert(0, (BUNDLED_TRANSPOSED, label.format(**WEIGHT_GRAD_TILES),
+                         jax.jit(weight_gradient), grouped_args))
     for name in config_names:
         ours = functools.partial(transposed_ragged_matmul, config=TRANSPOSED_SWEEP_CONFIGS[name])
         calls.append(("ours", name, jax.jit(ours), grouped_args))
@@ -583,63 +581,61 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     if args.gpu and jax.default_backend() != "gpu":
         raise SystemExit("--gpu needs a CUDA device; use --smoke on CPU.")
+    command = "python -m experiments.bench_grouped_matmul " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
+    iters = args.iters or (20 if args.gpu else 1)
     if args.expert_mlp:
-        return expert_mlp_main(args, argv)
-    size = GPU_SIZE if args.gpu else SMOKE_SIZE
-    iters = args.iters or (20 if args.gpu else 1)
-    command = "python -m experiments.bench_grouped_matmul " + " ".join(
-        sys.argv[1:] if argv is None else argv
-    )
-    out = args.out or ("benchmarks/grouped_matmul_h200.md" if args.gpu else None)
+        size = EXPERT_MLP_GPU_SIZE if args.gpu else EXPERT_MLP_SMOKE_SIZE
+        if args.gpu:
+            check_fused_path_applies(size)
+        passes = (FORWARD, FORWARD_BACKWARD) if args.gpu else (FORWARD,)
+        unfused_backend = "mosaic_gpu" if args.gpu else "xla"
+
+        def measure(report):
+            return run_expert_mlp(size, unfused_backend, passes, iters, use_cupti=args.gpu,
+                                  report=report)
+
+        def render(rows):
+            return expert_mlp_markdown(size, rows, command)
+
+        default_out, complaint = ("benchmarks/expert_mlp_h200.md",
+                                  "the fused path disagrees with the unfused one")
+    else:
+        size = GPU_SIZE if args.gpu else SMOKE_SIZE
+
+        def measure(report):
+            return run(size, args.configs, args.weight_grad_configs, iters, use_cupti=args.gpu,
+                       report=report)
+
+        def render(rows):
+            return markdown(size, rows, command)
+
+        default_out, complaint = ("benchmarks/grouped_matmul_h200.md",
+                                  "outputs disagree with the reference")
+    out = args.out or (default_out if args.gpu else None)
 
     def write_table(rows):
         if out:
             with open(out, "w") as f:
-                f.write(markdown(size, rows, command))
+                f.write(render(rows))
 
-    if args.gpu:
-        rows = run(size, args.configs, args.weight_grad_configs, iters, use_cupti=True,
-                   report=write_table)
-    else:
-        with interpreted_on_cpu(num_sms=4):
-            rows = run(size, args.configs, args.weight_grad_configs, iters, use_cupti=False,
-                       report=write_table)
-    print(markdown(size, rows, command))
+    with contextlib.nullcontext() if args.gpu else interpreted_on_cpu(num_sms=4):
+        rows = measure(write_table)
+    print(render(rows))
     if bad := disagreements(rows):
-        raise SystemExit("outputs disagree with the reference:\n" + "\n".join(bad))
+        raise SystemExit(f"{complaint}:\n" + "\n".join(bad))
     return rows
 
 
-def expert_mlp_main(args: argparse.Namespace, argv: list[str] | None) -> list[dict]:
-    size = EXPERT_MLP_GPU_SIZE if args.gpu else EXPERT_MLP_SMOKE_SIZE
-    iters = args.iters or (20 if args.gpu else 1)
-    command = "python -m experiments.bench_grouped_matmul " + " ".join(
-        sys.argv[1:] if argv is None else argv
-    )
-    out = args.out or ("benchmarks/expert_mlp_h200.md" if args.gpu else None)
-
-    def write_table(rows):
-        if out:
-            with open(out, "w") as f:
-                f.write(expert_mlp_markdown(size, rows, command))
-
-    if args.gpu:
-        gate_up_weights = jax.ShapeDtypeStruct(
-            (size.experts, size.width, 2 * size.hidden), jnp.bfloat16)
-        rows_in = jax.ShapeDtypeStruct((size.rows, size.width), jnp.bfloat16)
-        out_weights = jax.ShapeDtypeStruct((size.experts, size.hidden, size.width), jnp.bfloat16)
-        if not dispatch.fused_epilogues_apply(rows_in, gate_up_weights, out_weights, "auto"):
-            raise SystemExit("expert_mlp would not take the fused path here (needs Hopper).")
-        rows = run_expert_mlp(size, "mosaic_gpu", (FORWARD, FORWARD_BACKWARD), iters,
-                              use_cupti=True, report=write_table)
-    else:
-        with interpreted_on_cpu(num_sms=4):
-            rows = run_expert_mlp(size, "xla", (FORWARD,), iters, use_cupti=False,
-                                  report=write_table)
-    print(expert_mlp_markdown(size, rows, command))
-    if bad := disagreements(rows):
-        raise SystemExit("the fused path disagrees with the unfused one:\n" + "\n".join(bad))
-    return rows
+def check_fused_path_applies(size: ExpertMLPSize) -> None:
+    """Exits unless `expert_mlp` would take the fused path at `size` on this device."""
+    gate_up_weights = jax.ShapeDtypeStruct(
+        (size.experts, size.width, 2 * size.hidden), jnp.bfloat16)
+    rows_in = jax.ShapeDtypeStruct((size.rows, size.width), jnp.bfloat16)
+    out_weights = jax.ShapeDtypeStruct((size.experts, size.hidden, size.width), jnp.bfloat16)
+    if not dispatch.fused_epilogues_apply(rows_in, gate_up_weights, out_weights, "auto"):
+        raise SystemExit("expert_mlp would not take the fused path here (needs Hopper).")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from moe.ragged_matmul_mgpu import config_for, ragged_matmul
 
 # Tiles of the bundled weight-gradient kernel, from a sweep on an H200 at the benchmark shapes
 # (131072 rows, 64 groups; widths 1024 and 2048): 419-498 TFLOP/s then, 630-650 since.
-_WEIGHT_GRAD_TILES = dict(
+WEIGHT_GRAD_TILES = dict(
     block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1
 )
 _MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -124,5 +124,5 @@ def weight_gradient(lhs: jax.Array, out_grad: jax.Array, group_sizes: jax.Array)
     """[G, K, N] `lhs[rows of g]^T @ out_grad[rows of g]` on a Hopper GPU: JAX's bundled
     `transposed_ragged_dot_mgpu` kernel. lhs: [R, K], out_grad: [R, N], group_sizes: [G] int32."""
     return transposed_ragged_dot_mgpu.transposed_ragged_dot(
-        lhs, out_grad, group_sizes=group_sizes, **_WEIGHT_GRAD_TILES
+        lhs, out_grad, group_sizes=group_sizes, **WEIGHT_GRAD_TILES
     )

@@ -67,6 +67,21 @@ _HOPPER_SMS = 132  # H100 / H200 SXM, used when no device or abstract mesh says 
 Activation = Callable[[jax.Array, jax.Array], jax.Array]
 
 
+def _check_epilogue_and_stages(config) -> None:
+    """The checks both kernels' configs share: epilogue tiles that divide tile_n, and at least
+    two pipeline stages."""
+    if config.tile_n % config.epilogue_tile_n or config.epilogue_tile_n % 8:
+        raise ValueError(
+            f"epilogue_tile_n must be a multiple of 8 dividing tile_n={config.tile_n}, "
+            f"got {config.epilogue_tile_n}."
+        )
+    if config.max_concurrent_steps < 2:
+        raise ValueError(
+            "max_concurrent_steps must be at least 2 (loads overlap the math), "
+            f"got {config.max_concurrent_steps}."
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class RaggedMatmulConfig:
     """Tile settings of `ragged_matmul`.
@@ -107,16 +122,7 @@ class RaggedMatmulConfig:
             raise ValueError(
                 f"tile_k must be a multiple of 64 (128-byte swizzle), got {self.tile_k}."
             )
-        if self.tile_n % self.epilogue_tile_n or self.epilogue_tile_n % 8:
-            raise ValueError(
-                f"epilogue_tile_n must be a multiple of 8 dividing tile_n={self.tile_n}, "
-                f"got {self.epilogue_tile_n}."
-            )
-        if self.max_concurrent_steps < 2:
-            raise ValueError(
-                "max_concurrent_steps must be at least 2 (loads overlap the math), "
-                f"got {self.max_concurrent_steps}."
-            )
+        _check_epilogue_and_stages(self)
         if self.grid_tile_width < 1:
             raise ValueError(f"grid_tile_width must be positive, got {self.grid_tile_width}.")
 
@@ -837,16 +843,7 @@ class TransposedRaggedMatmulConfig:
                 f"tile_rows must be a positive multiple of 64 (128-byte swizzle), got "
                 f"{self.tile_rows}."
             )
-        if self.tile_n % self.epilogue_tile_n or self.epilogue_tile_n % 8:
-            raise ValueError(
-                f"epilogue_tile_n must be a multiple of 8 dividing tile_n={self.tile_n}, "
-                f"got {self.epilogue_tile_n}."
-            )
-        if self.max_concurrent_steps < 2:
-            raise ValueError(
-                "max_concurrent_steps must be at least 2 (loads overlap the math), "
-                f"got {self.max_concurrent_steps}."
-            )
+        _check_epilogue_and_stages(self)
 
 
 TRANSPOSED_TILE_K = COMPUTE_WARPGROUPS * _WGMMA_ROWS  # output rows of K a tile has
