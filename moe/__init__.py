@@ -17,8 +17,11 @@ The router bias is a `RouterBias` variable, not an `nnx.Param`: optimizers built
 Dispatch: dropless (sort by expert, two grouped matmuls, un-sort) on each device; under a mesh with
 an `expert` axis (`jax.set_mesh`) the layer runs expert parallel with fixed-capacity all-to-all
 (`MoEConfig.capacity_factor`, None = never drop; dropped copies are counted in `stats.dropped`).
-Grouped matmuls use JAX's Mosaic GPU kernels on Hopper and `jax.lax.ragged_dot` elsewhere
-(`MoEConfig.gmm_backend`).
+Grouped matmuls (`MoEConfig.gmm_backend`, `moe.grouped_matmul`) run on Hopper through our
+warp-specialized Mosaic GPU kernels for the row-ragged products (`moe.ragged_matmul_mgpu`) and JAX's
+bundled kernel for the weight gradient, and through `jax.lax.ragged_dot` elsewhere.
+`moe.ragged_matmul_mgpu` also has a weight-gradient kernel and GLU-fused epilogues
+(`MoEConfig.fuse_glu_epilogues`), both off the default path until the H200 measures them.
 """
 
 from moe.activations import GLUActivation, clamped_swiglu, situ_glu, swiglu
