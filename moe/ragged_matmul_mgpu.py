@@ -358,10 +358,8 @@ def work_table(
             group 0 and no rows.
         count: [1] int32, how many items are valid.
     """
-    sizes = group_sizes.astype(jnp.int32)
-    num_groups = sizes.shape[0]
-    ends = jnp.minimum(jnp.cumsum(sizes), num_rows)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    num_groups = group_sizes.shape[0]
+    starts, ends = group_bounds(group_sizes, num_rows)
     first_block = starts // tile_m
     blocks = jnp.where(ends > starts, (ends - 1) // tile_m - first_block + 1, 0)
     items_end = jnp.cumsum(blocks)
@@ -377,6 +375,12 @@ def work_table(
     row_end = jnp.where(valid, jnp.minimum(ends[group], (block + 1) * tile_m), 0)
     table = jnp.stack([jnp.where(valid, group, 0), row_start, row_end])
     return table, items_end[-1:]
+
+
+def group_bounds(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
+    """The first and end (exclusive) row of each group, both [G] int32, clipped to num_rows."""
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), num_rows)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]]), ends
 
 
 def _checked_shape(lhs, rhs, group_sizes, transpose_rhs, config):
@@ -430,6 +434,10 @@ def _num_sms() -> int:
         return abstract_device.num_cores
     device = jax.devices()[0]
     return getattr(device, "core_count", None) or _HOPPER_SMS
+
+
+def _ignore(*_, **__):
+    """A pipeline body for building a pipeline only to ask for its allocations."""
 
 
 def _swizzled(columns: int, dtype) -> tuple[plgpu.Transform, ...]:
@@ -510,9 +518,6 @@ def _kernel_body(
             pipeline_state=pipeline_state,
         )
 
-    def ignore(*_, **__):
-        return None
-
     def gate_up_halves(column_block):
         """The gate and the up columns of a tile in a [M, 2N] array."""
         return [pl.ds(column_block * tile_n + half * columns, tile_n) for half in (0, 1)]
@@ -533,7 +538,7 @@ def _kernel_body(
 
     epilogue_n = config.epilogue_tile_n
     scratch = dict(
-        pipeline_allocs=pipeline(0, 0, ignore, ignore).get_allocations(*pipeline_operands(0)),
+        pipeline_allocs=pipeline(0, 0, _ignore, _ignore).get_allocations(*pipeline_operands(0)),
         swizzled_smem=plgpu.SMEM(
             (COMPUTE_WARPGROUPS, 2, rows_per_consumer, epilogue_n),
             dtype,
@@ -744,8 +749,8 @@ def _store_consumer_rows(prepare, destinations, swizzled_smem, plain_smem, *, fi
     prepare() -> values, run once where rows are stored; values(chunk) -> [R, len(chunk)] values,
     one for each of `destinations` [M, C] (the tile's columns of each output; R = rows a consumer
     owns), computed a column chunk at a time so that an activation's intermediates stay a chunk
-    wide; swizzled_smem: [2, R, E] double-buffered
-    epilogue tiles; plain_smem: [R, P] an unswizzled one.
+    wide; swizzled_smem: [2, R, E] double-buffered epilogue tiles; plain_smem: [R, P] an
+    unswizzled one.
     """
     rows = swizzled_smem.shape[1]
     columns = destinations[0].shape[1]
@@ -890,13 +895,12 @@ def transposed_ragged_matmul(
         Rows at or past sum(group_sizes) contribute nothing, even unwritten ones holding NaN.
     """
     num_rows, contraction, columns = _checked_transposed_shape(lhs, out_grad, group_sizes, config)
-    sizes = group_sizes.astype(jnp.int32)
-    ends = jnp.minimum(jnp.cumsum(sizes), num_rows)
-    bounds = jnp.stack([jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]]), ends])
-    num_tiles = sizes.shape[0] * (contraction // TRANSPOSED_TILE_K) * (columns // config.tile_n)
+    num_groups = group_sizes.shape[0]
+    bounds = jnp.stack(group_bounds(group_sizes, num_rows))
+    num_tiles = num_groups * (contraction // TRANSPOSED_TILE_K) * (columns // config.tile_n)
     kernel = plgpu.kernel(
         functools.partial(_transposed_kernel_body, config=config),
-        out_type=jax.ShapeDtypeStruct((sizes.shape[0], contraction, columns), lhs.dtype),
+        out_type=jax.ShapeDtypeStruct((num_groups, contraction, columns), lhs.dtype),
         grid=(min(_num_sms(), num_tiles),),
         grid_names=("sm",),
         num_threads=COMPUTE_WARPGROUPS + 1,
@@ -976,11 +980,8 @@ def _transposed_kernel_body(bounds_gmem, lhs_gmem, out_grad_gmem, out_gmem, *, c
             compute_context=compute_context,
         )
 
-    def ignore(*_, **__):
-        return None
-
     # A static grid of max_concurrent_steps steps allocates every stage a dynamic one uses.
-    allocations = pipeline(0, config.max_concurrent_steps, 0, 0, ignore, ignore).get_allocations(
+    allocations = pipeline(0, config.max_concurrent_steps, 0, 0, _ignore, _ignore).get_allocations(
         lhs_gmem, out_grad_gmem
     )
     scratch = dict(
