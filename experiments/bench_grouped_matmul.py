@@ -20,8 +20,9 @@ groups (fixed seed), as uniform routing gives. Every grouped result is checked a
 The two weight gradients (lhs [M, K]^T x out_grad [M, N] reduced over each group's rows, [G, K,
 N]: the gradients of the two forward products' weights) are timed for
 `moe.ragged_matmul_mgpu.transposed_ragged_matmul` under every config of
-`TRANSPOSED_SWEEP_CONFIGS`, for JAX's bundled `transposed_ragged_dot_mgpu` with the tiles
-`moe.grouped_matmul.weight_gradient` runs it with (GPU only: it has no interpret mode), and for
+`TRANSPOSED_SWEEP_CONFIGS` (the default one is what `moe.grouped_matmul.weight_gradient` runs),
+for JAX's bundled `transposed_ragged_dot_mgpu` with its best tiles from our sweeps
+(`BUNDLED_WEIGHT_GRAD_TILES`; GPU only: it has no interpret mode), and for
 XLA's dense lhs^T x out_grad; they are checked against one XLA dense product a group, float32
 output.
 
@@ -29,8 +30,8 @@ output.
 width = hidden = 1024, SiTU-GLU) forward and forward+backward, unfused (our GEMM, the Pallas GLU
 kernel, our GEMM: `backend="mosaic_gpu"`) against `moe.dispatch.fused_expert_mlp` (the GLU in the
 GEMMs' epilogues), and checks that the two agree (output and the three gradients). On CPU
-(`--smoke`) only the forward runs, the unfused path on XLA (JAX's bundled weight-gradient kernel
-and `moe.grouped_matmul`'s Hopper check have no CPU interpret mode).
+(`--smoke`) only the forward runs, the unfused path on XLA (`moe.grouped_matmul` takes XLA off
+Hopper; the fused backward in interpret mode is a slow test's job).
 
 On GPU the time is the median over `--iters` calls of the device time of the call's kernels
 (CUPTI through `jax.experimental.mosaic.gpu.profiler`; our table preparation included), or of its
@@ -51,12 +52,11 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
 from experiments.profiling import median_seconds
 from moe import dispatch
 from moe.activations import GLUActivation
-from moe.grouped_matmul import WEIGHT_GRAD_TILES, weight_gradient
 from moe.ragged_matmul_mgpu import (
     SWEEP_CONFIGS,
     TRANSPOSED_SWEEP_CONFIGS,
@@ -66,6 +66,11 @@ from moe.ragged_matmul_mgpu import (
     work_table,
 )
 
+# The bundled weight-gradient kernel's best tiles in sweeps on an H200 at the benchmark shapes
+# (131072 rows, 64 groups; widths 1024 and 2048): 631-659 TFLOP/s.
+BUNDLED_WEIGHT_GRAD_TILES = dict(
+    block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1
+)
 AGREEMENT_TOLERANCE = 8e-3  # bf16 outputs: a rounding is 2^-9 of the value at most
 WORK_TABLE = "work_table alone (inside ours' times)"
 BUNDLED = "bundled ragged_dot_mgpu"
@@ -214,8 +219,12 @@ def weight_gradient_calls(config_names, lhs, out_grad, group_sizes, with_bundled
     calls = [(DENSE, "same FLOPs", jax.jit(lambda lhs, out_grad: lhs.T @ out_grad),
               (lhs, out_grad))]
     if with_bundled:
-        calls.insert(0, (BUNDLED_TRANSPOSED, label.format(**WEIGHT_GRAD_TILES),
-                         jax.jit(weight_gradient), grouped_args))
+        bundled = functools.partial(transposed_ragged_dot_mgpu.transposed_ragged_dot,
+                                    **BUNDLED_WEIGHT_GRAD_TILES)
+        calls.insert(0, (BUNDLED_TRANSPOSED, label.format(**BUNDLED_WEIGHT_GRAD_TILES),
+                         jax.jit(lambda lhs, out_grad, sizes: bundled(lhs, out_grad,
+                                                                      group_sizes=sizes)),
+                         grouped_args))
     for name in config_names:
         ours = functools.partial(transposed_ragged_matmul, config=TRANSPOSED_SWEEP_CONFIGS[name])
         calls.append(("ours", name, jax.jit(ours), grouped_args))

@@ -6,7 +6,8 @@ Two backends:
 - "mosaic_gpu": Hopper kernels under a custom VJP: our warp-specialized `moe.ragged_matmul_mgpu`
   for the forward and the input gradient (row-ragged products: 673-721 TFLOP/s on the H200 at the
   MoE's shapes, 1.23-1.32x JAX's bundled `ragged_dot_mgpu`, `benchmarks/grouped_matmul_h200.md`),
-  and JAX's `transposed_ragged_dot_mgpu` for the weight gradient (630-650 TFLOP/s).
+  and `moe.ragged_matmul_mgpu.transposed_ragged_matmul` for the weight gradient (689-690 TFLOP/s,
+  1.06x JAX's bundled `transposed_ragged_dot_mgpu` summed over the two weight products).
 
 "auto" takes "mosaic_gpu" when the call is on a Hopper GPU with bf16/f16 operands whose widths
 fit the kernels' tiles, and "xla" otherwise, so it is never wrong, only slower.
@@ -21,15 +22,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
-from moe.ragged_matmul_mgpu import config_for, ragged_matmul
-
-# Tiles of the bundled weight-gradient kernel, from a sweep on an H200 at the benchmark shapes
-# (131072 rows, 64 groups; widths 1024 and 2048): 419-498 TFLOP/s then, 630-650 since.
-WEIGHT_GRAD_TILES = dict(
-    block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1
+from moe.ragged_matmul_mgpu import (
+    config_for,
+    ragged_matmul,
+    transposed_config_for,
+    transposed_ragged_matmul,
 )
+
 _MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
 ROW_MULTIPLE = 8  # the kernels' bulk copies need the row count to be a multiple of 8
 _WIDTH_MULTIPLE = 128  # K and N: each is an output width of one of the three products
@@ -121,8 +121,8 @@ _mosaic_grouped_matmul.defvjp(_mosaic_forward, _mosaic_backward)
 
 
 def weight_gradient(lhs: jax.Array, out_grad: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """[G, K, N] `lhs[rows of g]^T @ out_grad[rows of g]` on a Hopper GPU: JAX's bundled
-    `transposed_ragged_dot_mgpu` kernel. lhs: [R, K], out_grad: [R, N], group_sizes: [G] int32."""
-    return transposed_ragged_dot_mgpu.transposed_ragged_dot(
-        lhs, out_grad, group_sizes=group_sizes, **WEIGHT_GRAD_TILES
+    """[G, K, N] `lhs[rows of g]^T @ out_grad[rows of g]` on a Hopper GPU (our
+    `transposed_ragged_matmul`). lhs: [R, K], out_grad: [R, N], group_sizes: [G] int32."""
+    return transposed_ragged_matmul(
+        lhs, out_grad, group_sizes, config=transposed_config_for(out_grad.shape[1])
     )
