@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -305,19 +306,34 @@ def update_router_biases(model: nnx.Module, stats: Sequence[RouterStats]) -> Non
             f"got {len(stats)} RouterStats for {len(layers)} MoE layers; pass one per layer in "
             "moe_layers(model) order."
         )
-    for layer, layer_stats in zip(layers, stats):
-        update_router_bias(layer, layer_stats)
+    balance_layers([(layer, False) for layer in layers], stats)
 
 
-def update_router_bias(
-    layer: StableLatentMoE, stats: RouterStats, *, stacked: bool = False
+def balance_layers(
+    sites: Sequence[tuple[StableLatentMoE, bool]], stats: Sequence[RouterStats]
 ) -> None:
-    """Apply the balancer to one MoE layer in place (after the optimizer step, no gradient).
+    """Apply the balancer to MoE layers in place, each with its own `RouterStats`.
 
-    `stacked`: the layer is a stack built by `nnx.vmap` over layers (bias [L, E], stats with a
-    leading L axis); each slice is updated on its own.
+    sites: (layer, stacked) pairs; a stacked layer is built by `nnx.vmap` over L layers (bias
+        [L, E], stats with a leading L axis), each slice updated on its own.
+
+    Layers with the same config and shapes are updated by one vmapped `updated_bias`: the update
+    is a few dozen small ops, and one launch of each for all layers instead of one a layer saves
+    the gaps between them (on the H200, 513 gaps and 5.9 ms of idle device time a step at 15 MoE
+    layers, against 2.2 ms of the update's own work).
     """
-    update = functools.partial(updated_bias, layer.cfg)
-    if stacked:
-        update = jax.vmap(update)
-    layer.router_bias[...] = update(layer.router_bias[...], stats)
+    batches: dict[tuple, list[tuple[StableLatentMoE, bool, jax.Array, RouterStats]]] = {}
+    for (layer, stacked), layer_stats in zip(sites, stats, strict=True):
+        bias = layer.router_bias[...]
+        if not stacked:
+            bias, layer_stats = bias[None], jax.tree.map(lambda x: x[None], layer_stats)
+        shapes = tuple((x.shape[1:], x.dtype) for x in jax.tree.leaves((bias, layer_stats)))
+        batches.setdefault((layer.cfg, shapes), []).append((layer, stacked, bias, layer_stats))
+    for (cfg, _), members in batches.items():
+        _, _, biases, member_stats = zip(*members)
+        updated = jax.vmap(functools.partial(updated_bias, cfg))(
+            jnp.concatenate(biases), jax.tree.map(lambda *xs: jnp.concatenate(xs), *member_stats)
+        )
+        ends = np.cumsum([bias.shape[0] for bias in biases])
+        for (layer, stacked, _, _), new_bias in zip(members, jnp.split(updated, ends[:-1])):
+            layer.router_bias[...] = new_bias if stacked else new_bias[0]

@@ -9,6 +9,7 @@ tests check chunked == reference). The interface and causality tests use the def
 
 import collections
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ from models.lm import (KERNEL_PRIMITIVES, PROFILE_SCOPES, REMAT, HybridLM, aux_l
 from models.paged_cache import PageAllocator, pages_needed
 from moe.config import MoEConfig
 from moe.experts import StableLatentMoE
+from moe.routing import updated_bias
 from kda_inputs import relative_error
 from train.step import FAST_COMPILE_OPTIONS
 
@@ -244,11 +246,17 @@ def test_router_bias_update_reaches_every_moe_layer():
     sites = model.moe_sites()
     assert [stacked for _, stacked in sites] == [False, True, True] and len(stats) == 3
     before = [np.asarray(moe.router_bias[...]) for moe, _ in sites]
+    expected = [  # each site on its own; the update batches the sites of one config
+        (jax.vmap(update) if stacked else update)(moe.router_bias[...], site_stats)
+        for (moe, stacked), site_stats in zip(sites, stats)
+        for update in [functools.partial(updated_bias, moe.cfg)]
+    ]
     update_router_biases(model, stats)
-    for (moe, stacked), old in zip(sites, before):
+    for (moe, stacked), old, want in zip(sites, before, expected):
         new = np.asarray(moe.router_bias[...])
         assert new.shape == old.shape == ((2,) if stacked else ()) + (8,)
         assert not np.allclose(new, old)  # QB moves the zero-initialised bias
+        np.testing.assert_allclose(new, want, rtol=0, atol=1e-7)
     with pytest.raises(ValueError, match="RouterStats"):
         update_router_biases(model, stats[:-1])
 
