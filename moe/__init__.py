@@ -18,10 +18,10 @@ Dispatch: dropless (sort by expert, two grouped matmuls, un-sort) on each device
 an `expert` axis (`jax.set_mesh`) the layer runs expert parallel with fixed-capacity all-to-all
 (`MoEConfig.capacity_factor`, None = never drop; dropped copies are counted in `stats.dropped`).
 Grouped matmuls (`MoEConfig.gmm_backend`, `moe.grouped_matmul`) run on Hopper through our
-warp-specialized Mosaic GPU kernels for the row-ragged products (`moe.ragged_matmul_mgpu`) and JAX's
-bundled kernel for the weight gradient, and through `jax.lax.ragged_dot` elsewhere.
-`moe.ragged_matmul_mgpu` also has a weight-gradient kernel and GLU-fused epilogues
-(`MoEConfig.fuse_glu_epilogues`), both off the default path until the H200 measures them.
+warp-specialized Mosaic GPU kernels (`moe.ragged_matmul_mgpu`: the row-ragged products and the
+weight gradient), and through `jax.lax.ragged_dot` elsewhere. Its GLU-fused epilogues
+(`MoEConfig.fuse_glu_epilogues`) stay off: the H200 measured them slower
+(`benchmarks/expert_mlp_h200.md`).
 """
 
 from moe.activations import GLUActivation, clamped_swiglu, situ_glu, swiglu
