@@ -258,7 +258,8 @@ def test_both_benchmarks_render_the_idle_table(cpu_ops):
     result = dict(
         setup=dataclasses.asdict(bench_train.SMOKE), optimizer="adamw",
         params=dict(total=10, active=5, embedding=1), device="cpu", jax=jax.__version__,
-        flax="0", date="2026-11-30", step_seconds=0.01, tokens_per_second=1.0,
+        flax="0", date="2026-11-30", step_seconds=0.01, waited_step_seconds=0.02,
+        tokens_per_second=1.0,
         model_tflops_per_second=1.0, mfu=0.1, breakdown={}, ops=cpu_ops)
     train_text = bench_train.markdown(result, "python -m experiments.bench_train --smoke")
     assert "### When the device runs nothing" in train_text
@@ -268,3 +269,32 @@ def test_both_benchmarks_render_the_idle_table(cpu_ops):
                        moe=dict(ms=3.0), ops=cpu_ops)
     moe_text = "\n".join(bench_moe.profile_markdown(moe_results))
     assert "### When the device runs nothing" in moe_text and "| gap us |" in moe_text
+
+
+class LoggedCall:
+    """What a `run()` returns in the test below: logs when it is waited for."""
+
+    def __init__(self, index, log):
+        self.index, self.log = index, log
+
+    def block_until_ready(self):
+        self.log.append(("wait", self.index))
+        return self
+
+
+def test_pipelined_seconds_dispatches_each_call_before_waiting_for_the_last():
+    log = []
+
+    def run():
+        call = LoggedCall(sum(kind == "dispatch" for kind, _ in log), log)
+        log.append(("dispatch", call.index))
+        return call
+
+    seconds = profiling.pipelined_seconds(run, steps=3, warmup=1)
+    assert seconds >= 0
+    dispatches = [index for kind, index in log if kind == "dispatch"]
+    assert dispatches == list(range(7))  # warm-up, a synchronised call, then 3 + 2 in flight
+    # After the synchronised start, call k + 1 is dispatched before call k is waited for.
+    for index in range(2, 6):
+        assert log.index(("dispatch", index + 1)) < log.index(("wait", index))
+    assert log[-1] == ("wait", 6)

@@ -199,10 +199,11 @@ def test_a_partial_result_is_reported_as_far_as_it_got():
     result.update(compile_seconds=3.0,
                   memory_gib={"argument": 1.0, "output": 1.0, "alias": 1.0, "temp": 2.0,
                               "peak": 3.0},
-                  step_seconds=0.5, tokens_per_second=256.0, model_tflops_per_second=1.0,
+                  step_seconds=0.5, waited_step_seconds=0.6, tokens_per_second=256.0,
+                  model_tflops_per_second=1.0,
                   mfu=0.001, breakdown={"kda": bench_train._part(3, 0.2, 0.5, 1e12)})
     text = bench_train.markdown(result, "cmd")
-    assert "| 500.0 ms | 256 |" in text and "| kda | 3 | 200.0 | 40% |" in text
+    assert "| 500.0 ms | 600.0 ms | 256 |" in text and "| kda | 3 | 200.0 | 40% |" in text
     assert "before every layer was timed" in text
 
 
