@@ -143,7 +143,7 @@ from train.packing import finalize_batch
 
 DOCUMENTS_PER_ROW = 4
 PROFILED_OPS = 40  # rows of the `--profile` table
-PROFILED_OPS_PER_PART = 12  # rows of each part's table (the MoE's GEMMs alone filled 6)
+PROFILED_OPS_PER_PART = 15  # rows of each part's table, each one op of every layer
 PROFILED_STEPS = 3  # traced steps of `--profile`
 IN_STEP_TITLE = (
     f"In-step device time by part (per step, {PROFILED_STEPS} steps traced): every device op "
@@ -621,7 +621,9 @@ def markdown(result: dict, command: str) -> str:
         lines += ops_markdown(
             result["ops"], "Top device ops of the step, compiled without command buffers (the "
             "timed step above was compiled the same way)")
-        lines += scope_ops_markdown(result["ops"], "The costliest device ops of each part:")
+        lines += scope_ops_markdown(
+            result["ops"], "The costliest device ops of each part, each row one op summed over "
+            "the layers that run it (the same opcode, shape and source op; `+n`: how many more):")
     return "\n".join(lines) + "\n"
 
 

@@ -85,7 +85,8 @@ def trace_device_ops(run: Callable[[], object], compiled: jax.stages.Compiled, s
     scope_rows, idle): per-step calls and ms; `hlo` = opcode, shape and JAX source op of the op in
     the compiled module; `scopes` = ms per step of each of `scopes` and "other" over all ops,
     `passes` the same split per pass, {scope: {pass: ms}} (`scope_times`); `scope_rows` = the
-    `top_per_scope` costliest rows of each scope; `idle` = `idle_summary` of the calls (its
+    `top_per_scope` costliest rows of each scope, each summing the ops of one HLO description (one
+    op of every layer); `idle` = `idle_summary` of the calls (its
     `top_gaps` longest gaps), None where the trace does not mark each call or a call holds no
     device events. On a CPU the events of while loops and conditionals are left out of the op
     times: each spans the ops it runs, which count on their own. Falls back to the compiled
@@ -132,9 +133,13 @@ def trace_device_ops(run: Callable[[], object], compiled: jax.stages.Compiled, s
     op_names = {op: instruction.op_name for op, instruction in instructions.items()}
     passes = {scope: {name: nanos / steps / 1e6 for name, nanos in per_pass.items()}
               for scope, per_pass in scope_times(times, op_names, scopes).items()}
-    by_scope = collections.defaultdict(list)  # scope -> its ops, costliest first
+    # scope -> HLO description -> its ops, costliest first: one row sums an op over the layers
+    # (they share a description: the same opcode, shape and source op).
+    by_scope = collections.defaultdict(lambda: collections.defaultdict(list))
     for op, nanos in times.most_common():
-        by_scope[scope_of(op_names.get(op, ""), scopes) or OTHER_SCOPE].append(row(op, nanos))
+        op_row = row(op, nanos)
+        by_scope[scope_of(op_names.get(op, ""), scopes) or OTHER_SCOPE][
+            op_row["hlo"] or op].append(op_row)
     idle = None
     if len(windows) == steps:
         per_step = split_steps(busy_events, [start for start, _ in windows])
@@ -146,8 +151,19 @@ def trace_device_ops(run: Callable[[], object], compiled: jax.stages.Compiled, s
     return dict(rows=[row(op, nanos) for op, nanos in times.most_common(top)],
                 total_ms=total / steps / 1e6, source=source, passes=passes,
                 scopes={scope: sum(per_pass.values()) for scope, per_pass in passes.items()},
-                scope_rows={scope: by_scope[scope][:top_per_scope] for scope in passes},
+                scope_rows={scope: _grouped_rows(by_scope[scope])[:top_per_scope]
+                            for scope in passes},
                 idle=idle)
+
+
+def _grouped_rows(groups: Mapping[str, list[dict]]) -> list[dict]:
+    """One row per group of op rows (`trace_device_ops`), costliest first: calls, ms and share
+    summed, `op` naming the costliest op and how many more the row holds."""
+    rows = [dict(op=ops[0]["op"] + (f" (+{len(ops) - 1})" if len(ops) > 1 else ""),
+                 calls=sum(op["calls"] for op in ops), ms=sum(op["ms"] for op in ops),
+                 share=sum(op["share"] for op in ops), hlo=ops[0]["hlo"])
+            for ops in groups.values()]
+    return sorted(rows, key=lambda row: -row["ms"])
 
 
 class OpEvent(NamedTuple):

@@ -125,6 +125,24 @@ def test_cpu_trace_counts_a_loop_body_once_under_its_scope():
     assert ops["scopes"]["body"] > 0.5 * ops["total_ms"]
 
 
+def test_a_parts_rows_sum_each_op_over_the_layers_that_run_it():
+    @jax.jit
+    def step(x):
+        for _ in range(3):  # three unrolled "layers": the same ops, three instructions each
+            with jax.named_scope("layer"):
+                x = jnp.tanh(x @ x)
+        return x
+
+    ops = profiling.profile_device_ops(step, (jnp.ones((128, 128)),), steps=2, top=100,
+                                       scopes=("layer",))
+    rows = ops["scope_rows"]["layer"]
+    if not rows:
+        pytest.skip(f"the trace came from {ops['source']} and held no op events")
+    assert len({row["hlo"] for row in rows}) == len(rows)  # one row a description
+    assert sum(row["ms"] for row in rows) == pytest.approx(ops["scopes"]["layer"])
+    assert any(row["calls"] == 3 and row["op"].endswith("(+2)") for row in rows), rows
+
+
 def test_busy_runs_join_overlapping_streams_and_nested_events():
     events = [
         OpEvent(0, 10, "a"), OpEvent(5, 15, "b_other_stream"),  # concurrent: counted once
