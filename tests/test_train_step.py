@@ -1,17 +1,19 @@
 """train.step on a small model: the update, the QB router-bias update, skipping of non-finite
-steps, evaluation, Muon, and QK-Clip."""
+steps, evaluation, Muon, QK-Clip, and which gradients enter the update in bfloat16."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.experimental import pallas as pl
 
 from moe.routing import updated_bias
 from tests.train_toy_model import BATCH, LENGTH, make_batch, split_state
 from train import qk_clip
 from train.optim import OptimConfig
-from train.step import FAST_COMPILE_OPTIONS, make_eval_step, make_train_step
+from train.step import (FAST_COMPILE_OPTIONS, kernel_gradient_dtypes, make_eval_step,
+                        make_train_step)
 
 @pytest.fixture(scope="module")
 def adamw():
@@ -162,3 +164,134 @@ def test_sharded_step_matches_one_device(adamw):
     for a, b in zip(jax.tree.leaves(params_of(graphdef, state)),
                     jax.tree.leaves(params_of(graphdef, reference)), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+
+
+def kernel_copy(x):
+    """x through a Pallas kernel (interpreted: runs on any backend)."""
+    def body(x_ref, out_ref):
+        out_ref[...] = x_ref[...]
+
+    return pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          interpret=True)(x)
+
+
+@jax.custom_vjp
+def matmul_with_kernel_weight_gradient(x, w):
+    return x @ w
+
+
+def _forward(x, w):
+    return x @ w, (x, w)
+
+
+def _backward(residuals, cotangent):
+    x, w = residuals
+    return cotangent @ w.T, kernel_copy(x.T @ cotangent).reshape(w.shape)
+
+
+matmul_with_kernel_weight_gradient.defvjp(_forward, _backward)
+
+
+def test_only_gradients_a_kernel_wrote_narrow_are_narrowed():
+    bf16 = jnp.bfloat16
+    keys = jax.random.split(jax.random.key(0), 4)
+    params = {"kernel": jax.random.normal(keys[0], (8, 4)),
+              "xla": jax.random.normal(keys[1], (8, 4)),
+              "twice": jax.random.normal(keys[2], (8, 4))}
+    x = jax.random.normal(keys[3], (5, 8)).astype(bf16)
+
+    def loss(params):
+        y = matmul_with_kernel_weight_gradient(x, params["kernel"].astype(bf16))
+        y = y + x @ params["xla"].astype(bf16)  # an XLA dot writes this one's gradient
+        twice = params["twice"].astype(bf16)
+        y = y + matmul_with_kernel_weight_gradient(x, twice) * matmul_with_kernel_weight_gradient(
+            x, twice)
+        return jnp.sum(jnp.sin(y.astype(jnp.float32)))
+
+    dtypes = kernel_gradient_dtypes(jax.grad(loss), params)
+    assert dtypes == {"kernel": bf16, "xla": jnp.float32, "twice": jnp.float32}
+    grads = jax.grad(loss)(params)
+    np.testing.assert_array_equal(grads["kernel"].astype(bf16).astype(jnp.float32),
+                                  grads["kernel"])  # the narrow dtype holds it exactly
+
+
+def test_moe_expert_weight_gradients_from_the_hopper_kernels_are_narrowed(monkeypatch):
+    """Traced (not run) on a simulated Hopper, where the grouped GEMMs are Mosaic GPU kernels:
+    their weight gradients are the bfloat16 kernel outputs; XLA's are not narrowed."""
+    from moe import grouped_matmul
+    from moe.config import MoEConfig
+    from moe.experts import StableLatentMoE
+    from moe.ragged_matmul_mgpu import simulated_hopper
+
+    monkeypatch.setattr(grouped_matmul, "_on_hopper", lambda: True)
+    cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=128, latent_dim=128, latent_norm=True,
+                    shared_hidden=128)
+    layer = StableLatentMoE(256, cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    graph, params, rest = nnx.split(layer, nnx.Param, ...)
+    x = jnp.ones((2, 64, 256), jnp.bfloat16)
+
+    def loss(params):
+        return jnp.sum(nnx.merge(graph, params, rest)(x)[0].astype(jnp.float32))
+
+    with simulated_hopper():
+        dtypes = nnx.to_pure_dict(kernel_gradient_dtypes(jax.grad(loss), params))
+    narrowed = {name for name, dtype in dtypes.items() if dtype == jnp.bfloat16}
+    assert narrowed == {"expert_w_in", "expert_w_out"}, dtypes
+
+
+class KernelHeadLM(nnx.Module):
+    """Embedding and an LM head whose weight gradient a (interpreted) Pallas kernel writes in
+    bfloat16, with the trainer's interface (no MoE layer)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Param(jax.random.normal(rngs.params(), (264, 16)))
+        self.head = nnx.Param(jax.random.normal(rngs.params(), (16, 264)) * 0.25)
+
+    def forward(self, tokens, segment_ids=None):
+        hidden = jnp.tanh(self.embed[...][tokens]).astype(jnp.bfloat16).reshape(-1, 16)
+        logits = matmul_with_kernel_weight_gradient(hidden, self.head[...].astype(jnp.bfloat16))
+        return logits.astype(jnp.float32).reshape(*tokens.shape, -1), ()
+
+    def moe_sites(self):
+        return []
+
+
+def test_a_step_with_narrowed_gradients_equals_one_without(monkeypatch):
+    """The head's gradient enters the update in bfloat16, exactly: the new state is bit for bit
+    the one of a step that keeps every gradient in float32."""
+    from train import step as step_module
+    from train.optim import make_optimizer
+    from train.step import TrainState
+
+    def build():
+        model = KernelHeadLM(nnx.Rngs(0))
+        return TrainState(model, make_optimizer(OptimConfig(warmup_steps=0),
+                                                nnx.state(model, nnx.Param), 100))
+
+    graphdef, _ = nnx.split(nnx.eval_shape(build))
+    initial = jax.jit(lambda: nnx.state(build()))()
+    graph, params, rest = nnx.split(nnx.merge(graphdef, initial).model, nnx.Param, ...)
+    batch = make_batch()
+
+    def head_loss(params):
+        return jnp.sum(nnx.merge(graph, params, rest).forward(batch["tokens"])[0])
+
+    assert nnx.to_pure_dict(kernel_gradient_dtypes(jax.grad(head_loss), params)) == {
+        "embed": jnp.float32, "head": jnp.bfloat16}
+
+    def step_and_update_operands():
+        step = make_train_step(graphdef, compiler_options=FAST_COMPILE_OPTIONS)
+        [update] = [eqn for eqn in step.trace(fresh(initial), batch).jaxpr.eqns
+                    if eqn.primitive.name == "cond"]
+        return step(fresh(initial), batch), {str(var.aval) for var in update.invars}
+
+    (narrowed, metrics), operands = step_and_update_operands()
+    assert {"bfloat16[16,264]", "float32[16,264]"} <= operands  # the gradient, the head
+    monkeypatch.setattr(step_module, "kernel_gradient_dtypes",
+                        lambda grad_fn, params: jax.tree.map(lambda p: p.dtype, params))
+    (kept, _), operands = step_and_update_operands()
+    assert "bfloat16[16,264]" not in operands
+    assert float(metrics["skipped"]) == 0.0
+    for (path, new), (_, reference) in zip(nnx.to_flat_state(narrowed), nnx.to_flat_state(kept)):
+        np.testing.assert_array_equal(np.asarray(new[...]), np.asarray(reference[...]),
+                                      err_msg=str(path))

@@ -20,7 +20,8 @@ in-place updates). One step:
    state passes through unchanged and `skipped_steps` grows by one: a bad batch never touches
    the weights. (A `jnp.where(finite, new, old)` over the state would read the old optimizer
    moments after the in-place update has written the new ones, so XLA would copy every moment
-   first: 27.7 GiB more for the `1b` preset; the cond keeps the update in place.)
+   first: 27.7 GiB more for the `1b` preset; the cond keeps the update in place.) Gradients
+   that a GPU kernel wrote in bfloat16 enter the cond in bfloat16 (`kernel_gradient_dtypes`).
 
 Each of these parts runs under its named scope of `models.lm.PROFILE_SCOPES` (`loss`,
 `finite_check`, `optimizer`, `router_bias`, `qk_clip`), so a profile can sum time per part.
@@ -35,8 +36,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.extend import core as jax_core
 
-from models.lm import aux_loss, profile_scope, update_router_biases
+from models.lm import KERNEL_PRIMITIVES, aux_loss, profile_scope, update_router_biases
 from moe.routing import max_violation
 from train import qk_clip
 
@@ -83,6 +85,73 @@ def next_token_nll(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array):
     """
     nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
     return jnp.sum(nll * loss_mask), jnp.sum(loss_mask)
+
+
+# Calls whose outputs are their body's outputs (the key of the body among the equation's
+# parameters): `plgpu.kernel` wraps its `mpmd_map` in a `custom_vmap_call`.
+_CALL_BODIES = {"jit": "jaxpr", "closed_call": "call_jaxpr", "custom_vmap_call": "call"}
+# Ops that move values without changing them.
+_LAYOUT_PRIMITIVES = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy"})
+_NARROW_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def kernel_gradient_dtypes(grad_fn: Callable, params):
+    """The dtype each gradient `grad_fn(params)` returns is exactly held in (a pytree like params).
+
+    A gradient that is only the upcast of a GPU kernel's bfloat16 or float16 output (through ops
+    that move values without changing them: reshapes, transposes) holds exactly what the kernel
+    wrote, so that narrower dtype holds it exactly; every other gradient keeps its dtype. The rule
+    asks for a kernel because a kernel's output is written in its own dtype, while XLA may keep
+    an XLA op's result in float32 where the program casts it down and up again (its
+    excess-precision simplification), so the same cast could lose what XLA kept. `grad_fn` is
+    traced once more, abstractly.
+
+    Why: the update runs under `lax.cond`, and XLA cannot move an upcast into a cond's branch, so
+    float32 gradients would be written before it and read again inside (the `1b` step's MoE
+    expert weights: 3.0B of its 3.7B parameters). Passed narrow, they are read at half the bytes
+    and upcast inside the update's own fusions.
+    """
+    jaxpr = jax.make_jaxpr(grad_fn)(params).jaxpr
+    producers = _producers(jaxpr)
+    leaves, treedef = jax.tree.flatten(params)
+    return treedef.unflatten([_kernel_written_dtype(producers, gradient) or jnp.dtype(leaf.dtype)
+                              for gradient, leaf in zip(jaxpr.outvars, leaves, strict=True)])
+
+
+def _producers(jaxpr: jax_core.Jaxpr) -> dict:
+    """Each variable a jaxpr's equations define -> the equation."""
+    return {var: eqn for eqn in jaxpr.eqns for var in eqn.outvars}
+
+
+def _kernel_written_dtype(producers: dict, gradient):
+    """The narrow dtype `gradient` was upcast from, if what was upcast is a kernel's output."""
+    upcast = producers.get(gradient) if isinstance(gradient, jax_core.Var) else None
+    if upcast is None or upcast.primitive.name != "convert_element_type":
+        return None
+    source = upcast.invars[0]
+    dtype = jnp.dtype(source.aval.dtype)
+    if dtype not in _NARROW_FLOATS or dtype.itemsize >= jnp.dtype(gradient.aval.dtype).itemsize:
+        return None
+    return dtype if _written_by_kernel(producers, source) else None
+
+
+def _written_by_kernel(producers: dict, var) -> bool:
+    """Whether `var` is an output of one of `models.lm.KERNEL_PRIMITIVES` (through layout ops and
+    into the bodies of calls)."""
+    while isinstance(var, jax_core.Var) and var in producers:
+        eqn = producers[var]
+        name = eqn.primitive.name
+        if name in KERNEL_PRIMITIVES:
+            return True
+        if name in _LAYOUT_PRIMITIVES:
+            var = eqn.invars[0]
+        elif name in _CALL_BODIES:
+            body = eqn.params[_CALL_BODIES[name]]
+            body = getattr(body, "jaxpr", body)  # a closed jaxpr's open one
+            return _written_by_kernel(_producers(body), body.outvars[eqn.outvars.index(var)])
+        else:
+            return False
+    return False  # an input, a constant or a literal
 
 
 def moe_max_violation(model: nnx.Module, router_stats) -> jax.Array:
@@ -143,6 +212,9 @@ def make_train_step(
         with profile_scope("finite_check"):
             grad_norm = optax.tree.norm(grads)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        narrow_grads = jax.tree.map(
+            lambda grad, dtype: grad.astype(dtype), grads,
+            kernel_gradient_dtypes(jax.grad(lambda params: loss_fn(params)[0]), params))
         metrics = dict(
             loss=loss,
             aux_loss=auxiliary,
@@ -164,7 +236,9 @@ def make_train_step(
             updated = nnx.merge(graphdef, state)
             model = updated.model
             with profile_scope("optimizer"):
-                updated.optimizer.update(model, grads, grad_norm=grad_norm)
+                exact_grads = jax.tree.map(lambda narrow, grad: narrow.astype(grad.dtype),
+                                           narrow_grads, grads)
+                updated.optimizer.update(model, exact_grads, grad_norm=grad_norm)
             with profile_scope("router_bias"):
                 update_router_biases(model, router_stats)
             with profile_scope("qk_clip"):
