@@ -12,8 +12,7 @@ from moe.routing import updated_bias
 from tests.train_toy_model import BATCH, LENGTH, make_batch, split_state
 from train import qk_clip
 from train.optim import OptimConfig
-from train.step import (FAST_COMPILE_OPTIONS, kernel_gradient_dtypes, make_eval_step,
-                        make_train_step)
+from train.step import FAST_COMPILE_OPTIONS, gradient_dtypes, make_eval_step, make_train_step
 
 @pytest.fixture(scope="module")
 def adamw():
@@ -208,7 +207,7 @@ def test_only_gradients_a_kernel_wrote_narrow_are_narrowed():
             x, twice)
         return jnp.sum(jnp.sin(y.astype(jnp.float32)))
 
-    dtypes = kernel_gradient_dtypes(jax.grad(loss), params)
+    dtypes = gradient_dtypes(jax.make_jaxpr(jax.grad(loss))(params).jaxpr, params)
     assert dtypes == {"kernel": bf16, "xla": jnp.float32, "twice": jnp.float32}
     grads = jax.grad(loss)(params)
     np.testing.assert_array_equal(grads["kernel"].astype(bf16).astype(jnp.float32),
@@ -234,7 +233,8 @@ def test_moe_expert_weight_gradients_from_the_hopper_kernels_are_narrowed(monkey
         return jnp.sum(nnx.merge(graph, params, rest)(x)[0].astype(jnp.float32))
 
     with simulated_hopper():
-        dtypes = nnx.to_pure_dict(kernel_gradient_dtypes(jax.grad(loss), params))
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
+    dtypes = nnx.to_pure_dict(gradient_dtypes(jaxpr, params))
     narrowed = {name for name, dtype in dtypes.items() if dtype == jnp.bfloat16}
     assert narrowed == {"expert_w_in", "expert_w_out"}, dtypes
 
@@ -276,7 +276,8 @@ def test_a_step_with_narrowed_gradients_equals_one_without(monkeypatch):
     def head_loss(params):
         return jnp.sum(nnx.merge(graph, params, rest).forward(batch["tokens"])[0])
 
-    assert nnx.to_pure_dict(kernel_gradient_dtypes(jax.grad(head_loss), params)) == {
+    head_jaxpr = jax.make_jaxpr(jax.grad(head_loss))(params).jaxpr
+    assert nnx.to_pure_dict(gradient_dtypes(head_jaxpr, params)) == {
         "embed": jnp.float32, "head": jnp.bfloat16}
 
     def step_and_update_operands():
@@ -287,8 +288,8 @@ def test_a_step_with_narrowed_gradients_equals_one_without(monkeypatch):
 
     (narrowed, metrics), operands = step_and_update_operands()
     assert {"bfloat16[16,264]", "float32[16,264]"} <= operands  # the gradient, the head
-    monkeypatch.setattr(step_module, "kernel_gradient_dtypes",
-                        lambda grad_fn, params: jax.tree.map(lambda p: p.dtype, params))
+    monkeypatch.setattr(step_module, "gradient_dtypes",
+                        lambda jaxpr, params: jax.tree.map(lambda p: p.dtype, params))
     (kept, _), operands = step_and_update_operands()
     assert "bfloat16[16,264]" not in operands
     assert float(metrics["skipped"]) == 0.0

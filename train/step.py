@@ -21,7 +21,7 @@ in-place updates). One step:
    the weights. (A `jnp.where(finite, new, old)` over the state would read the old optimizer
    moments after the in-place update has written the new ones, so XLA would copy every moment
    first: 27.7 GiB more for the `1b` preset; the cond keeps the update in place.) Gradients
-   that a GPU kernel wrote in bfloat16 enter the cond in bfloat16 (`kernel_gradient_dtypes`).
+   that a GPU kernel wrote in bfloat16 enter the cond in bfloat16 (`gradient_dtypes`).
 
 Each of these parts runs under its named scope of `models.lm.PROFILE_SCOPES` (`loss`,
 `finite_check`, `optimizer`, `router_bias`, `qk_clip`), so a profile can sum time per part.
@@ -95,27 +95,28 @@ _LAYOUT_PRIMITIVES = frozenset({"reshape", "transpose", "squeeze", "expand_dims"
 _NARROW_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def kernel_gradient_dtypes(grad_fn: Callable, params):
-    """The dtype each gradient `grad_fn(params)` returns is exactly held in (a pytree like params).
+def gradient_dtypes(jaxpr: jax_core.Jaxpr, params):
+    """The dtype each gradient of `params` is exactly held in (a pytree like params), from the
+    jaxpr that computes them: its last outputs, flattened as params (`jax.grad`'s or
+    `jax.value_and_grad`'s).
 
     A gradient that is only the upcast of a GPU kernel's bfloat16 or float16 output (through ops
     that move values without changing them: reshapes, transposes) holds exactly what the kernel
     wrote, so that narrower dtype holds it exactly; every other gradient keeps its dtype. The rule
     asks for a kernel because a kernel's output is written in its own dtype, while XLA may keep
     an XLA op's result in float32 where the program casts it down and up again (its
-    excess-precision simplification), so the same cast could lose what XLA kept. `grad_fn` is
-    traced once more, abstractly.
+    excess-precision simplification), so the same cast could lose what XLA kept.
 
     Why: the update runs under `lax.cond`, and XLA cannot move an upcast into a cond's branch, so
     float32 gradients would be written before it and read again inside (the `1b` step's MoE
     expert weights: 3.0B of its 3.7B parameters). Passed narrow, they are read at half the bytes
     and upcast inside the update's own fusions.
     """
-    jaxpr = jax.make_jaxpr(grad_fn)(params).jaxpr
     producers = _producers(jaxpr)
     leaves, treedef = jax.tree.flatten(params)
+    gradients = jaxpr.outvars[len(jaxpr.outvars) - len(leaves):]
     return treedef.unflatten([_kernel_written_dtype(producers, gradient) or jnp.dtype(leaf.dtype)
-                              for gradient, leaf in zip(jaxpr.outvars, leaves, strict=True)])
+                              for gradient, leaf in zip(gradients, leaves, strict=True)])
 
 
 def _producers(jaxpr: jax_core.Jaxpr) -> dict:
@@ -206,15 +207,16 @@ def make_train_step(
             aux = (loss, auxiliary, count, jax.lax.stop_gradient((router_stats, captured)))
             return loss + auxiliary, aux
 
-        (_, (loss, auxiliary, count, (router_stats, captured))), grads = jax.value_and_grad(
-            loss_fn, has_aux=True
-        )(params)
+        # Traced once as a jaxpr, read for the gradients' dtypes, then run.
+        backward, shapes = jax.make_jaxpr(jax.value_and_grad(loss_fn, has_aux=True),
+                                          return_shape=True)(params)
+        (_, (loss, auxiliary, count, (router_stats, captured))), grads = jax.tree.unflatten(
+            jax.tree.structure(shapes), jax_core.jaxpr_as_fun(backward)(*jax.tree.leaves(params)))
         with profile_scope("finite_check"):
             grad_norm = optax.tree.norm(grads)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        narrow_grads = jax.tree.map(
-            lambda grad, dtype: grad.astype(dtype), grads,
-            kernel_gradient_dtypes(jax.grad(lambda params: loss_fn(params)[0]), params))
+        narrow_grads = jax.tree.map(lambda grad, dtype: grad.astype(dtype), grads,
+                                    gradient_dtypes(backward.jaxpr, params))
         metrics = dict(
             loss=loss,
             aux_loss=auxiliary,
