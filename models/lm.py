@@ -44,7 +44,7 @@ from models.config import ModelConfig
 from models.norms import RMSNorm
 from models.paged_cache import PagedLatentCache, init_pages
 from models.sharding import constrain, logical
-from moe.experts import DenseFFN, StableLatentMoE, balance_layers
+from moe.experts import DenseFFN, StableLatentMoE, update_router_bias
 from moe.routing import PERMUTATION_NAME, RouterStats
 
 # The primitives that launch the GPU kernels: Pallas (a Mosaic GPU kernel is an `mpmd_map`),
@@ -499,4 +499,5 @@ def update_router_biases(model: HybridLM, router_stats: Sequence[RouterStats]) -
             f"got {len(router_stats)} RouterStats for {len(sites)} MoE sites; pass the stats "
             "model.forward returned"
         )
-    balance_layers(sites, router_stats)
+    for (moe, stacked), stats in zip(sites, router_stats):
+        update_router_bias(moe, stats, stacked=stacked)

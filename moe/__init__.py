@@ -31,8 +31,8 @@ from moe.experts import (
     DenseFFN,
     RouterBias,
     StableLatentMoE,
-    balance_layers,
     moe_layers,
+    update_router_bias,
     update_router_biases,
 )
 from moe.routing import (
@@ -52,7 +52,6 @@ __all__ = [
     "RouterStats",
     "StableLatentMoE",
     "active_matmul_flops",
-    "balance_layers",
     "balance_metrics",
     "clamped_swiglu",
     "count_moe_params",
@@ -64,6 +63,7 @@ __all__ = [
     "route",
     "situ_glu",
     "swiglu",
+    "update_router_bias",
     "update_router_biases",
     "updated_bias",
 ]

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -306,34 +305,25 @@ def update_router_biases(model: nnx.Module, stats: Sequence[RouterStats]) -> Non
             f"got {len(stats)} RouterStats for {len(layers)} MoE layers; pass one per layer in "
             "moe_layers(model) order."
         )
-    balance_layers([(layer, False) for layer in layers], stats)
+    for layer, layer_stats in zip(layers, stats):
+        update_router_bias(layer, layer_stats)
 
 
-def balance_layers(
-    sites: Sequence[tuple[StableLatentMoE, bool]], stats: Sequence[RouterStats]
+def update_router_bias(
+    layer: StableLatentMoE, stats: RouterStats, *, stacked: bool = False
 ) -> None:
-    """Apply the balancer to MoE layers in place, each with its own `RouterStats`.
+    """Apply the balancer to one MoE layer in place (after the optimizer step, no gradient).
 
-    sites: (layer, stacked) pairs; a stacked layer is built by `nnx.vmap` over L layers (bias
-        [L, E], stats with a leading L axis), each slice updated on its own.
+    `stacked`: the layer is a stack built by `nnx.vmap` over layers (bias [L, E], stats with a
+    leading L axis); each slice is updated on its own.
 
-    Layers with the same config and shapes are updated by one vmapped `updated_bias`: the update
-    is a few dozen small ops, and one launch of each for all layers instead of one a layer saves
-    the gaps between them (on the H200, 513 gaps and 5.9 ms of idle device time a step at 15 MoE
-    layers, against 2.2 ms of the update's own work).
+    The trainer calls this layer by layer on purpose: one vmapped update of all 15 MoE layers of
+    the `1b` preset took 17.4 ms of H200 time a step against 2.2 ms layer by layer (plus 5.9 ms
+    of launch gaps), because the exact quantile's counting passes then read every layer's scores
+    at once (63 MB, more than the L2 cache holds) instead of one layer's 4 MB
+    (`benchmarks/train_h200.md`).
     """
-    batches: dict[tuple, list[tuple[StableLatentMoE, bool, jax.Array, RouterStats]]] = {}
-    for (layer, stacked), layer_stats in zip(sites, stats, strict=True):
-        bias = layer.router_bias[...]
-        if not stacked:
-            bias, layer_stats = bias[None], jax.tree.map(lambda x: x[None], layer_stats)
-        shapes = tuple((x.shape[1:], x.dtype) for x in jax.tree.leaves((bias, layer_stats)))
-        batches.setdefault((layer.cfg, shapes), []).append((layer, stacked, bias, layer_stats))
-    for (cfg, _), members in batches.items():
-        _, _, biases, member_stats = zip(*members)
-        updated = jax.vmap(functools.partial(updated_bias, cfg))(
-            jnp.concatenate(biases), jax.tree.map(lambda *xs: jnp.concatenate(xs), *member_stats)
-        )
-        ends = np.cumsum([bias.shape[0] for bias in biases])
-        for (layer, stacked, _, _), new_bias in zip(members, jnp.split(updated, ends[:-1])):
-            layer.router_bias[...] = new_bias if stacked else new_bias[0]
+    update = functools.partial(updated_bias, layer.cfg)
+    if stacked:
+        update = jax.vmap(update)
+    layer.router_bias[...] = update(layer.router_bias[...], stats)

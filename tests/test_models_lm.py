@@ -246,7 +246,7 @@ def test_router_bias_update_reaches_every_moe_layer():
     sites = model.moe_sites()
     assert [stacked for _, stacked in sites] == [False, True, True] and len(stats) == 3
     before = [np.asarray(moe.router_bias[...]) for moe, _ in sites]
-    expected = [  # each site on its own; the update batches the sites of one config
+    expected = [  # each site on its own (a stacked one slice by slice)
         (jax.vmap(update) if stacked else update)(moe.router_bias[...], site_stats)
         for (moe, stacked), site_stats in zip(sites, stats)
         for update in [functools.partial(updated_bias, moe.cfg)]

@@ -20,7 +20,7 @@ from moe.experts import (
     rms_norm,
     update_router_biases,
 )
-from moe.routing import quantile_balance, route, router_scores, updated_bias
+from moe.routing import quantile_balance, route, router_scores
 
 K3_CONFIG = "/work/shared/reference/k3_config.json"
 D_MODEL = 16
@@ -198,20 +198,6 @@ def test_stats_route_with_the_old_bias_and_the_update_uses_them():
     )
     with pytest.raises(ValueError, match="RouterStats for 1 MoE layers"):
         update_router_biases(layer, [stats, stats])
-
-
-def test_layers_balanced_together_equal_each_balanced_alone():
-    """`update_router_biases` batches layers of one config into one vmapped update; a layer of
-    another config (here another top-k) is its own batch."""
-    configs = [SMALL, SMALL, dataclasses.replace(SMALL, top_k=3), SMALL]
-    model = nnx.List([make_layer(cfg, seed) for seed, cfg in enumerate(configs)])
-    stats = [layer(inputs(seed=10 + i, length=16))[1] for i, layer in enumerate(model)]
-    expected = [updated_bias(layer.cfg, layer.router_bias[...], layer_stats)
-                for layer, layer_stats in zip(model, stats)]
-    update_router_biases(model, stats)
-    for layer, want in zip(model, expected):
-        np.testing.assert_allclose(layer.router_bias[...], want, rtol=0, atol=1e-7)
-    assert len({tuple(np.asarray(want)) for want in expected}) == 4  # the layers differ
 
 
 def test_padding_tokens_get_no_routed_output_and_no_load():
