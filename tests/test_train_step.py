@@ -214,9 +214,12 @@ def test_only_gradients_a_kernel_wrote_narrow_are_narrowed():
                                   grads["kernel"])  # the narrow dtype holds it exactly
 
 
-def test_moe_expert_weight_gradients_from_the_hopper_kernels_are_narrowed(monkeypatch):
+@pytest.mark.parametrize("remat", [None, "dots_kernels"])
+def test_moe_expert_weight_gradients_from_the_hopper_kernels_are_narrowed(monkeypatch, remat):
     """Traced (not run) on a simulated Hopper, where the grouped GEMMs are Mosaic GPU kernels:
-    their weight gradients are the bfloat16 kernel outputs; XLA's are not narrowed."""
+    their weight gradients are the bfloat16 kernel outputs; XLA's are not narrowed. Under a remat
+    policy (as the trainer runs each layer) the gradients come out of a checkpoint's body."""
+    from models.lm import REMAT
     from moe import grouped_matmul
     from moe.config import MoEConfig
     from moe.experts import StableLatentMoE
@@ -229,8 +232,14 @@ def test_moe_expert_weight_gradients_from_the_hopper_kernels_are_narrowed(monkey
     graph, params, rest = nnx.split(layer, nnx.Param, ...)
     x = jnp.ones((2, 64, 256), jnp.bfloat16)
 
+    def moe_output(params, x):
+        return nnx.merge(graph, params, rest)(x)[0]
+
+    if remat is not None:
+        moe_output = jax.checkpoint(moe_output, policy=REMAT[remat])
+
     def loss(params):
-        return jnp.sum(nnx.merge(graph, params, rest)(x)[0].astype(jnp.float32))
+        return jnp.sum(moe_output(params, x).astype(jnp.float32))
 
     with simulated_hopper():
         jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr

@@ -88,8 +88,10 @@ def next_token_nll(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array):
 
 
 # Calls whose outputs are their body's outputs (the key of the body among the equation's
-# parameters): `plgpu.kernel` wraps its `mpmd_map` in a `custom_vmap_call`.
-_CALL_BODIES = {"jit": "jaxpr", "closed_call": "call_jaxpr", "custom_vmap_call": "call"}
+# parameters): `plgpu.kernel` wraps its `mpmd_map` in a `custom_vmap_call`, and `jax.checkpoint`
+# (each layer under a remat policy) is `remat2`.
+_CALL_BODIES = {"jit": "jaxpr", "closed_call": "call_jaxpr", "custom_vmap_call": "call",
+                "remat2": "jaxpr"}
 # Ops that move values without changing them.
 _LAYOUT_PRIMITIVES = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy"})
 _NARROW_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -101,11 +103,12 @@ def gradient_dtypes(jaxpr: jax_core.Jaxpr, params):
     `jax.value_and_grad`'s).
 
     A gradient that is only the upcast of a GPU kernel's bfloat16 or float16 output (through ops
-    that move values without changing them: reshapes, transposes) holds exactly what the kernel
-    wrote, so that narrower dtype holds it exactly; every other gradient keeps its dtype. The rule
-    asks for a kernel because a kernel's output is written in its own dtype, while XLA may keep
-    an XLA op's result in float32 where the program casts it down and up again (its
-    excess-precision simplification), so the same cast could lose what XLA kept.
+    that move values without changing them: reshapes, transposes; and into the bodies of calls
+    and checkpoints) holds exactly what the kernel wrote, so that narrower dtype holds it exactly;
+    every other gradient keeps its dtype. The rule asks for a kernel because a kernel's output is
+    written in its own dtype, while XLA may keep an XLA op's result in float32 where the program
+    casts it down and up again (its excess-precision simplification), so the same cast could lose
+    what XLA kept.
 
     Why: the update runs under `lax.cond`, and XLA cannot move an upcast into a cond's branch, so
     float32 gradients would be written before it and read again inside (the `1b` step's MoE
@@ -124,9 +127,22 @@ def _producers(jaxpr: jax_core.Jaxpr) -> dict:
     return {var: eqn for eqn in jaxpr.eqns for var in eqn.outvars}
 
 
+def _defining_equation(producers: dict, var):
+    """The equation that computes `var`, looked for inside the bodies of calls, and the producers
+    of the jaxpr it is in; (None, producers) for an input, a constant or a literal."""
+    while isinstance(var, jax_core.Var) and var in producers:
+        eqn = producers[var]
+        if eqn.primitive.name not in _CALL_BODIES:
+            return eqn, producers
+        body = eqn.params[_CALL_BODIES[eqn.primitive.name]]
+        body = getattr(body, "jaxpr", body)  # a closed jaxpr's open one
+        producers, var = _producers(body), body.outvars[eqn.outvars.index(var)]
+    return None, producers
+
+
 def _kernel_written_dtype(producers: dict, gradient):
     """The narrow dtype `gradient` was upcast from, if what was upcast is a kernel's output."""
-    upcast = producers.get(gradient) if isinstance(gradient, jax_core.Var) else None
+    upcast, producers = _defining_equation(producers, gradient)
     if upcast is None or upcast.primitive.name != "convert_element_type":
         return None
     source = upcast.invars[0]
@@ -139,20 +155,13 @@ def _kernel_written_dtype(producers: dict, gradient):
 def _written_by_kernel(producers: dict, var) -> bool:
     """Whether `var` is an output of one of `models.lm.KERNEL_PRIMITIVES` (through layout ops and
     into the bodies of calls)."""
-    while isinstance(var, jax_core.Var) and var in producers:
-        eqn = producers[var]
-        name = eqn.primitive.name
-        if name in KERNEL_PRIMITIVES:
-            return True
-        if name in _LAYOUT_PRIMITIVES:
-            var = eqn.invars[0]
-        elif name in _CALL_BODIES:
-            body = eqn.params[_CALL_BODIES[name]]
-            body = getattr(body, "jaxpr", body)  # a closed jaxpr's open one
-            return _written_by_kernel(_producers(body), body.outvars[eqn.outvars.index(var)])
-        else:
+    while True:
+        eqn, producers = _defining_equation(producers, var)
+        if eqn is None or eqn.primitive.name in KERNEL_PRIMITIVES:
+            return eqn is not None
+        if eqn.primitive.name not in _LAYOUT_PRIMITIVES:
             return False
-    return False  # an input, a constant or a literal
+        var = eqn.invars[0]
 
 
 def moe_max_violation(model: nnx.Module, router_stats) -> jax.Array:
