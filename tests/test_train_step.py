@@ -248,6 +248,38 @@ def test_moe_expert_weight_gradients_from_the_hopper_kernels_are_narrowed(monkey
     assert narrowed == {"expert_w_in", "expert_w_out"}, dtypes
 
 
+def test_the_hybrid_step_passes_expert_gradients_to_the_update_in_bf16(monkeypatch):
+    """The whole step of a HybridLM with the MoE kernels (simulated Hopper) and the trainer's
+    remat policy, traced (not run): the expert weights' gradients, two per MoE layer, enter the
+    update's cond in bfloat16. (A check of one layer alone missed that the layers' checkpoints
+    hid the kernels from the analysis.)"""
+    from models.config import preset
+    from models.lm import HybridLM
+    from moe import grouped_matmul
+    from moe.config import MoEConfig
+    from moe.ragged_matmul_mgpu import simulated_hopper
+    from train.optim import make_optimizer
+    from train.step import TrainState
+
+    monkeypatch.setattr(grouped_matmul, "_on_hopper", lambda: True)
+    cfg = preset("tiny", dtype="bfloat16", remat="dots_kernels", d_model=256,
+                 moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=128, latent_dim=128,
+                               latent_norm=True, shared_hidden=128))
+
+    def build():
+        model = HybridLM(cfg, rngs=nnx.Rngs(0))
+        return TrainState(model, make_optimizer(OptimConfig(warmup_steps=0),
+                                                nnx.state(model, nnx.Param), 100))
+
+    graphdef, state = nnx.split(nnx.eval_shape(build))
+    with simulated_hopper():
+        traced = make_train_step(graphdef).trace(state, make_batch())
+    [update] = [eqn for eqn in traced.jaxpr.eqns if eqn.primitive.name == "cond"]
+    narrow = sorted(str(var.aval) for var in update.invars if var.aval.dtype == jnp.bfloat16)
+    moe_layers = cfg.num_layers - cfg.first_k_dense
+    assert narrow == ["bfloat16[4,128,128]"] * moe_layers + ["bfloat16[4,128,2,128]"] * moe_layers
+
+
 class KernelHeadLM(nnx.Module):
     """Embedding and an LM head whose weight gradient a (interpreted) Pallas kernel writes in
     bfloat16, with the trainer's interface (no MoE layer)."""
