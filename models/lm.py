@@ -44,7 +44,7 @@ from models.config import ModelConfig
 from models.norms import RMSNorm
 from models.paged_cache import PagedLatentCache, init_pages
 from models.sharding import constrain, logical
-from moe.experts import DenseFFN, StableLatentMoE, update_router_bias
+from moe.experts import EXPERT_WEIGHTS_NAME, DenseFFN, StableLatentMoE, update_router_bias
 from moe.routing import PERMUTATION_NAME, RouterStats
 
 # The primitives that launch the GPU kernels: Pallas (a Mosaic GPU kernel is an `mpmd_map`),
@@ -73,13 +73,15 @@ def _called_jaxprs(params):
                 yield jaxpr
 
 
-# What `dots_kernels` keeps by name besides: the MoE's routing and permutation.
-_KEPT_NAMES = jax.checkpoint_policies.save_only_these_names(PERMUTATION_NAME)
+# What `dots_kernels` keeps by name besides: the MoE's routing and permutation, and its expert
+# weights in the compute dtype.
+_KEPT_NAMES = jax.checkpoint_policies.save_only_these_names(PERMUTATION_NAME, EXPERT_WEIGHTS_NAME)
 
 
 def dots_and_kernels_saveable(prim, *avals, **params) -> bool:
-    """The `dots_kernels` policy: matmul outputs, the GPU kernels' outputs and the MoE's routing
-    and permutation (`moe.routing.PERMUTATION_NAME`: a top-k, a sort and gathers) are kept.
+    """The `dots_kernels` policy: matmul outputs, the GPU kernels' outputs, the MoE's routing
+    and permutation (`moe.routing.PERMUTATION_NAME`: a top-k, a sort and gathers) and its expert
+    weights cast to the compute dtype (`moe.experts.EXPERT_WEIGHTS_NAME`) are kept.
 
     A kernel's `custom_vjp` forward is opaque to the other policies, so under `dots` the backward
     pass ran every kernel's forward again to rebuild its residuals (the `1b` step on the H200:

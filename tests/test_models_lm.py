@@ -354,17 +354,20 @@ def test_lm_head_backward_multiplies_in_the_compute_dtype():
     assert all(dtypes == [jnp.bfloat16, jnp.bfloat16] for dtypes in dots), dots
 
 
-def _primitive_counts(jaxpr) -> collections.Counter:
-    """Equations per primitive name in `jaxpr`, nested jaxprs included."""
-    counts = collections.Counter()
+def _equations(jaxpr):
+    """Every equation of `jaxpr`, nested jaxprs' included."""
     for eqn in jaxpr.eqns:
-        counts[eqn.primitive.name] += 1
+        yield eqn
         for param in eqn.params.values():
             for inner in param if isinstance(param, (tuple, list)) else (param,):
                 inner = getattr(inner, "jaxpr", inner)
                 if hasattr(inner, "eqns"):
-                    counts += _primitive_counts(inner)
-    return counts
+                    yield from _equations(inner)
+
+
+def _primitive_counts(jaxpr) -> collections.Counter:
+    """Equations per primitive name in `jaxpr`, nested jaxprs included."""
+    return collections.Counter(eqn.primitive.name for eqn in _equations(jaxpr))
 
 
 def _kernel_launches(jaxpr) -> int:
@@ -420,6 +423,29 @@ def test_dots_kernels_remat_keeps_a_kernel_called_through_a_custom_vjp():
     launches = _launches_under_each_policy(lambda x: jnp.sum(jnp.tanh(doubled(x))),
                                            jnp.ones((128, 128)))
     assert launches == dict(forward=1, dots=2, dots_kernels=1)
+
+
+def test_dots_kernels_remat_keeps_the_expert_weights_in_the_compute_dtype():
+    # Named by the MoE (`moe.experts.EXPERT_WEIGHTS_NAME`) and kept: the backward pass casts no
+    # float32 expert weight to bfloat16 again.
+    cfg = preset("tiny")
+    layer = StableLatentMoE(cfg.d_model, cfg.moe, dtype=jnp.bfloat16, rngs=nnx.Rngs(16))
+    weight_shapes = {layer.expert_w_in[...].shape, layer.expert_w_out[...].shape}
+    graphdef, state = nnx.split(layer)
+    x = jax.random.normal(jax.random.key(17), (1, 32, cfg.d_model))
+
+    def loss(state, x):
+        return jnp.sum(nnx.merge(graphdef, state)(x)[0].astype(jnp.float32))
+
+    def weight_casts(policy):
+        rematted = loss if policy is None else jax.checkpoint(loss, policy=REMAT[policy])
+        jaxpr = jax.make_jaxpr(jax.grad(rematted, argnums=1))(state, x).jaxpr
+        return sum(eqn.primitive.name == "convert_element_type"
+                   and eqn.params["new_dtype"] == jnp.bfloat16
+                   and eqn.invars[0].aval.shape in weight_shapes for eqn in _equations(jaxpr))
+
+    assert weight_casts(None) == weight_casts("dots_kernels") == 2
+    assert weight_casts("dots") == 4
 
 
 def test_dots_kernels_remat_keeps_the_moe_routing_and_permutation():
