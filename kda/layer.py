@@ -124,14 +124,16 @@ def causal_depthwise_conv(x, weight, prefix, segment_ids=None):
     if starts is not None:
         document = jnp.cumsum(starts, axis=1)
         padded_document = jnp.pad(document, ((0, 0), (width - 1, 0)))
-    y = jnp.zeros_like(x)
+    # Summed in float32 and rounded once. The sum's transpose is the weight's gradient, a sum over
+    # every token of the batch: in bfloat16 it came out about 1% off.
+    y = jnp.zeros(x.shape, jnp.float32)
     for offset in range(width):  # W is 4: an unrolled sum of shifted copies
         window = padded[:, offset:offset + length]
         if starts is not None:
             same = padded_document[:, offset:offset + length] == document
             window = jnp.where(same[..., None], window, 0)
-        y = y + window * weight[offset].astype(x.dtype)
-    return y, padded[:, length:]
+        y = y + window.astype(jnp.float32) * weight[offset].astype(jnp.float32)
+    return y.astype(x.dtype), padded[:, length:]
 
 
 def _rms_norm(x, weight, eps):
