@@ -280,6 +280,9 @@ def ragged_matmul_glu_grad(
     return grad.reshape(num_rows, 2, columns)
 
 
+# Jitted, like every kernel launch here and in `kda.kernels` (`lowered_once` there): identical
+# launches in one program share one traced and lowered kernel instead of lowering one each.
+@functools.partial(jax.jit, static_argnames=("epilogue", "out_type", "transpose_rhs", "config"))
 def _launch(epilogue, lhs, rhs, group_sizes, extra_inputs, out_type, transpose_rhs, config):
     """Runs `_kernel_body` on checked operands; the tile loop spans out_type's last [M, N]."""
     num_rows, contraction = lhs.shape
@@ -873,6 +876,7 @@ def transposed_config_for(columns: int) -> TransposedRaggedMatmulConfig:
     return TRANSPOSED_DEFAULT_CONFIG
 
 
+@functools.partial(jax.jit, static_argnames=("config",))
 def transposed_ragged_matmul(
     lhs: jax.Array,
     out_grad: jax.Array,

@@ -132,6 +132,18 @@ def test_config_lowers_for_hopper_at_the_benchmark_shapes(name):
         assert "mosaic_gpu" in lowered.as_text()
 
 
+def test_identical_launches_share_one_lowered_kernel():
+    """Two grouped GEMMs of one shape in one program lower one Mosaic GPU kernel between them."""
+    lhs = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+    twice = jax.jit(lambda lhs, rhs, other, sizes: ragged_matmul(lhs, rhs, sizes)
+                    + ragged_matmul(lhs, other, sizes))
+    with simulated_hopper():
+        text = twice.trace(lhs, rhs, rhs, sizes).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu_v2") == 1
+
+
 def test_oversized_config_is_refused_at_lowering():
     """The shared-memory check the lowering test relies on does fire."""
     args = (

@@ -50,7 +50,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.chunked import ChunkedInputs
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands, RecurrenceResiduals,
-                                           load_state_tile, swizzled, swizzled_smem)
+                                           load_state_tile, lowered_once, swizzled,
+                                           swizzled_smem)
 
 # The backward's own V tile, chosen as the forward's: dS [K, 64] float32 is 64 registers a thread
 # at K = 128.
@@ -146,6 +147,7 @@ def _reversed_recurrence_kernel(w_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, d_o
     pl.run_scoped(store_initial_cotangent, swizzled_smem(state_shape, jnp.float32))
 
 
+@lowered_once("d_v_new_dtype")
 def run_reversed_recurrence(operands: RecurrenceOperands, d_o, d_final_state,
                             d_v_new_dtype=jnp.float32):
     """Runs the reversed kernel (reads every operand but U).

@@ -71,7 +71,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.common import L2_NORM_EPS
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, PreparationResiduals,
-                                           RecurrenceOperands, swizzled_smem)
+                                           RecurrenceOperands, lowered_once, swizzled_smem)
 from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, COMPILER_PARAMS, ROW_VECTOR,
                                           WARPGROUP_THREADS, WGMMA, cumulative_sum,
                                           documents_in_chunk, iota, load_plain,
@@ -238,6 +238,7 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
     )
 
 
+@lowered_once("scale", "use_qk_l2norm", "gate_lower_bound", "save_for_backward")
 def prepare_chunks_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm,
                           gate_lower_bound, save_for_backward=False):
     """`kda.chunked.prepare_chunks` (chunk 64, bounded gates) by the Mosaic GPU kernel.

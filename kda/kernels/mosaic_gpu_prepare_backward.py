@@ -74,7 +74,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kda.chunked import ChunkedInputs
 from kda.common import L2_NORM_EPS, prepare_qk_vjp
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, SUPPORTED_DIMS, PreparationResiduals,
-                                           swizzled_smem)
+                                           lowered_once, swizzled_smem)
 from kda.kernels.mosaic_gpu_score_backward import score_backward
 from kda.kernels.mosaic_gpu_tiles import (CHUNK, COMPILER_PARAMS, ROW_VECTOR, WGMMA,
                                           documents_in_chunk, iota, load_plain, matmul,
@@ -266,6 +266,7 @@ def _inverse_norms(x, use_qk_l2norm, padded_length):
     return jnp.moveaxis(factor, 1, 2)
 
 
+@lowered_once("scale", "use_qk_l2norm", "gate_lower_bound")
 def prepare_chunks_vjp_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm,
                               gate_lower_bound, residuals: PreparationResiduals,
                               cotangents: ChunkedInputs):

@@ -26,7 +26,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands, RecurrenceResiduals,
-                                           load_state_tile, swizzled, swizzled_smem)
+                                           load_state_tile, lowered_once, swizzled,
+                                           swizzled_smem)
 
 # State columns per program: S [K, 64] float32 is 64 registers a thread at K = 128. 32 would halve
 # that, but the 64-byte swizzle of a [K, 32] bf16 operand cannot pair with W's 128-byte one.
@@ -137,6 +138,7 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, s0_g
     pl.run_scoped(store_final_state, swizzled_smem(state_shape, jnp.float32))
 
 
+@lowered_once("out_dtype", "save_for_backward")
 def run_recurrence(operands: RecurrenceOperands, initial_state, out_dtype, *,
                    save_for_backward=False):
     """Runs the kernel: (o [B, HV, N, C, V] in out_dtype, final_state float32 [B, HV, K, V]).

@@ -80,7 +80,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.chunked import TILE_SIZE
-from kda.kernels.mosaic_gpu_common import OPERAND_DTYPE, swizzled_smem
+from kda.kernels.mosaic_gpu_common import OPERAND_DTYPE, lowered_once, swizzled_smem
 from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, COMPILER_PARAMS, NUM_TILES,
                                           ROW_VECTOR, WGMMA, cumulative_sum, exponent_from_tile,
                                           exponent_up_to_tile, iota, load_plain, per_column,
@@ -337,6 +337,7 @@ def _score_backward_kernel(q_gmem, k_gmem, G_gmem, document_gmem, q_factor_gmem,
     plgpu.barrier_wait(finished)
 
 
+@lowered_once("lower_bound", "group", "warpgroups")
 def score_backward(q, k, G, document, q_factor, k_factor, dakk, dk_wy, cotangents, *,
                    lower_bound, group, warpgroups=WARPGROUPS):
     """`_score_backward_kernel` over all (batch row, value head, chunk).
