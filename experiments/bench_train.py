@@ -206,14 +206,18 @@ def synthetic_batch(setup: BenchSetup, seed: int = 0) -> dict[str, np.ndarray]:
     return finalize_batch(rows)
 
 
-def compile_step(trainer: Trainer, batch: dict,
-                 compiler_options: dict | None = None) -> tuple[jax.stages.Compiled, float]:
-    """The training step compiled ahead of time for `batch` (placed on the mesh), and the
-    seconds the compile took."""
+def compile_step(trainer: Trainer, batch: dict, compiler_options: dict | None = None
+                 ) -> tuple[jax.stages.Compiled, dict[str, float]]:
+    """The training step compiled ahead of time for `batch` (placed on the mesh), and the seconds
+    it took: {compile_seconds: all of it, lowering_seconds: the part before XLA's compile (tracing
+    and lowering, the Mosaic GPU kernels' lowering included)}."""
     start = time.perf_counter()
     with jax.set_mesh(trainer.mesh):
-        compiled = trainer.train_step.lower(trainer.state, batch).compile(compiler_options)
-    return compiled, time.perf_counter() - start
+        lowered = trainer.train_step.lower(trainer.state, batch)
+        lowering_seconds = time.perf_counter() - start
+        compiled = lowered.compile(compiler_options)
+    return compiled, dict(compile_seconds=time.perf_counter() - start,
+                          lowering_seconds=lowering_seconds)
 
 
 def memory_analysis(compiled: jax.stages.Compiled) -> dict[str, float]:
@@ -245,12 +249,15 @@ def shrink_hint(setup: BenchSetup) -> str:
     return "rerun with " + " or ".join(options)
 
 
-def preflight(compiled: jax.stages.Compiled, seconds: float, setup: BenchSetup) -> dict:
-    """Prints XLA's memory plan of the compiled step; raises if it exceeds the device's limit."""
+def preflight(compiled: jax.stages.Compiled, times: dict[str, float], setup: BenchSetup) -> dict:
+    """Prints XLA's memory plan of the compiled step and `compile_step`'s times; raises if the plan
+    exceeds the device's limit."""
     memory = memory_analysis(compiled)
     limit = device_memory_limit()
     print(
-        f"preflight: step compiled in {seconds:.1f} s; XLA memory per device: arguments "
+        f"preflight: step compiled in {times['compile_seconds']:.1f} s "
+        f"({times['lowering_seconds']:.1f} s of it tracing and lowering); XLA memory per device: "
+        f"arguments "
         f"{memory['argument']:.2f} GiB, outputs {memory['output']:.2f} GiB ({memory['alias']:.2f} "
         f"GiB of them in donated arguments), temporaries {memory['temp']:.2f} GiB; peak "
         f"{memory['peak']:.2f} GiB" + ("" if limit is None else f" of {limit:.2f} GiB"),
@@ -472,16 +479,17 @@ def train_config(setup: BenchSetup, optimizer: str) -> TrainConfig:
 def cpu_plan(setup: BenchSetup, optimizer: str) -> dict:
     """Compiles the step of `setup` on this machine with the GPU kernels stood in
     (`gpu_kernel_stand_ins`), its state abstract (nothing allocated, nothing run), and prints
-    XLA's memory plan and the compile time: {compile_seconds, memory_gib}."""
+    XLA's memory plan and the compile time: {compile_seconds, lowering_seconds, memory_gib}."""
     trainer = Trainer.create(train_config(setup, optimizer), abstract=True)
     with gpu_kernel_stand_ins():
-        compiled, seconds = compile_step(trainer, trainer.place(synthetic_batch(setup)))
+        compiled, times = compile_step(trainer, trainer.place(synthetic_batch(setup)))
     memory = memory_analysis(compiled)
     print(f"cpu plan ({jax.devices()[0].platform}, GPU kernels stood in): {setup.preset} step at "
           f"{setup.batch} x {setup.seq_len}, remat {setup.remat}, "
-          f"{'scanned' if setup.scan_layers else 'unrolled'}: compiled in {seconds:.1f} s; "
+          f"{'scanned' if setup.scan_layers else 'unrolled'}: compiled in "
+          f"{times['compile_seconds']:.1f} s; "
           + ", ".join(f"{name} {gib:.2f} GiB" for name, gib in memory.items()), flush=True)
-    return {"compile_seconds": seconds, "memory_gib": memory}
+    return {**times, "memory_gib": memory}
 
 
 def run(setup: BenchSetup, optimizer: str,
@@ -508,10 +516,10 @@ def run(setup: BenchSetup, optimizer: str,
     }
     trainer = Trainer.create(config)
     batch = trainer.place(synthetic_batch(setup))
-    compiled, compile_seconds = compile_step(
+    compiled, times = compile_step(
         trainer, batch, profile_compiler_options() if profile else None)
-    memory = preflight(compiled, compile_seconds, setup)
-    result.update(compile_seconds=compile_seconds, memory_gib=memory)
+    memory = preflight(compiled, times, setup)
+    result.update(times, memory_gib=memory)
     report(result)
     with explained_out_of_memory(setup, memory):
         step = step_runner(trainer, compiled, batch)
@@ -582,7 +590,10 @@ def markdown(result: dict, command: str) -> str:
     if "memory_gib" in result:
         memory = result["memory_gib"]
         lines += [
-            f"Compile {result['compile_seconds']:.0f} s. XLA memory plan per device: arguments "
+            f"Compile {result['compile_seconds']:.0f} s"
+            + (f" ({result['lowering_seconds']:.0f} s of it tracing and lowering)"
+               if "lowering_seconds" in result else "")
+            + f". XLA memory plan per device: arguments "
             f"{memory['argument']:.2f} GiB, temporaries {memory['temp']:.2f} GiB, peak "
             f"{memory['peak']:.2f} GiB.",
             "",

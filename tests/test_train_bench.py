@@ -48,13 +48,16 @@ def test_memory_analysis_adds_up_to_the_peak():
 
 def test_preflight_stops_a_step_over_the_device_limit(monkeypatch, capsys):
     compiled = _compiled_copy(1 << 20)
+    times = dict(compile_seconds=1.5, lowering_seconds=0.5)
     monkeypatch.setattr(bench_train, "device_memory_limit", lambda: 1.0)
-    memory = bench_train.preflight(compiled, 1.5, bench_train.GPU)
-    assert "peak" in capsys.readouterr().out and memory["peak"] < 1.0
+    memory = bench_train.preflight(compiled, times, bench_train.GPU)
+    printed = capsys.readouterr().out
+    assert "compiled in 1.5 s (0.5 s of it tracing and lowering)" in printed
+    assert "peak" in printed and memory["peak"] < 1.0
 
     monkeypatch.setattr(bench_train, "device_memory_limit", lambda: 1e-3)
     with pytest.raises(RuntimeError, match="--remat full") as raised:
-        bench_train.preflight(compiled, 1.5, bench_train.GPU)
+        bench_train.preflight(compiled, times, bench_train.GPU)
     assert f"--batch {bench_train.GPU.batch // 2}" in str(raised.value)
 
 
@@ -106,7 +109,7 @@ def test_smoke_benchmark_reports_throughput_memory_breakdown_and_profile(tmp_pat
     assert result["tokens_per_second"] > 0 and 0 < result["mfu"] < 1
     assert result["setup"]["remat"] == bench_train.GPU.remat
     assert not result["setup"]["scan_layers"]  # every layer compiled on its own unless --scanned
-    assert result["compile_seconds"] > 0
+    assert 0 < result["lowering_seconds"] < result["compile_seconds"]
     assert 0 < result["memory_gib"]["argument"] <= result["memory_gib"]["peak"]
     assert set(result["breakdown"]) == {"kda", "attention", "moe", "rest"}
     parts = sum(part["seconds_per_step"] for part in result["breakdown"].values())
@@ -196,7 +199,7 @@ def test_a_partial_result_is_reported_as_far_as_it_got():
               "params": {"total": 10**6, "active": 10**5, "embedding": 10**4}, "device": "cpu",
               "jax": jax.__version__, "flax": "0", "date": "today"}
     assert "stopped before the step was timed" in bench_train.markdown(result, "cmd")
-    result.update(compile_seconds=3.0,
+    result.update(compile_seconds=3.0, lowering_seconds=1.0,
                   memory_gib={"argument": 1.0, "output": 1.0, "alias": 1.0, "temp": 2.0,
                               "peak": 3.0},
                   step_seconds=0.5, waited_step_seconds=0.6, tokens_per_second=256.0,
@@ -204,6 +207,7 @@ def test_a_partial_result_is_reported_as_far_as_it_got():
                   mfu=0.001, breakdown={"kda": bench_train._part(3, 0.2, 0.5, 1e12)})
     text = bench_train.markdown(result, "cmd")
     assert "| 500.0 ms | 600.0 ms | 256 |" in text and "| kda | 3 | 200.0 | 40% |" in text
+    assert "Compile 3 s (1 s of it tracing and lowering)." in text
     assert "before every layer was timed" in text
 
 
