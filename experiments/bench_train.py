@@ -590,10 +590,8 @@ def markdown(result: dict, command: str) -> str:
     if "memory_gib" in result:
         memory = result["memory_gib"]
         lines += [
-            f"Compile {result['compile_seconds']:.0f} s"
-            + (f" ({result['lowering_seconds']:.0f} s of it tracing and lowering)"
-               if "lowering_seconds" in result else "")
-            + f". XLA memory plan per device: arguments "
+            f"Compile {result['compile_seconds']:.0f} s ({result['lowering_seconds']:.0f} s of it "
+            f"tracing and lowering). XLA memory plan per device: arguments "
             f"{memory['argument']:.2f} GiB, temporaries {memory['temp']:.2f} GiB, peak "
             f"{memory['peak']:.2f} GiB.",
             "",

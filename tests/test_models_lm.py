@@ -21,8 +21,8 @@ from experiments import profiling
 from kda.layer import KDAConfig
 from models.attention import MLAConfig
 from models.config import count_params, preset
-from models.lm import (KERNEL_PRIMITIVES, PROFILE_SCOPES, REMAT, HybridLM, aux_loss, layer_plan,
-                       lm_head_logits, update_router_biases)
+from models.lm import (KERNEL_PRIMITIVES, PROFILE_SCOPES, REMAT, HybridLM, _called_jaxprs, aux_loss,
+                       layer_plan, lm_head_logits, update_router_biases)
 from models.paged_cache import PageAllocator, pages_needed
 from moe.config import MoEConfig
 from moe.experts import StableLatentMoE
@@ -358,11 +358,8 @@ def _equations(jaxpr):
     """Every equation of `jaxpr`, nested jaxprs' included."""
     for eqn in jaxpr.eqns:
         yield eqn
-        for param in eqn.params.values():
-            for inner in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(inner, "jaxpr", inner)
-                if hasattr(inner, "eqns"):
-                    yield from _equations(inner)
+        for inner in _called_jaxprs(eqn.params):
+            yield from _equations(inner)
 
 
 def _primitive_counts(jaxpr) -> collections.Counter:
