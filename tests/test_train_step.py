@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 from jax.experimental import pallas as pl
 
+from moe.config import MoEConfig
 from moe.routing import updated_bias
 from tests.train_toy_model import BATCH, LENGTH, make_batch, split_state
 from train import qk_clip
@@ -214,21 +215,30 @@ def test_only_gradients_a_kernel_wrote_narrow_are_narrowed():
                                   grads["kernel"])  # the narrow dtype holds it exactly
 
 
+# An MoE whose widths fit the Hopper grouped-GEMM kernels' tiles.
+KERNEL_SIZED_MOE = MoEConfig(num_experts=4, top_k=2, expert_hidden=128, latent_dim=128,
+                             latent_norm=True, shared_hidden=128)
+
+
+@pytest.fixture
+def hopper_grouped_matmuls(monkeypatch):
+    """The grouped GEMMs take the Mosaic GPU kernels (traced under `simulated_hopper`)."""
+    from moe import grouped_matmul
+
+    monkeypatch.setattr(grouped_matmul, "_on_hopper", lambda: True)
+
+
 @pytest.mark.parametrize("remat", [None, "dots_kernels"])
-def test_moe_expert_weight_gradients_from_the_hopper_kernels_are_narrowed(monkeypatch, remat):
+def test_moe_expert_weight_gradients_from_the_hopper_kernels_are_narrowed(hopper_grouped_matmuls,
+                                                                         remat):
     """Traced (not run) on a simulated Hopper, where the grouped GEMMs are Mosaic GPU kernels:
     their weight gradients are the bfloat16 kernel outputs; XLA's are not narrowed. Under a remat
     policy (as the trainer runs each layer) the gradients come out of a checkpoint's body."""
     from models.lm import REMAT
-    from moe import grouped_matmul
-    from moe.config import MoEConfig
     from moe.experts import StableLatentMoE
     from moe.ragged_matmul_mgpu import simulated_hopper
 
-    monkeypatch.setattr(grouped_matmul, "_on_hopper", lambda: True)
-    cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=128, latent_dim=128, latent_norm=True,
-                    shared_hidden=128)
-    layer = StableLatentMoE(256, cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    layer = StableLatentMoE(256, KERNEL_SIZED_MOE, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     graph, params, rest = nnx.split(layer, nnx.Param, ...)
     x = jnp.ones((2, 64, 256), jnp.bfloat16)
 
@@ -248,23 +258,19 @@ def test_moe_expert_weight_gradients_from_the_hopper_kernels_are_narrowed(monkey
     assert narrowed == {"expert_w_in", "expert_w_out"}, dtypes
 
 
-def test_the_hybrid_step_passes_expert_gradients_to_the_update_in_bf16(monkeypatch):
+def test_the_hybrid_step_passes_expert_gradients_to_the_update_in_bf16(hopper_grouped_matmuls):
     """The whole step of a HybridLM with the MoE kernels (simulated Hopper) and the trainer's
     remat policy, traced (not run): the expert weights' gradients, two per MoE layer, enter the
     update's cond in bfloat16. (A check of one layer alone missed that the layers' checkpoints
     hid the kernels from the analysis.)"""
     from models.config import preset
     from models.lm import HybridLM
-    from moe import grouped_matmul
-    from moe.config import MoEConfig
     from moe.ragged_matmul_mgpu import simulated_hopper
     from train.optim import make_optimizer
     from train.step import TrainState
 
-    monkeypatch.setattr(grouped_matmul, "_on_hopper", lambda: True)
     cfg = preset("tiny", dtype="bfloat16", remat="dots_kernels", d_model=256,
-                 moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=128, latent_dim=128,
-                               latent_norm=True, shared_hidden=128))
+                 moe=KERNEL_SIZED_MOE)
 
     def build():
         model = HybridLM(cfg, rngs=nnx.Rngs(0))
