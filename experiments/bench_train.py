@@ -173,6 +173,7 @@ class BenchSetup:
     scan_layers: bool = False  # one compiled body per repeated layer group (the docstring says
     # why the default compiles every layer on its own)
     settings: tuple[str, ...] = ()  # `--set key=value` overrides of the TrainConfig (`train.cli`)
+    layers: bool = True  # after the step, time each layer kind alone (the breakdown)
 
     @property
     def tokens(self) -> int:
@@ -494,10 +495,11 @@ def cpu_plan(setup: BenchSetup, optimizer: str) -> dict:
 
 def run(setup: BenchSetup, optimizer: str,
         report: Callable[[dict], None] = lambda result: None, profile: bool = False) -> dict:
-    """Compiles and times the step, then the layers; calls `report(result so far)` whenever a
-    number is added, so a run cut short keeps what it measured. With `profile`, the step is
-    compiled for profiling (`experiments.profiling.profile_compiler_options`) and its top device
-    ops are traced after it is timed."""
+    """Compiles and times the step, then the layers (if `setup.layers`); calls
+    `report(result so far)` whenever a number is added, so a run cut short keeps what it
+    measured. With `profile`, the step is compiled for profiling
+    (`experiments.profiling.profile_compiler_options`) and its top device ops are traced after
+    it is timed."""
     config = train_config(setup, optimizer)
     cfg = config.model
     flops = train_flops_per_token(cfg, setup.seq_len)
@@ -549,6 +551,8 @@ def run(setup: BenchSetup, optimizer: str,
             print(idle_summary_line(result["ops"]), flush=True)
             report(result)
         del trainer, compiled, batch, step
+        if not setup.layers:
+            return result
         for name, count, seconds in layer_breakdown(cfg, setup):
             result["breakdown"][name] = _part(count, count * seconds, step_seconds,
                                               setup.tokens * flops[name])
@@ -608,21 +612,24 @@ def markdown(result: dict, command: str) -> str:
         "",
         "Steps with one in flight are issued as `train.loop` issues them (the next dispatched "
         "before waiting for the last); tokens/s and MFU come from them.",
-        "",
-        "Breakdown (one layer of each kind timed alone, forward + backward under the same remat, "
-        "times its number of layers; rest = the step minus those):",
-        "",
-        "| part | layers | ms per step | share of step | model TFLOP/s in the part |",
-        "|---|---|---|---|---|",
     ]
-    for name, part in result["breakdown"].items():
-        rate = part["model_tflops_per_second"]
-        lines.append(
-            f"| {name} | {part['layers'] or ''} | {1e3 * part['seconds_per_step']:.1f} | "
-            f"{100 * part['share']:.0f}% | {'' if rate is None else f'{rate:.1f}'} |"
-        )
-    if "rest" not in result["breakdown"]:
-        lines += ["", "The run stopped before every layer was timed."]
+    if result["setup"]["layers"]:
+        lines += [
+            "",
+            "Breakdown (one layer of each kind timed alone, forward + backward under the same "
+            "remat, times its number of layers; rest = the step minus those):",
+            "",
+            "| part | layers | ms per step | share of step | model TFLOP/s in the part |",
+            "|---|---|---|---|---|",
+        ]
+        for name, part in result["breakdown"].items():
+            rate = part["model_tflops_per_second"]
+            lines.append(
+                f"| {name} | {part['layers'] or ''} | {1e3 * part['seconds_per_step']:.1f} | "
+                f"{100 * part['share']:.0f}% | {'' if rate is None else f'{rate:.1f}'} |"
+            )
+        if "rest" not in result["breakdown"]:
+            lines += ["", "The run stopped before every layer was timed."]
     if "ops" in result:
         lines += ["", "## Where the step's device time goes (`--profile`)", ""]
         lines += scopes_markdown(result["ops"], IN_STEP_TITLE)
@@ -673,6 +680,8 @@ def main(argv=None) -> dict:
                         help="compile the step without command buffers and add its device time by "
                         "part (named scope), its top device ops and its idle gaps (a "
                         f"jax.profiler trace of {PROFILED_STEPS} steps) to the table")
+    parser.add_argument("--no-layers", action="store_true",
+                        help="time the step only, not each layer kind alone (the breakdown)")
     parser.add_argument("--out", help="write the markdown table here (--gpu default: "
                         "benchmarks/train_h200.md) and the numbers next to it as .json, "
                         "rewritten as each number is measured")
@@ -681,7 +690,7 @@ def main(argv=None) -> dict:
     overrides = {k: v for k, v in (("batch", args.batch), ("seq_len", args.seq_len),
                                    ("steps", args.steps), ("remat", args.remat)) if v is not None}
     setup = dataclasses.replace(setup, scan_layers=args.scanned, settings=tuple(args.set),
-                                **overrides)
+                                layers=not args.no_layers, **overrides)
     if args.gpu:  # before anything starts the backend, which reads it once
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
     try:

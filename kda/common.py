@@ -93,3 +93,9 @@ def document_starts(segment_ids: jax.Array | None) -> jax.Array | None:
     changed = segment_ids[:, 1:] != segment_ids[:, :-1]
     return jnp.pad(changed, ((0, 0), (1, 0)))
 
+
+
+def document_index(segment_ids: jax.Array) -> jax.Array:
+    """Each token's document, a run of equal ids (`document_starts`), numbered 0, 1, ... along its
+    row: segment_ids [B, T] int -> [B, T] int32."""
+    return jnp.cumsum(document_starts(segment_ids), axis=1, dtype=jnp.int32)

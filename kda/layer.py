@@ -19,8 +19,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kda.api import kda_attention
-from kda.common import document_starts
+from kda.common import document_index
 from kda.gate import check_lower_bound, lower_bound_gate, softplus_gate
+from kda.kernels import short_conv
+from models.sharding import arrays_are_whole_on_each_device
 
 GATES = ("lower_bound", "softplus")
 
@@ -120,20 +122,68 @@ def causal_depthwise_conv(x, weight, prefix, segment_ids=None):
     """
     width, length = weight.shape[0], x.shape[1]
     padded = jnp.concatenate([prefix.astype(x.dtype), x], axis=1)  # [B, W - 1 + T, C]
-    starts = document_starts(segment_ids)
-    if starts is not None:
-        document = jnp.cumsum(starts, axis=1)
+    document = None if segment_ids is None else document_index(segment_ids)
+    if document is not None:
         padded_document = jnp.pad(document, ((0, 0), (width - 1, 0)))
     # Summed in float32 and rounded once. The sum's transpose is the weight's gradient, a sum over
     # every token of the batch: in bfloat16 it came out about 1% off.
     y = jnp.zeros(x.shape, jnp.float32)
     for offset in range(width):  # W is 4: an unrolled sum of shifted copies
         window = padded[:, offset:offset + length]
-        if starts is not None:
+        if document is not None:
             same = padded_document[:, offset:offset + length] == document
             window = jnp.where(same[..., None], window, 0)
         y = y + window.astype(jnp.float32) * weight[offset].astype(jnp.float32)
     return y.astype(x.dtype), padded[:, length:]
+
+
+def conv_silu_parts(x, weight, segment_ids, widths, *, kernels: bool | None = None):
+    """SiLU of the causal depthwise convolution of x from a zero prefix (a sequence's first call),
+    split along channels into parts of `widths` (q, k, v).
+
+    x: [B, T, C]; weight: [W, C]; segment_ids: integer [B, T] or None. Returns a tuple of
+    [B, T, width] in x.dtype.
+
+    kernels: None runs Pallas kernels where `short_conv_kernel_runs` (a GPU, shapes that
+    `kda.kernels.short_conv.refusal` accepts, arrays whole on the device): they read x once and
+    write the parts (the backward: dx and the weight's gradient), the SiLU taken in float32
+    before one rounding. Otherwise, or with False: `causal_depthwise_conv`, the SiLU in x.dtype,
+    and a split. True asks for the kernels whatever the backend.
+    """
+    if kernels is None:
+        kernels = short_conv_kernel_runs(x.shape, widths, weight.shape[0])
+    if kernels:
+        document = None if segment_ids is None else document_index(segment_ids)
+        return _conv_silu_kernels(x, weight, document, tuple(widths))
+    prefix = jnp.zeros((x.shape[0], weight.shape[0] - 1, x.shape[2]), x.dtype)
+    mixed, _ = causal_depthwise_conv(x, weight, prefix, segment_ids)
+    bounds = [sum(widths[:i]) for i in range(1, len(widths))]
+    return tuple(jnp.split(jax.nn.silu(mixed), bounds, axis=-1))
+
+
+def short_conv_kernel_runs(x_shape, widths, width) -> bool:
+    """Whether `conv_silu_parts` runs its Pallas kernels for x of `x_shape`."""
+    return (jax.default_backend() == "gpu"
+            and short_conv.refusal(tuple(x_shape), tuple(widths), width) is None
+            and arrays_are_whole_on_each_device())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _conv_silu_kernels(x, weight, document, widths):
+    return short_conv.conv_silu_forward(x, weight, document, widths)
+
+
+def _conv_silu_kernels_forward(x, weight, document, widths):
+    return _conv_silu_kernels(x, weight, document, widths), (x, weight, document)
+
+
+def _conv_silu_kernels_backward(widths, residuals, grads):
+    x, weight, document = residuals
+    dx, d_weight = short_conv.conv_silu_backward(x, weight, document, tuple(grads))
+    return dx, d_weight.astype(weight.dtype), None
+
+
+_conv_silu_kernels.defvjp(_conv_silu_kernels_forward, _conv_silu_kernels_backward)
 
 
 def _rms_norm(x, weight, eps):
@@ -225,12 +275,16 @@ class KDA(nnx.Module):
         cfg = self.cfg
         batch, length, _ = x.shape
         x = x.astype(self.dtype)
-        conv_prefix = self.init_cache(batch).conv if cache is None else cache.conv
-        mixed, conv_tail = causal_depthwise_conv(self.qkv_proj(x), self.conv_weight[...],
-                                                 conv_prefix, segment_ids)
-        mixed = jax.nn.silu(mixed)
         key_width = cfg.num_heads * cfg.head_dim
-        q, k, v = jnp.split(mixed, [key_width, 2 * key_width], axis=-1)
+        widths = (key_width, key_width, cfg.qkv_dim - 2 * key_width)
+        if cache is None and not return_cache:  # a sequence's first call: zero prefix
+            q, k, v = conv_silu_parts(self.qkv_proj(x), self.conv_weight[...], segment_ids,
+                                      widths)
+        else:
+            conv_prefix = self.init_cache(batch).conv if cache is None else cache.conv
+            mixed, conv_tail = causal_depthwise_conv(self.qkv_proj(x), self.conv_weight[...],
+                                                     conv_prefix, segment_ids)
+            q, k, v = jnp.split(jax.nn.silu(mixed), [key_width, 2 * key_width], axis=-1)
         q = q.reshape(batch, length, cfg.num_heads, cfg.head_dim)
         k = k.reshape(batch, length, cfg.num_heads, cfg.head_dim)
         v = v.reshape(batch, length, cfg.num_value_heads, cfg.head_dim)

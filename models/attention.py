@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_fused
 
-from kda.common import document_starts
+from kda.common import document_index, document_starts
 from models.norms import RMSNorm
 from models.paged_cache import PagedLatentCache
 from models.sharding import logical
@@ -163,12 +163,6 @@ def document_segments(segment_ids: jax.Array, max_segments: int) -> DocumentSegm
     lengths = jnp.where(offsets >= 0, lengths, -1)
     offsets = jnp.pad(offsets, ((0, 0), (0, 1)), constant_values=-1)
     return DocumentSegments(offsets, lengths, document[:, -1] < max_segments)
-
-
-def document_index(segment_ids: jax.Array) -> jax.Array:
-    """Each token's document, a run of equal ids (`kda.common.document_starts`), numbered 0, 1, ...
-    along its row: segment_ids [B, T] int -> [B, T] int32."""
-    return jnp.cumsum(document_starts(segment_ids), axis=1, dtype=jnp.int32)
 
 
 def backend_implementation(dtype: jnp.dtype) -> AttentionImplementation:

@@ -182,6 +182,17 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_to_mesh(names, x.shape, mesh))
 
 
+def arrays_are_whole_on_each_device() -> bool:
+    """No mesh, a one-device mesh, or inside `shard_map` over all of its axes.
+
+    A `pallas_call` has no partitioning rule: on arrays that `jit` shards over a mesh, XLA would
+    gather them whole onto every device, so kernels run only where this holds and the XLA
+    computation is used elsewhere.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or mesh.size == 1 or set(mesh.manual_axes) == set(mesh.axis_names)
+
+
 def batch_sharding(mesh: AnyMesh, shape: Sequence[int]) -> NamedSharding:
     """Sharding of an input batch [B, ...] (tokens, segment ids): B over the batch axes."""
     names = ("batch",) + (None,) * (len(shape) - 1)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from models.sharding import arrays_are_whole_on_each_device
 from moe import glu_kernel
 from moe.config import ACTIVATIONS
 
@@ -97,17 +98,7 @@ def glu_kernel_runs(gate_up) -> bool:
     """Whether `fused_glu` runs its Pallas kernels for this gate_up [..., 2, M] (array or
     ShapeDtypeStruct): on a GPU, for shapes `moe.glu_kernel.supports`, arrays whole on the device."""
     return (jax.default_backend() == "gpu" and glu_kernel.supports(gate_up)
-            and _arrays_are_whole_on_each_device())
-
-
-def _arrays_are_whole_on_each_device() -> bool:
-    """No mesh, a one-device mesh, or inside `shard_map` over all of its axes.
-
-    A `pallas_call` has no partitioning rule: on arrays that `jit` shards over a mesh, XLA would
-    gather them whole onto every device, so there the XLA computation is used instead.
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh.empty or mesh.size == 1 or set(mesh.manual_axes) == set(mesh.axis_names)
+            and arrays_are_whole_on_each_device())
 
 
 def _fused_glu(activation, gate_up):

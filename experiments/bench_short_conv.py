@@ -1,0 +1,178 @@
+"""Times the KDA layer's short convolution and SiLU (`kda.layer.conv_silu_parts`), its XLA path
+and its Pallas kernels side by side, and writes a markdown table.
+
+    python -m experiments.bench_short_conv --gpu     # H200: the `1b` layer's q|k|v,
+                                                     # -> benchmarks/short_conv_h200.md
+    python -m experiments.bench_short_conv --smoke   # tiny CPU run, kernels interpreted (the test)
+
+The input is what the `1b` preset's KDA layer convolves: the q|k|v projection [B, T, C] =
+[4, 4096, 6144] bf16 (q, k and v of 2048 channels each), a float32 [4, C] filter, and four packed
+documents a row. Forward (the three parts) and forward+backward (x's and the filter's cotangents
+from the parts' cotangents), medians of `--repeats` calls; both paths are compared with the
+float32 answer.
+"""
+
+import argparse
+import dataclasses
+import functools
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.bench_kda import (cell, compiled_once, compiled_peak_mib, package_version,
+                                  report_preamble, table_row, timing_cells)
+from experiments.profiling import median_seconds
+from kda.common import document_index
+from kda.layer import conv_silu_parts
+from kda.kernels import short_conv
+
+PATHS = ("xla", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    batch: int
+    length: int
+    widths: tuple[int, ...]
+    width: int  # taps of the filter
+    documents: int  # packed documents a row
+
+    def __str__(self):
+        return (f"x [B, T, C] = [{self.batch}, {self.length}, {sum(self.widths)}] bf16 split "
+                f"{'|'.join(map(str, self.widths))}, {self.width} taps, {self.documents} "
+                "documents a row")
+
+
+GPU_SETUP = Setup(4, 4096, (2048, 2048, 2048), 4, 4)
+SMOKE_SETUP = Setup(1, 64, (128, 128, 128), 4, 2)
+
+
+class PathTiming(NamedTuple):
+    """Median ms of one path's forward and forward+backward, and the latter's compiled MiB."""
+
+    forward_ms: float
+    forward_backward_ms: float
+    peak_mib: float
+
+
+def make_inputs(setup: Setup, seed: int = 0):
+    """x, the filter, segment ids (equal documents a row) and the parts' cotangents."""
+    keys = jax.random.split(jax.random.key(seed), 2 + len(setup.widths))
+    channels = sum(setup.widths)
+    x = jax.random.normal(keys[0], (setup.batch, setup.length, channels), jnp.bfloat16)
+    weight = jax.random.uniform(keys[1], (setup.width, channels), jnp.float32, -0.5, 0.5)
+    segment_ids = jnp.broadcast_to(
+        jnp.arange(setup.length) * setup.documents // setup.length, (setup.batch, setup.length))
+    grads = tuple(jax.random.normal(k, (setup.batch, setup.length, w), jnp.bfloat16)
+                  for k, w in zip(keys[2:], setup.widths))
+    return x, weight, segment_ids, grads
+
+
+def path_functions(path: str, widths, interpret: bool):
+    """(forward, forward_backward) of one path: (x, weight, segment_ids[, grads]) -> parts and,
+    for the latter, (parts, (dx, d_weight))."""
+    if path == "xla":
+        def forward(x, weight, segment_ids):
+            return conv_silu_parts(x, weight, segment_ids, widths, kernels=False)
+
+        def forward_backward(x, weight, segment_ids, grads):
+            parts, pullback = jax.vjp(lambda x, w: forward(x, w, segment_ids), x, weight)
+            return parts, pullback(grads)
+        return forward, forward_backward
+
+    def kernel_forward(x, weight, segment_ids):
+        document = document_index(segment_ids)
+        return short_conv.conv_silu_forward(x, weight, document, widths, interpret=interpret)
+
+    def kernel_forward_backward(x, weight, segment_ids, grads):
+        document = document_index(segment_ids)  # as `conv_silu_parts`' custom VJP runs them
+        parts = short_conv.conv_silu_forward(x, weight, document, widths, interpret=interpret)
+        return parts, short_conv.conv_silu_backward(x, weight, document, grads,
+                                                    interpret=interpret)
+    return kernel_forward, kernel_forward_backward
+
+
+def exact(x, weight, segment_ids, grads, widths):
+    """The float32 answer: the XLA path on x in float32."""
+    _, forward_backward = path_functions("xla", widths, interpret=False)
+    return forward_backward(x.astype(jnp.float32), weight, segment_ids,
+                            tuple(g.astype(jnp.float32) for g in grads))
+
+
+def max_relative_error(got, want) -> float:
+    """Largest relative max-norm error over matching leaves, in float64."""
+    def relative(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+    return max(jax.tree.leaves(jax.tree.map(relative, got, want)))
+
+
+def measure(setup: Setup, repeats: int, warmup: int, interpret: bool) -> dict:
+    """{path: (PathTiming, largest relative error of its outputs and cotangents)}."""
+    x, weight, segment_ids, grads = make_inputs(setup)
+    truth = jax.jit(functools.partial(exact, widths=setup.widths))(x, weight, segment_ids, grads)
+    results = {}
+    for path in PATHS:
+        forward, forward_backward = path_functions(path, setup.widths, interpret)
+        fwd = compiled_once(forward, x, weight, segment_ids)
+        both = compiled_once(forward_backward, x, weight, segment_ids, grads)
+        error = max_relative_error(both(x, weight, segment_ids, grads), truth)
+        timing = PathTiming(
+            forward_ms=1e3 * median_seconds(lambda: fwd(x, weight, segment_ids), repeats,
+                                            warmup),
+            forward_backward_ms=1e3 * median_seconds(
+                lambda: both(x, weight, segment_ids, grads), repeats, warmup),
+            peak_mib=compiled_peak_mib(both),
+        )
+        results[path] = (timing, error)
+        print(f"{path}: {timing}, largest relative error {error:.1e}", flush=True)
+    return results
+
+
+def write_table(path: Path, results: dict, setup: Setup, command: str):
+    base = results["xla"][0]
+    lines = report_preamble("KDA short convolution + SiLU", command,
+                            f"jaxlib {package_version('jaxlib')}") + [
+        f"- Input: {setup}",
+        "- Error: largest |difference| over the largest |value|, of the parts and both "
+        "cotangents, against the float32 answer",
+        "",
+        "| path | forward ms | fwd+bwd ms | fwd speedup | fwd+bwd speedup | peak MiB | error |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, (timing, error) in results.items():
+        lines.append(table_row(name, *timing_cells(timing, base, ".3f"),
+                               cell(timing.peak_mib, ".0f"), cell(error, ".1e")))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--gpu", action="store_true", help="the 1b layer's q|k|v, on the GPU")
+    size.add_argument("--smoke", action="store_true",
+                      help="a tiny run, kernels in interpret mode (CPU check)")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", type=Path,
+                        help="markdown table (--gpu default: benchmarks/short_conv_h200.md)")
+    args = parser.parse_args(argv)
+    setup = GPU_SETUP if args.gpu else SMOKE_SETUP
+    out = args.out or (Path("benchmarks/short_conv_h200.md") if args.gpu else None)
+    results = measure(setup, args.repeats, args.warmup, interpret=args.smoke)
+    if out is not None:
+        command = "python -m experiments.bench_short_conv " + " ".join(
+            sys.argv[1:] if argv is None else argv)
+        write_table(out, results, setup, command)
+        print(f"wrote {out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
