@@ -4,12 +4,14 @@ and its Pallas kernels side by side, and writes a markdown table.
     python -m experiments.bench_short_conv --gpu     # H200: the `1b` layer's q|k|v,
                                                      # -> benchmarks/short_conv_h200.md
     python -m experiments.bench_short_conv --smoke   # tiny CPU run, kernels interpreted (the test)
+    python -m experiments.bench_short_conv --gpu --tiles 32x128/4 64x128/8   # other blocks
 
 The input is what the `1b` preset's KDA layer convolves: the q|k|v projection [B, T, C] =
 [4, 4096, 6144] bf16 (q, k and v of 2048 channels each), a float32 [4, C] filter, and four packed
 documents a row. Forward (the three parts) and forward+backward (x's and the filter's cotangents
 from the parts' cotangents), medians of `--repeats` calls; both paths are compared with the
-float32 answer.
+float32 answer. `--tiles` times the kernels with other blocks (tokens x channels / warps),
+one row each; the first is the default, `kda.kernels.short_conv.TILES`.
 """
 
 import argparse
@@ -30,7 +32,6 @@ from kda.common import document_index
 from kda.layer import conv_silu_parts
 from kda.kernels import short_conv
 
-PATHS = ("xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,10 +73,10 @@ def make_inputs(setup: Setup, seed: int = 0):
     return x, weight, segment_ids, grads
 
 
-def path_functions(path: str, widths, interpret: bool):
-    """(forward, forward_backward) of one path: (x, weight, segment_ids[, grads]) -> parts and,
-    for the latter, (parts, (dx, d_weight))."""
-    if path == "xla":
+def path_functions(tiles: short_conv.Tiles | None, widths, interpret: bool):
+    """(forward, forward_backward) of the XLA path (tiles None) or of the kernels with `tiles`:
+    (x, weight, segment_ids[, grads]) -> parts and, for the latter, (parts, (dx, d_weight))."""
+    if tiles is None:
         def forward(x, weight, segment_ids):
             return conv_silu_parts(x, weight, segment_ids, widths, kernels=False)
 
@@ -86,19 +87,21 @@ def path_functions(path: str, widths, interpret: bool):
 
     def kernel_forward(x, weight, segment_ids):
         document = document_index(segment_ids)
-        return short_conv.conv_silu_forward(x, weight, document, widths, interpret=interpret)
+        return short_conv.conv_silu_forward(x, weight, document, widths, tiles=tiles,
+                                            interpret=interpret)
 
     def kernel_forward_backward(x, weight, segment_ids, grads):
         document = document_index(segment_ids)  # as `conv_silu_parts`' custom VJP runs them
-        parts = short_conv.conv_silu_forward(x, weight, document, widths, interpret=interpret)
-        return parts, short_conv.conv_silu_backward(x, weight, document, grads,
+        parts = short_conv.conv_silu_forward(x, weight, document, widths, tiles=tiles,
+                                             interpret=interpret)
+        return parts, short_conv.conv_silu_backward(x, weight, document, grads, tiles=tiles,
                                                     interpret=interpret)
     return kernel_forward, kernel_forward_backward
 
 
 def exact(x, weight, segment_ids, grads, widths):
     """The float32 answer: the XLA path on x in float32."""
-    _, forward_backward = path_functions("xla", widths, interpret=False)
+    _, forward_backward = path_functions(None, widths, interpret=False)
     return forward_backward(x.astype(jnp.float32), weight, segment_ids,
                             tuple(g.astype(jnp.float32) for g in grads))
 
@@ -111,13 +114,16 @@ def max_relative_error(got, want) -> float:
     return max(jax.tree.leaves(jax.tree.map(relative, got, want)))
 
 
-def measure(setup: Setup, repeats: int, warmup: int, interpret: bool) -> dict:
-    """{path: (PathTiming, largest relative error of its outputs and cotangents)}."""
+def measure(setup: Setup, repeats: int, warmup: int, interpret: bool,
+            tiles: list[short_conv.Tiles]) -> dict:
+    """{path: (PathTiming, largest relative error of its outputs and cotangents)}: "xla", then
+    "pallas <tiles>" for each of `tiles`."""
     x, weight, segment_ids, grads = make_inputs(setup)
     truth = jax.jit(functools.partial(exact, widths=setup.widths))(x, weight, segment_ids, grads)
     results = {}
-    for path in PATHS:
-        forward, forward_backward = path_functions(path, setup.widths, interpret)
+    for path_tiles in [None, *tiles]:
+        path = "xla" if path_tiles is None else f"pallas {path_tiles}"
+        forward, forward_backward = path_functions(path_tiles, setup.widths, interpret)
         fwd = compiled_once(forward, x, weight, segment_ids)
         both = compiled_once(forward_backward, x, weight, segment_ids, grads)
         error = max_relative_error(both(x, weight, segment_ids, grads), truth)
@@ -151,6 +157,17 @@ def write_table(path: Path, results: dict, setup: Setup, command: str):
     path.write_text("\n".join(lines) + "\n")
 
 
+def parse_tiles(text: str) -> short_conv.Tiles:
+    """"32x128/4" -> Tiles(tokens=32, channels=128, warps=4)."""
+    try:
+        block, warps = text.split("/")
+        tokens, channels = block.split("x")
+        return short_conv.Tiles(int(tokens), int(channels), int(warps.rstrip("w")))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"tiles are TOKENSxCHANNELS/WARPS, e.g. 32x128/4, got {text!r}") from None
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -158,6 +175,9 @@ def main(argv=None):
     size.add_argument("--gpu", action="store_true", help="the 1b layer's q|k|v, on the GPU")
     size.add_argument("--smoke", action="store_true",
                       help="a tiny run, kernels in interpret mode (CPU check)")
+    parser.add_argument("--tiles", nargs="+", type=parse_tiles, default=[short_conv.TILES],
+                        metavar="TxC/W", help="kernel blocks to time: tokens x channels / warps "
+                        f"(default {short_conv.TILES})")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=Path,
@@ -165,7 +185,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     setup = GPU_SETUP if args.gpu else SMOKE_SETUP
     out = args.out or (Path("benchmarks/short_conv_h200.md") if args.gpu else None)
-    results = measure(setup, args.repeats, args.warmup, interpret=args.smoke)
+    results = measure(setup, args.repeats, args.warmup, interpret=args.smoke, tiles=args.tiles)
     if out is not None:
         command = "python -m experiments.bench_short_conv " + " ".join(
             sys.argv[1:] if argv is None else argv)

@@ -51,6 +51,14 @@ class KDAConfig:
         D -> K -> HV*K (Kimi-Linear).
       norm_eps: epsilon of the head-wise output RMSNorm.
       impl: KDA implementation for sequences longer than one token (see `kda.kda_attention`).
+      conv_kernels: run the short convolution and SiLU of a sequence's first call as Pallas
+        kernels (`kda.kernels.short_conv`, via `conv_silu_parts`) where they run; elsewhere no
+        effect. They are more accurate than XLA's path (SiLU in float32, the filter's gradient
+        never in bf16). False by default: on the H200 they took 0.42 against XLA's 0.67 ms
+        forward, but 1.20 against 1.27 ms forward+backward, a difference within run-to-run noise
+        (`python -m experiments.bench_short_conv --gpu`, `benchmarks/short_conv_h200.md`), and
+        the training step with them is not yet timed (`bench_train --set
+        model.kda.conv_kernels=true`).
     """
 
     num_heads: int
@@ -62,6 +70,7 @@ class KDAConfig:
     full_rank_gate: bool = False
     norm_eps: float = 1e-5
     impl: str = "auto"
+    conv_kernels: bool = False
 
     def __post_init__(self):
         if self.num_value_heads is None:
@@ -74,6 +83,8 @@ class KDAConfig:
                 f"KDAConfig.num_value_heads ({self.num_value_heads}) must be a multiple of "
                 f"num_heads ({self.num_heads})"
             )
+        if not isinstance(self.conv_kernels, bool):
+            raise ValueError(f"KDAConfig.conv_kernels must be a bool, got {self.conv_kernels!r}")
         if self.gate not in GATES:
             raise ValueError(f"KDAConfig.gate must be one of {GATES}, got {self.gate!r}")
         if self.gate == "lower_bound":
@@ -279,7 +290,7 @@ class KDA(nnx.Module):
         widths = (key_width, key_width, cfg.qkv_dim - 2 * key_width)
         if cache is None and not return_cache:  # a sequence's first call: zero prefix
             q, k, v = conv_silu_parts(self.qkv_proj(x), self.conv_weight[...], segment_ids,
-                                      widths)
+                                      widths, kernels=None if cfg.conv_kernels else False)
         else:
             conv_prefix = self.init_cache(batch).conv if cache is None else cache.conv
             mixed, conv_tail = causal_depthwise_conv(self.qkv_proj(x), self.conv_weight[...],

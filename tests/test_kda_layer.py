@@ -101,7 +101,29 @@ def test_gradients_reach_every_parameter_in_bfloat16():
     (dict(gate="relu"), r"KDAConfig.gate must be one of"),
     (dict(gate_lower_bound=-8.0), r"KDAConfig.gate_lower_bound must lie in \[-5.0, 0\)"),
     (dict(head_dim=0), r"KDAConfig.head_dim must be >= 1"),
+    (dict(conv_kernels="yes"), r"KDAConfig.conv_kernels must be a bool"),
 ])
 def test_bad_configs_name_the_field(changes, message):
     with pytest.raises(ValueError, match=message):
         KDAConfig(**{"num_heads": 2, "head_dim": 16, **changes})
+
+
+@pytest.mark.parametrize("conv_kernels,expected", [(False, False), (True, None)])
+def test_conv_kernels_field_chooses_the_short_conv_path(monkeypatch, conv_kernels, expected):
+    """A first call asks `conv_silu_parts` for the kernels where they run only when the config
+    says so (None: where they run; False: XLA); a continuation keeps the cache's path."""
+    from kda import layer as kda_layer  # noqa: PLC0415 (patched below)
+    asked = []
+    original = kda_layer.conv_silu_parts
+
+    def recording(*args, kernels=None):
+        asked.append(kernels)
+        return original(*args, kernels=False)
+
+    monkeypatch.setattr(kda_layer, "conv_silu_parts", recording)
+    cfg = KDAConfig(num_heads=2, head_dim=16, conv_kernels=conv_kernels)
+    layer = KDA(24, cfg, rngs=nnx.Rngs(0))
+    _, cache = layer(_tokens(1, 8), return_cache=True)
+    assert asked == []  # returning the cache: the XLA path, which also gives the conv's tail
+    layer(_tokens(1, 8))
+    assert asked == [expected]

@@ -23,6 +23,7 @@ clamped by interpret mode (so tests on a CPU would see other rows than the GPU).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -30,35 +31,42 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 
-BLOCK_TOKENS = 32  # rows of one inner step; Triton tensors are powers of two
-BLOCK_CHANNELS = 128
-SPAN_TOKENS = 256  # tokens of one program, and of one partial sum of the weight's gradient
-_COMPILER_PARAMS = pallas_triton.CompilerParams(num_warps=4, num_stages=1)
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """One program's block: `tokens` x `channels` (powers of two: Triton tensors are), run by
+    `warps` warps."""
+
+    tokens: int = 32
+    channels: int = 128
+    warps: int = 4
+
+    def __str__(self):
+        return f"{self.tokens}x{self.channels}/{self.warps}w"
 
 
-def span_tokens(length: int) -> int:
-    """Tokens a program covers: the largest power of two <= SPAN_TOKENS dividing `length`."""
-    return min(length & -length, SPAN_TOKENS)
+TILES = Tiles()
 
 
-def refusal(x_shape: tuple[int, ...], widths: tuple[int, ...], width: int) -> str | None:
+def refusal(x_shape: tuple[int, ...], widths: tuple[int, ...], width: int,
+            tiles: Tiles = TILES) -> str | None:
     """Why the kernels cannot run x [B, T, C] split into `widths` with a width-`width` filter, or
     None when they can."""
     if len(x_shape) != 3:
         return f"x must be [B, T, C], got shape {x_shape}"
     if sum(widths) != x_shape[2]:
         return f"the parts' widths {widths} must add up to C = {x_shape[2]}"
-    if any(w % BLOCK_CHANNELS for w in widths):
-        return f"every part's width must be a multiple of {BLOCK_CHANNELS}, got {widths}"
-    if x_shape[1] % BLOCK_TOKENS:
-        return f"T must be a multiple of {BLOCK_TOKENS}, got {x_shape[1]}"
+    if any(w % tiles.channels for w in widths):
+        return f"every part's width must be a multiple of {tiles.channels}, got {widths}"
+    if x_shape[1] % tiles.tokens:
+        return f"T must be a multiple of {tiles.tokens}, got {x_shape[1]}"
     if width < 1:
         return f"the filter width must be positive, got {width}"
     return None
 
 
-def _check(x, widths, weight):
-    reason = refusal(x.shape, widths, weight.shape[0])
+def _check(x, widths, weight, tiles):
+    reason = refusal(x.shape, widths, weight.shape[0], tiles)
     if reason is not None:
         raise ValueError(f"kda.kernels.short_conv: {reason}; kda.layer falls back to XLA for "
                          "such calls")
@@ -66,29 +74,43 @@ def _check(x, widths, weight):
         raise ValueError(f"weight must be [W, C] with C = {x.shape[2]}, got {weight.shape}")
 
 
-def _part_block_ranges(widths):
+def _part_block_ranges(widths, tiles):
     """[(first, end)) channel blocks of each part."""
     bounds = [0]
     for w in widths:
-        bounds.append(bounds[-1] + w // BLOCK_CHANNELS)
+        bounds.append(bounds[-1] + w // tiles.channels)
     return tuple(zip(bounds[:-1], bounds[1:]))
 
 
-def _specs(x, widths, width):
-    """Grid, x's, the documents', each part's (channel blocks clamped into the part: a program
-    stores only to its own) and the width-`width` weight's block specs."""
-    batch, length, channels = x.shape
-    span = span_tokens(length)
-    grid = (batch, length // span, channels // BLOCK_CHANNELS)
-    x_spec = pl.BlockSpec((None, length, BLOCK_CHANNELS), lambda b, s, c: (b, 0, c))
-    doc_spec = pl.BlockSpec((None, length), lambda b, s, c: (b, 0))
-    part_specs = [
-        pl.BlockSpec((None, length, BLOCK_CHANNELS),
-                     lambda b, s, c, lo=lo, hi=hi: (b, 0, jnp.clip(c - lo, 0, hi - lo - 1)))
-        for lo, hi in _part_block_ranges(widths)
-    ]
-    weight_spec = pl.BlockSpec((width, BLOCK_CHANNELS), lambda b, s, c: (0, c))
-    return span, grid, x_spec, doc_spec, part_specs, weight_spec
+class _Layout:
+    """The grid (B, T / tokens, C / channels) and the block specs: token-major arrays are seen
+    whole along T (a program gathers its shifted rows), one block of channels wide."""
+
+    def __init__(self, x_shape, widths, width, tiles):
+        batch, length, channels = x_shape
+        self.tiles = tiles
+        self.grid = (batch, length // tiles.tokens, channels // tiles.channels)
+        self.tokens = pl.BlockSpec((None, length, tiles.channels), lambda b, t, c: (b, 0, c))
+        self.documents = pl.BlockSpec((None, length), lambda b, t, c: (b, 0))
+        self.weight = pl.BlockSpec((width, tiles.channels), lambda b, t, c: (0, c))
+        self.weight_partials = pl.BlockSpec((None, None, width, tiles.channels),
+                                            lambda b, t, c: (b, t, 0, c))
+        # A program touches only its own part; other parts' blocks are clamped into range.
+        self.part_ranges = _part_block_ranges(widths, tiles)
+        self.parts = [
+            pl.BlockSpec((None, length, tiles.channels),
+                         lambda b, t, c, lo=lo, hi=hi: (b, 0, jnp.clip(c - lo, 0, hi - lo - 1)))
+            for lo, hi in self.part_ranges
+        ]
+
+    def call(self, kernel, out_shape, in_specs, out_specs, interpret, **params):
+        return pl.pallas_call(
+            functools.partial(kernel, tiles=self.tiles, **params),
+            out_shape=out_shape, grid=self.grid, in_specs=in_specs, out_specs=out_specs,
+            compiler_params=pallas_triton.CompilerParams(num_warps=self.tiles.warps,
+                                                         num_stages=1),
+            interpret=interpret,
+        )
 
 
 def _rows_of(ref, rows, length):
@@ -96,102 +118,90 @@ def _rows_of(ref, rows, length):
     return ref[jnp.clip(rows, 0, length - 1)]
 
 
-def _pre_activation(x_ref, doc_ref, weights, rows, length, documents):
-    """The convolution at tokens `rows` [R] in float32, [R, BLOCK_CHANNELS]: the sum over taps o
-    of weights[o] times x W - 1 - o tokens back, zero before the sequence or in another
-    document (in XLA's order of the taps)."""
-    width = len(weights)
+def _program_rows(tiles):
+    """The first token of this program's block and all of them, [tokens] int32. (Program ids
+    are read at a kernel's top level: interpret mode resolves them there.)"""
+    start = pl.program_id(1) * tiles.tokens
+    return start, start + jnp.arange(tiles.tokens, dtype=jnp.int32)
+
+
+def _taps(x_ref, doc_ref, rows, width, length, documents):
+    """x at `rows` - (W - 1 - o) for each tap o, float32 [R, channels], zero before the sequence
+    or in another document than the row's."""
     here = _rows_of(doc_ref, rows, length) if documents else None
-    pre = jnp.zeros((rows.shape[0], BLOCK_CHANNELS), jnp.float32)
-    for tap, weight in enumerate(weights):
+    windows = []
+    for tap in range(width):
         source = rows - (width - 1 - tap)
         valid = source >= 0
         if documents:
             valid &= _rows_of(doc_ref, source, length) == here
         window = _rows_of(x_ref, source, length).astype(jnp.float32)
-        pre = pre + jnp.where(valid[:, None], window, 0.0) * weight[None, :]
+        windows.append(jnp.where(valid[:, None], window, 0.0))
+    return windows
+
+
+def _weights(w_ref):
+    return [w_ref[tap, :].astype(jnp.float32) for tap in range(w_ref.shape[0])]
+
+
+def _pre_activation(windows, weights):
+    """The convolution: taps summed in XLA's order, float32."""
+    pre = windows[0] * weights[0][None, :]
+    for window, weight in zip(windows[1:], weights[1:]):
+        pre = pre + window * weight[None, :]
     return pre
 
 
-def _in_part(channel_block, part_range):
-    lo, hi = part_range
-    return (channel_block >= lo) & (channel_block < hi)
+def _forward_kernel(x_ref, w_ref, doc_ref, *out_refs, tiles, part_ranges, documents):
+    start, rows = _program_rows(tiles)
+    channel_block = pl.program_id(2)
+    weights = _weights(w_ref)
+    pre = _pre_activation(
+        _taps(x_ref, doc_ref, rows, len(weights), x_ref.shape[0], documents), weights)
+    out = pre * jax.nn.sigmoid(pre)
+    for out_ref, (lo, hi) in zip(out_refs, part_ranges):
+        @pl.when((channel_block >= lo) & (channel_block < hi))
+        def _(out_ref=out_ref):
+            out_ref[pl.ds(start, tiles.tokens), :] = out.astype(out_ref.dtype)
 
 
-def _forward_kernel(x_ref, w_ref, doc_ref, *out_refs, part_ranges, span, documents):
-    length = x_ref.shape[0]
-    weights = [w_ref[tap, :].astype(jnp.float32) for tap in range(w_ref.shape[0])]
-    # Program ids are read here, outside the loop: interpret mode resolves them at the top level.
-    first = pl.program_id(1) * span
-    in_parts = [_in_part(pl.program_id(2), part_range) for part_range in part_ranges]
-
-    def step(i, carry):
-        start = first + i * BLOCK_TOKENS
-        rows = start + jnp.arange(BLOCK_TOKENS, dtype=jnp.int32)
-        pre = _pre_activation(x_ref, doc_ref, weights, rows, length, documents)
-        out = pre * jax.nn.sigmoid(pre)
-        for out_ref, in_part in zip(out_refs, in_parts):
-            @pl.when(in_part)
-            def _(out_ref=out_ref):
-                out_ref[pl.ds(start, BLOCK_TOKENS), :] = out.astype(out_ref.dtype)
-        return carry
-
-    jax.lax.fori_loop(0, span // BLOCK_TOKENS, step, 0)
-
-
-def _backward_kernel(x_ref, w_ref, doc_ref, *refs, part_ranges, span, documents):
-    *grad_refs, dx_ref, dw_ref = refs
-    first = pl.program_id(1) * span
-    for grad_ref, part_range in zip(grad_refs, part_ranges):
-        @pl.when(_in_part(pl.program_id(2), part_range))
+def _slope_kernel(x_ref, w_ref, doc_ref, *refs, tiles, part_ranges, documents):
+    """g = the part's cotangent times SiLU's slope at the recomputed pre-activation (float32),
+    and this block's sums over tokens of g times each tap's window: the weight's gradient."""
+    *grad_refs, g_ref, dw_ref = refs
+    start, rows = _program_rows(tiles)
+    channel_block = pl.program_id(2)
+    weights = _weights(w_ref)
+    windows = _taps(x_ref, doc_ref, rows, len(weights), x_ref.shape[0], documents)
+    pre = _pre_activation(windows, weights)
+    sig = jax.nn.sigmoid(pre)
+    slope = sig * (1.0 + pre * (1.0 - sig))
+    for grad_ref, (lo, hi) in zip(grad_refs, part_ranges):
+        @pl.when((channel_block >= lo) & (channel_block < hi))
         def _(grad_ref=grad_ref):
-            _backward_block(x_ref, w_ref, doc_ref, grad_ref, dx_ref, dw_ref, first, span,
-                            documents)
+            g = grad_ref[pl.ds(start, tiles.tokens), :].astype(jnp.float32) * slope
+            g_ref[pl.ds(start, tiles.tokens), :] = g
+            for tap, window in enumerate(windows):
+                dw_ref[tap, :] = jnp.sum(window * g, axis=0)
 
 
-def _backward_block(x_ref, w_ref, doc_ref, grad_ref, dx_ref, dw_ref, first, span, documents):
-    """One program's tokens of one part: dx, and the partial sums of the weight's gradient.
-
-    Token t's input feeds the outputs t + k (k < W) through tap W - 1 - k, so dx[t] sums the
-    SiLU-scaled cotangents g of those outputs (recomputed from x), and the tap-o gradient sums
-    g[t] * x[t - (W - 1 - o)] over the program's tokens.
-    """
-    length = x_ref.shape[0]
-    width = w_ref.shape[0]
-    weights = [w_ref[tap, :].astype(jnp.float32) for tap in range(width)]
-
-    def step(i, weight_grads):
-        start = first + i * BLOCK_TOKENS
-        rows = start + jnp.arange(BLOCK_TOKENS, dtype=jnp.int32)
-        here = _rows_of(doc_ref, rows, length) if documents else None
-        dx = jnp.zeros((BLOCK_TOKENS, BLOCK_CHANNELS), jnp.float32)
-        weight_grads = list(weight_grads)
-        for k in range(width):
-            outputs = rows + k
-            pre = _pre_activation(x_ref, doc_ref, weights, outputs, length, documents)
-            sig = jax.nn.sigmoid(pre)
-            g = _rows_of(grad_ref, outputs, length).astype(jnp.float32) * (
-                sig * (1.0 + pre * (1.0 - sig)))
-            valid = outputs < length
-            if documents:
-                valid &= _rows_of(doc_ref, outputs, length) == here
-            dx = dx + jnp.where(valid[:, None], g, 0.0) * weights[width - 1 - k][None, :]
-            if k == 0:
-                for tap in range(width):
-                    source = rows - (width - 1 - tap)
-                    seen = source >= 0
-                    if documents:
-                        seen &= _rows_of(doc_ref, source, length) == here
-                    window = _rows_of(x_ref, source, length).astype(jnp.float32)
-                    weight_grads[tap] = weight_grads[tap] + jnp.sum(
-                        jnp.where(seen[:, None], window, 0.0) * g, axis=0)
-        dx_ref[pl.ds(start, BLOCK_TOKENS), :] = dx.astype(dx_ref.dtype)
-        return tuple(weight_grads)
-
-    zeros = tuple(jnp.zeros((BLOCK_CHANNELS,), jnp.float32) for _ in range(width))
-    weight_grads = jax.lax.fori_loop(0, span // BLOCK_TOKENS, step, zeros)
-    for tap in range(width):
-        dw_ref[tap, :] = weight_grads[tap]
+def _transpose_kernel(g_ref, w_ref, doc_ref, dx_ref, *, tiles, documents):
+    """dx[t] = sum over k < W of w[W - 1 - k] g[t + k], within t's document and the sequence:
+    token t's input feeds the outputs t + k through tap W - 1 - k."""
+    start, rows = _program_rows(tiles)
+    length = g_ref.shape[0]
+    weights = _weights(w_ref)
+    width = len(weights)
+    here = _rows_of(doc_ref, rows, length) if documents else None
+    dx = jnp.zeros((tiles.tokens, tiles.channels), jnp.float32)
+    for k in range(width):
+        outputs = rows + k
+        valid = outputs < length
+        if documents:
+            valid &= _rows_of(doc_ref, outputs, length) == here
+        g = _rows_of(g_ref, outputs, length)
+        dx = dx + jnp.where(valid[:, None], g, 0.0) * weights[width - 1 - k][None, :]
+    dx_ref[pl.ds(start, tiles.tokens), :] = dx.astype(dx_ref.dtype)
 
 
 def _documents(x, document):
@@ -201,47 +211,53 @@ def _documents(x, document):
     return document.astype(jnp.int32)
 
 
-def conv_silu_forward(x, weight, document, widths, *, interpret: bool = False):
+def conv_silu_forward(x, weight, document, widths, *, tiles: Tiles = TILES,
+                      interpret: bool = False):
     """SiLU(causal depthwise conv) of x [B, T, C] with a zero prefix, split into parts.
 
     weight: [W, C] (tap W - 1 multiplies the current token); document: int [B, T] (each token's
-    document, `kda.common.document_starts` summed along the row) or None; widths: the parts'
-    widths (q, k, v), adding up to C. Returns a tuple of [B, T, width] arrays in x.dtype.
+    document, `kda.common.document_index`) or None; widths: the parts' widths (q, k, v), adding
+    up to C. Returns a tuple of [B, T, width] arrays in x.dtype.
     """
-    _check(x, widths, weight)
-    span, grid, x_spec, doc_spec, part_specs, weight_spec = _specs(x, widths, weight.shape[0])
-    kernel = functools.partial(_forward_kernel, part_ranges=_part_block_ranges(widths),
-                               span=span, documents=document is not None)
-    return tuple(pl.pallas_call(
-        kernel,
+    _check(x, widths, weight, tiles)
+    layout = _Layout(x.shape, widths, weight.shape[0], tiles)
+    return tuple(layout.call(
+        _forward_kernel,
         out_shape=[jax.ShapeDtypeStruct(x.shape[:2] + (w,), x.dtype) for w in widths],
-        grid=grid,
-        in_specs=[x_spec, weight_spec, doc_spec],
-        out_specs=part_specs,
-        compiler_params=_COMPILER_PARAMS,
-        interpret=interpret,
+        in_specs=[layout.tokens, layout.weight, layout.documents],
+        out_specs=layout.parts,
+        interpret=interpret, part_ranges=layout.part_ranges, documents=document is not None,
     )(x, weight, _documents(x, document)))
 
 
-def conv_silu_backward(x, weight, document, grads, *, interpret: bool = False):
+def conv_silu_backward(x, weight, document, grads, *, tiles: Tiles = TILES,
+                       interpret: bool = False):
     """The cotangents of x [B, T, C] and of weight [W, C] (float32) given the parts' cotangents
-    `grads` (a tuple of [B, T, width], as `conv_silu_forward` returns the parts)."""
+    `grads` (a tuple of [B, T, width], as `conv_silu_forward` returns the parts).
+
+    Two kernels: the first writes g (the cotangents through SiLU, float32 [B, T, C]) and each
+    block's sums of the weight's gradient; the second gathers g's shifted rows into dx.
+    """
     widths = tuple(g.shape[2] for g in grads)
-    _check(x, widths, weight)
+    _check(x, widths, weight, tiles)
     batch, length, channels = x.shape
     width = weight.shape[0]
-    span, grid, x_spec, doc_spec, part_specs, weight_spec = _specs(x, widths, width)
-    kernel = functools.partial(_backward_kernel, part_ranges=_part_block_ranges(widths),
-                               span=span, documents=document is not None)
-    dx, weight_partials = pl.pallas_call(
-        kernel,
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
-                   jax.ShapeDtypeStruct((batch, length // span, width, channels), jnp.float32)],
-        grid=grid,
-        in_specs=[x_spec, weight_spec, doc_spec, *part_specs],
-        out_specs=[x_spec, pl.BlockSpec((None, None, width, BLOCK_CHANNELS),
-                                        lambda b, s, c: (b, s, 0, c))],
-        compiler_params=_COMPILER_PARAMS,
-        interpret=interpret,
-    )(x, weight, _documents(x, document), *grads)
+    layout = _Layout(x.shape, widths, width, tiles)
+    documents = _documents(x, document)
+    g, weight_partials = layout.call(
+        _slope_kernel,
+        out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                   jax.ShapeDtypeStruct((batch, length // tiles.tokens, width, channels),
+                                        jnp.float32)],
+        in_specs=[layout.tokens, layout.weight, layout.documents, *layout.parts],
+        out_specs=[layout.tokens, layout.weight_partials],
+        interpret=interpret, part_ranges=layout.part_ranges, documents=document is not None,
+    )(x, weight, documents, *grads)
+    dx = layout.call(
+        _transpose_kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        in_specs=[layout.tokens, layout.weight, layout.documents],
+        out_specs=layout.tokens,
+        interpret=interpret, documents=document is not None,
+    )(g, weight, documents)
     return dx, jnp.sum(weight_partials, axis=(0, 1))
