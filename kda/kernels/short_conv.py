@@ -2,19 +2,19 @@
 
 The layer mixes each projected q|k|v channel over the current and `W - 1` preceding tokens of its
 document (`kda.layer.causal_depthwise_conv`, W = 4) and applies SiLU, then splits q, k and v.
-Here, for a sequence's first call (zero prefix):
+Here, for a sequence's first call (zero prefix), each program owns a block of tokens x channels:
 
-- the forward reads x [B, T, C] once and writes the parts [B, T, C_i] (q, k, v) directly;
-- the backward reads x and the parts' cotangents once, recomputes the pre-activation of every
-  token it needs in float32 registers, and writes dx [B, T, C] and each program's float32 partial
-  sums of the weight's gradient [B, T / SPAN, W, C] (summed by XLA: the weight gradient is a sum
-  over every token of the batch).
+- the forward reads x [B, T, C] and writes the parts [B, T, C_i] (q, k, v) directly;
+- the backward is two kernels: the first recomputes the pre-activation from x, writes g = the
+  parts' cotangents times SiLU's slope (float32 [B, T, C]) and each block's sums of g times the
+  shifted x, the filter's gradient (summed over blocks by XLA); the second gathers g's shifted
+  rows into dx.
 
-Why not XLA: on the H200 the `1b` training step spent 16.0 ms (of ~308 ms of device time) in
-these fusions, 1.33 ms a layer: the forward's fused slices ran at ~1.1 TB/s, and the backward
-split into five fusions (the transposed pads of the shifted windows, the SiLU's cotangent
-concatenated across q, k and v, the weight's partial reductions in two passes, and the
-recomputed forward), where reading x and the cotangents once and writing dx is ~0.6 GB a layer.
+Both take the SiLU in float32 before one rounding, so they are more accurate than XLA's path
+(which rounds the pre-activation to bf16 first). They are chosen only by `KDAConfig.conv_kernels`
+(off by default): on the H200 the forward is 1.4-1.8x XLA's, but forward+backward only
+0.92-1.06x, where XLA's path costs ~1.33 ms a layer inside the training step and reading and
+writing what the backward needs takes ~0.3 ms (`benchmarks/short_conv_h200.md`).
 
 Shifted rows are loaded by gathering clipped row indices and masking the rows before the
 sequence, past its end, or in another document: a dynamic slice starting before row 0 would be
