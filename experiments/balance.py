@@ -18,7 +18,6 @@ import dataclasses
 import json
 import os
 import platform
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +26,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
+from experiments.profiling import command_line
 from moe.config import BALANCERS, MoEConfig
 from moe.experts import StableLatentMoE, rms_norm, update_router_biases
 from moe.routing import max_violation, sequence_max_violation
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for method in args.methods:
             logs[method] = train(method, args, shape, progress)
     rows = summarise(logs)
-    command = "python -m experiments.balance " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line("experiments.balance", argv)
     table = markdown(rows, args, shape, command.strip())
     with open(os.path.join(args.out, "balance_table.md"), "w") as f:
         f.write(table)

@@ -36,7 +36,7 @@ from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
 
 from experiments.bench_kda import (cell, compiled_once, compiled_peak_mib, package_version,
                                   report_preamble, table_row, timing_cells)
-from experiments.profiling import median_seconds
+from experiments.profiling import command_line, median_seconds
 from models.attention import (
     causal_document_attention,
     document_segments,
@@ -261,8 +261,7 @@ def main(argv=None):
     setup = GPU if args.gpu else SMOKE
     table = contenders(args.gpu, args.max_segments)
     out = args.out or Path("benchmarks") / f"attention_{'h200' if args.gpu else 'smoke'}.md"
-    command = "python -m experiments.bench_attention " + " ".join(
-        argv if argv is not None else sys.argv[1:])
+    command = command_line("experiments.bench_attention", argv)
     layouts = document_layouts(setup)
     flops = {documents: document_attention_flops(layout, setup.heads, setup.qk_dim, setup.v_dim)
              for documents, layout in layouts.items()}

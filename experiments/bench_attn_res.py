@@ -19,10 +19,8 @@ stand-in's vector), medians of `--repeats` calls; the outputs and gradients of t
 compared.
 """
 
-import argparse
 import dataclasses
 import functools
-import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -30,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench_kda import (cell, compiled_once, compiled_peak_mib, package_version,
-                                  report_preamble, table_row, timing_cells)
-from experiments.profiling import median_seconds
+from experiments.bench_kda import (cell, compiled_once, compiled_peak_mib, gpu_or_smoke_args,
+                                  package_version, report_preamble, table_row, timing_cells)
+from experiments.profiling import command_line, median_seconds
 from models.attn_res import (ResidualStream, attn_res_read, num_seal_slots, seal_period,
                              sublayer_input)
 
@@ -153,25 +151,16 @@ def write_table(path: Path, results: dict, difference: float, setup: Setup, comm
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    size = parser.add_mutually_exclusive_group(required=True)
-    size.add_argument("--gpu", action="store_true", help="the 1b model's stream, bf16")
-    size.add_argument("--smoke", action="store_true", help="a tiny float32 run (CPU check)")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--out", type=Path,
-                        help="markdown table (--gpu default: benchmarks/attn_res_h200.md)")
-    args = parser.parse_args(argv)
+    args = gpu_or_smoke_args(argv, __doc__.split("\n\n")[0], "attn_res_h200.md",
+                             gpu_help="the 1b model's stream, bf16",
+                             smoke_help="a tiny float32 run (CPU check)")
     setup = GPU_SETUP if args.gpu else SMOKE_SETUP
-    out = args.out or (Path("benchmarks/attn_res_h200.md") if args.gpu else None)
     results, difference = measure(setup, args.repeats, args.warmup)
     print(f"planes vs buffer: largest relative difference {difference:.1e}")
-    if out is not None:
-        command = "python -m experiments.bench_attn_res " + " ".join(
-            sys.argv[1:] if argv is None else argv)
-        write_table(out, results, difference, setup, command)
-        print(f"wrote {out}")
+    if args.out is not None:
+        command = command_line("experiments.bench_attn_res", argv)
+        write_table(args.out, results, difference, setup, command)
+        print(f"wrote {args.out}")
     return results, difference
 
 

@@ -47,14 +47,13 @@ import datetime
 import functools
 import platform
 import statistics
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
-from experiments.profiling import median_seconds
+from experiments.profiling import command_line, median_seconds
 from moe import dispatch
 from moe.activations import GLUActivation
 from moe.ragged_matmul_mgpu import (
@@ -590,9 +589,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     if args.gpu and jax.default_backend() != "gpu":
         raise SystemExit("--gpu needs a CUDA device; use --smoke on CPU.")
-    command = "python -m experiments.bench_grouped_matmul " + " ".join(
-        sys.argv[1:] if argv is None else argv
-    )
+    command = command_line("experiments.bench_grouped_matmul", argv)
     iters = args.iters or (20 if args.gpu else 1)
     if args.expert_mlp:
         size = EXPERT_MLP_GPU_SIZE if args.gpu else EXPERT_MLP_SMOKE_SIZE

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kda
-from experiments.profiling import ops_markdown, profile_device_ops
+from experiments.profiling import command_line, ops_markdown, profile_device_ops
 from kda.chunked import CHUNK_SIZE, chunk_recurrence, prepare_chunks
 from kda.kernels import triton as triton_path
 from kda.kernels.mosaic_gpu import kernel_recurrence
@@ -421,6 +421,27 @@ def report_preamble(title: str, command: str, versions: str) -> list[str]:
     ]
 
 
+def gpu_or_smoke_args(argv, description: str, table: str, gpu_help: str, smoke_help: str,
+                      add_options=lambda parser: None) -> argparse.Namespace:
+    """The options of a small benchmark: --gpu or --smoke, --repeats, --warmup, --out (its
+    markdown table; with --gpu, benchmarks/`table` unless given), and what `add_options(parser)`
+    adds."""
+    parser = argparse.ArgumentParser(description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--gpu", action="store_true", help=gpu_help)
+    size.add_argument("--smoke", action="store_true", help=smoke_help)
+    add_options(parser)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", type=Path,
+                        help=f"markdown table (--gpu default: benchmarks/{table})")
+    args = parser.parse_args(argv)
+    if args.out is None and args.gpu:
+        args.out = Path("benchmarks") / table
+    return args
+
+
 def write_table(path: Path, results, shapes, names, baseline: str, command: str, gpu: bool):
     peers = ("torch", "triton", "fla-core", "jax-linear-attention") if gpu else ()
     lines = report_preamble(
@@ -505,8 +526,7 @@ def main(argv=None):
     table = contenders(args.gpu, impls, args.peers, args.parts, args.device_time)
     names = list(table)
     out = args.out or Path("benchmarks") / f"kda_{'h200' if args.gpu else backend}.md"
-    command = "python -m experiments.bench_kda " + " ".join(argv if argv is not None
-                                                             else sys.argv[1:])
+    command = command_line("experiments.bench_kda", argv)
     dtype = jnp.bfloat16 if args.gpu else np.float32
     run(shapes, table, dtype, args.repeats, lambda results: write_table(
         out, results, shapes, names, baseline, command.strip(), args.gpu))

@@ -29,7 +29,6 @@ import dataclasses
 import datetime
 import os
 import platform
-import sys
 from collections.abc import Callable
 
 import flax
@@ -38,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.profiling import idle_markdown, median_seconds, ops_markdown, profile_device_ops
+from experiments.profiling import (command_line, idle_markdown, median_seconds, ops_markdown,
+                                  profile_device_ops)
 from moe.activations import fused_glu
 from moe.config import MoEConfig, active_matmul_flops
 from moe.dispatch import gather_rows, plan_dispatch, unsort_combine
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
     shape = GPU_SHAPE if args.gpu else SMOKE_SHAPE
     iters = args.iters or (20 if args.gpu else 2)
     results = run(shape, iters, check_backend=args.gpu, profile=args.profile)
-    command = "python -m experiments.bench_moe " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line("experiments.bench_moe", argv)
     table = markdown(shape, results, command)
     print(table)
     out = args.out or ("benchmarks/moe_h200.md" if args.gpu else None)

@@ -17,7 +17,6 @@ one row each; the first is the default, `kda.kernels.short_conv.TILES`.
 import argparse
 import dataclasses
 import functools
-import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -25,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench_kda import (cell, compiled_once, compiled_peak_mib, package_version,
-                                  report_preamble, table_row, timing_cells)
-from experiments.profiling import median_seconds
+from experiments.bench_kda import (cell, compiled_once, compiled_peak_mib, gpu_or_smoke_args,
+                                  package_version, report_preamble, table_row, timing_cells)
+from experiments.profiling import command_line, median_seconds
 from kda.common import document_index
 from kda.layer import conv_silu_parts
 from kda.kernels import short_conv
@@ -169,28 +168,21 @@ def parse_tiles(text: str) -> short_conv.Tiles:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    size = parser.add_mutually_exclusive_group(required=True)
-    size.add_argument("--gpu", action="store_true", help="the 1b layer's q|k|v, on the GPU")
-    size.add_argument("--smoke", action="store_true",
-                      help="a tiny run, kernels in interpret mode (CPU check)")
-    parser.add_argument("--tiles", nargs="+", type=parse_tiles, default=[short_conv.TILES],
-                        metavar="TxC/W", help="kernel blocks to time: tokens x channels / warps "
-                        f"(default {short_conv.TILES})")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--out", type=Path,
-                        help="markdown table (--gpu default: benchmarks/short_conv_h200.md)")
-    args = parser.parse_args(argv)
+    def tiles_option(parser):
+        parser.add_argument("--tiles", nargs="+", type=parse_tiles, default=[short_conv.TILES],
+                            metavar="TxC/W", help="kernel blocks to time: tokens x channels / "
+                            f"warps (default {short_conv.TILES})")
+
+    args = gpu_or_smoke_args(argv, __doc__.split("\n\n")[0], "short_conv_h200.md",
+                             gpu_help="the 1b layer's q|k|v, on the GPU",
+                             smoke_help="a tiny run, kernels in interpret mode (CPU check)",
+                             add_options=tiles_option)
     setup = GPU_SETUP if args.gpu else SMOKE_SETUP
-    out = args.out or (Path("benchmarks/short_conv_h200.md") if args.gpu else None)
     results = measure(setup, args.repeats, args.warmup, interpret=args.smoke, tiles=args.tiles)
-    if out is not None:
-        command = "python -m experiments.bench_short_conv " + " ".join(
-            sys.argv[1:] if argv is None else argv)
-        write_table(out, results, setup, command)
-        print(f"wrote {out}")
+    if args.out is not None:
+        command = command_line("experiments.bench_short_conv", argv)
+        write_table(args.out, results, setup, command)
+        print(f"wrote {args.out}")
     return results
 
 

@@ -107,7 +107,6 @@ import functools
 import json
 import os
 import platform
-import sys
 import time
 from collections.abc import Callable
 from unittest import mock
@@ -118,7 +117,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.profiling import (idle_markdown, idle_summary_line, median_seconds,
+from experiments.profiling import (command_line, idle_markdown, idle_summary_line, median_seconds,
                                   ops_markdown, pipelined_seconds, profile_compiler_options,
                                   scope_ops_markdown, scopes_markdown, trace_device_ops)
 from kda import api as kda_api
@@ -699,8 +698,7 @@ def main(argv=None) -> dict:
         parser.error(f"--set {error}")
     if args.cpu_plan:
         return cpu_plan(setup, args.optimizer)
-    command = "python -m experiments.bench_train " + " ".join(
-        argv if argv is not None else sys.argv[1:])
+    command = command_line("experiments.bench_train", argv)
     out = args.out or ("benchmarks/train_h200.md" if args.gpu else None)
     report = (lambda result: None) if out is None else (
         lambda result: write_result(result, command, out))

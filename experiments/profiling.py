@@ -17,11 +17,18 @@ import os
 import re
 import statistics
 import tempfile
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import jax
+
+
+def command_line(module: str, argv: Sequence[str] | None) -> str:
+    """The command a benchmark was run with, for its table: `python -m <module> <arguments>`
+    (argv None: this process's own arguments)."""
+    return " ".join(["python -m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
 def median_seconds(run: Callable[[], object], steps: int, warmup: int) -> float:
