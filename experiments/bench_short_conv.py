@@ -10,7 +10,8 @@ The input is what the `1b` preset's KDA layer convolves: the q|k|v projection [B
 [4, 4096, 6144] bf16 (q, k and v of 2048 channels each), a float32 [4, C] filter, and four packed
 documents a row. Forward (the three parts) and forward+backward (x's and the filter's cotangents
 from the parts' cotangents), medians of `--repeats` calls; both paths are compared with the
-float32 answer. `--tiles` times the kernels with other blocks (tokens x channels / warps),
+float32 answer. Wall times include the host's dispatch of each call, a large part of a sub-ms
+call; the device columns sum one call's device ops from a profiler trace. `--tiles` times the kernels with other blocks (tokens x channels / warps),
 one row each; the first is the default, `kda.kernels.short_conv.TILES`.
 """
 
@@ -24,8 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench_kda import (cell, compiled_once, compiled_peak_mib, gpu_or_smoke_args,
-                                  package_version, report_preamble, table_row, timing_cells)
+from experiments.bench_kda import (cell, compiled_once, compiled_peak_mib, device_ms,
+                                  gpu_or_smoke_args, package_version, report_preamble, table_row,
+                                  timing_cells)
 from experiments.profiling import command_line, median_seconds
 from kda.common import document_index
 from kda.layer import conv_silu_parts
@@ -52,11 +54,22 @@ SMOKE_SETUP = Setup(1, 64, (128, 128, 128), 4, 2)
 
 
 class PathTiming(NamedTuple):
-    """Median ms of one path's forward and forward+backward, and the latter's compiled MiB."""
+    """Median wall ms of one path's forward and forward+backward, their device-op ms (one call's
+    ops summed from a profiler trace: no host dispatch, which is a large part of a sub-ms call's
+    wall time), and the forward+backward's compiled MiB."""
 
     forward_ms: float
     forward_backward_ms: float
+    forward_device_ms: float | None
+    forward_backward_device_ms: float | None
     peak_mib: float
+
+
+class DeviceTiming(NamedTuple):
+    """A path's device ms, as `timing_cells` reads a timing."""
+
+    forward_ms: float | None
+    forward_backward_ms: float | None
 
 
 def make_inputs(setup: Setup, seed: int = 0):
@@ -131,6 +144,9 @@ def measure(setup: Setup, repeats: int, warmup: int, interpret: bool,
                                             warmup),
             forward_backward_ms=1e3 * median_seconds(
                 lambda: both(x, weight, segment_ids, grads), repeats, warmup),
+            forward_device_ms=device_ms(forward, (x, weight, segment_ids)),
+            forward_backward_device_ms=device_ms(forward_backward,
+                                                 (x, weight, segment_ids, grads)),
             peak_mib=compiled_peak_mib(both),
         )
         results[path] = (timing, error)
@@ -146,11 +162,18 @@ def write_table(path: Path, results: dict, setup: Setup, command: str):
         "- Error: largest |difference| over the largest |value|, of the parts and both "
         "cotangents, against the float32 answer",
         "",
-        "| path | forward ms | fwd+bwd ms | fwd speedup | fwd+bwd speedup | peak MiB | error |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "- Device ms: one call's device ops summed from a profiler trace (no host dispatch); "
+        "speedups over the xla row",
+        "",
+        "| path | forward ms | fwd+bwd ms | fwd speedup | fwd+bwd speedup | forward device ms | "
+        "fwd+bwd device ms | fwd device speedup | fwd+bwd device speedup | peak MiB | error |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, (timing, error) in results.items():
+        device = DeviceTiming(timing.forward_device_ms, timing.forward_backward_device_ms)
+        base_device = DeviceTiming(base.forward_device_ms, base.forward_backward_device_ms)
         lines.append(table_row(name, *timing_cells(timing, base, ".3f"),
+                               *timing_cells(device, base_device, ".3f"),
                                cell(timing.peak_mib, ".0f"), cell(error, ".1e")))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")

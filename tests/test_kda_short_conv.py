@@ -188,3 +188,5 @@ def test_benchmark_smoke_writes_both_paths(tmp_path):
     assert all(error < 2**-6 for _, error in results.values())
     text = out.read_text()
     assert "| xla |" in text and f"| pallas {short_conv.TILES} |" in text
+    assert "fwd+bwd device ms" in text  # the device-op times, beside the wall times
+    assert all(timing.forward_backward_device_ms > 0 for timing, _ in results.values())
