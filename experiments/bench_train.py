@@ -7,6 +7,9 @@ breakdown of where the time goes (KDA, Gated MLA attention, MoE, rest).
     python -m experiments.bench_train --smoke   # `tiny` preset at a tiny size (CPU check)
     python -m experiments.bench_train --gpu --cpu-plan   # compile only, here: memory plan
     python -m experiments.bench_train --gpu --profile    # + device time by part and top ops
+    python -m experiments.bench_train --gpu --no-layers --versus model.kda.conv_kernels=true
+                                                # the step, then the step with the override,
+                                                # in one process (an A/B on one machine)
     python -m experiments.bench_train --gpu --set model.mla.implementation=cudnn
                                                 # any TrainConfig field (`train.cli`); this
                                                 # one: the dense-mask attention
@@ -173,6 +176,7 @@ class BenchSetup:
     # why the default compiles every layer on its own)
     settings: tuple[str, ...] = ()  # `--set key=value` overrides of the TrainConfig (`train.cli`)
     layers: bool = True  # after the step, time each layer kind alone (the breakdown)
+    versus: tuple[str, ...] = ()  # then the same step with these settings too, same process
 
     @property
     def tokens(self) -> int:
@@ -492,11 +496,54 @@ def cpu_plan(setup: BenchSetup, optimizer: str) -> dict:
     return {**times, "memory_gib": memory}
 
 
+def compiled_trainer(config: TrainConfig, setup: BenchSetup, compiler_options: dict | None = None):
+    """A trainer of `config`, the placed synthetic batch and its step compiled ahead of time
+    (the preflight printed), and {compile_seconds, lowering_seconds, memory_gib}."""
+    trainer = Trainer.create(config)
+    batch = trainer.place(synthetic_batch(setup))
+    compiled, times = compile_step(trainer, batch, compiler_options)
+    return trainer, batch, compiled, {**times, "memory_gib": preflight(compiled, times, setup)}
+
+
+def timed_step(step: Callable[[], dict], setup: BenchSetup, flops_per_token: float) -> dict:
+    """Times `step` (`step_runner`) both ways, prints and returns {step_seconds (one in flight),
+    waited_step_seconds, tokens_per_second, model_tflops_per_second, mfu}."""
+    waited_step_seconds = median_seconds(step, setup.steps, setup.warmup)
+    step_seconds = pipelined_seconds(step, setup.steps, warmup=0)  # warm already
+    tokens_per_second = setup.tokens / step_seconds
+    numbers = dict(
+        step_seconds=step_seconds,
+        waited_step_seconds=waited_step_seconds,
+        tokens_per_second=tokens_per_second,
+        model_tflops_per_second=tokens_per_second * flops_per_token / 1e12,
+        mfu=tokens_per_second * flops_per_token / HOPPER_PEAK_FLOPS,
+    )
+    print(f"step: {1e3 * step_seconds:.1f} ms with one in flight ({1e3 * waited_step_seconds:.1f}"
+          f" ms each waited for), {tokens_per_second:,.0f} tokens/s, "
+          f"{numbers['model_tflops_per_second']:.1f} TFLOP/s, MFU {100 * numbers['mfu']:.1f}%",
+          flush=True)
+    return numbers
+
+
+def versus_step(setup: BenchSetup, optimizer: str) -> dict:
+    """The step with `setup.versus` applied on top of its settings, built, compiled and timed
+    in this process after the first one is freed: an A/B on one machine (two machines of one
+    kind have timed one program 10 ms apart)."""
+    settings = setup.settings + setup.versus
+    print("versus: the same step with --set " + " --set ".join(setup.versus), flush=True)
+    config = train_config(dataclasses.replace(setup, settings=settings), optimizer)
+    trainer, batch, compiled, compiled_result = compiled_trainer(config, setup)
+    with explained_out_of_memory(setup, compiled_result["memory_gib"]):
+        flops = train_flops_per_token(config.model, setup.seq_len)["total"]
+        numbers = timed_step(step_runner(trainer, compiled, batch), setup, flops)
+    return {"settings": list(setup.versus), **compiled_result, **numbers}
+
+
 def run(setup: BenchSetup, optimizer: str,
         report: Callable[[dict], None] = lambda result: None, profile: bool = False) -> dict:
-    """Compiles and times the step, then the layers (if `setup.layers`); calls
-    `report(result so far)` whenever a number is added, so a run cut short keeps what it
-    measured. With `profile`, the step is compiled for profiling
+    """Compiles and times the step, then the step with `setup.versus` (if any), then the layers
+    (if `setup.layers`); calls `report(result so far)` whenever a number is added, so a run cut
+    short keeps what it measured. With `profile`, the step is compiled for profiling
     (`experiments.profiling.profile_compiler_options`) and its top device ops are traced after
     it is timed."""
     config = train_config(setup, optimizer)
@@ -515,30 +562,13 @@ def run(setup: BenchSetup, optimizer: str,
         "profiled": profile,
         "date": datetime.date.today().isoformat(),
     }
-    trainer = Trainer.create(config)
-    batch = trainer.place(synthetic_batch(setup))
-    compiled, times = compile_step(
-        trainer, batch, profile_compiler_options() if profile else None)
-    memory = preflight(compiled, times, setup)
-    result.update(times, memory_gib=memory)
+    trainer, batch, compiled, compiled_result = compiled_trainer(
+        config, setup, profile_compiler_options() if profile else None)
+    result.update(compiled_result)
     report(result)
-    with explained_out_of_memory(setup, memory):
+    with explained_out_of_memory(setup, result["memory_gib"]):
         step = step_runner(trainer, compiled, batch)
-        waited_step_seconds = median_seconds(step, setup.steps, setup.warmup)
-        step_seconds = pipelined_seconds(step, setup.steps, warmup=0)  # warm already
-        tokens_per_second = setup.tokens / step_seconds
-        result.update(
-            step_seconds=step_seconds,
-            waited_step_seconds=waited_step_seconds,
-            tokens_per_second=tokens_per_second,
-            model_tflops_per_second=tokens_per_second * flops["total"] / 1e12,
-            mfu=tokens_per_second * flops["total"] / HOPPER_PEAK_FLOPS,
-            breakdown={},
-        )
-        print(f"step: {1e3 * step_seconds:.1f} ms with one in flight ({1e3 * waited_step_seconds:.1f}"
-              f" ms each waited for), {tokens_per_second:,.0f} tokens/s, "
-              f"{result['model_tflops_per_second']:.1f} TFLOP/s, MFU "
-              f"{100 * result['mfu']:.1f}%", flush=True)
+        result.update(timed_step(step, setup, flops["total"]), breakdown={})
         report(result)
         if profile:
             result["ops"] = trace_device_ops(step, compiled, PROFILED_STEPS, PROFILED_OPS,
@@ -550,8 +580,13 @@ def run(setup: BenchSetup, optimizer: str,
             print(idle_summary_line(result["ops"]), flush=True)
             report(result)
         del trainer, compiled, batch, step
-        if not setup.layers:
-            return result
+    if setup.versus:
+        result["versus"] = versus_step(setup, optimizer)
+        report(result)
+    if not setup.layers:
+        return result
+    step_seconds = result["step_seconds"]
+    with explained_out_of_memory(setup, result["memory_gib"]):
         for name, count, seconds in layer_breakdown(cfg, setup):
             result["breakdown"][name] = _part(count, count * seconds, step_seconds,
                                               setup.tokens * flops[name])
@@ -612,6 +647,22 @@ def markdown(result: dict, command: str) -> str:
         "Steps with one in flight are issued as `train.loop` issues them (the next dispatched "
         "before waiting for the last); tokens/s and MFU come from them.",
     ]
+    if "versus" in result:
+        versus = result["versus"]
+        lines += [
+            "",
+            "The same step with `--set " + " --set ".join(versus["settings"]) + "`, built, "
+            f"compiled ({versus['compile_seconds']:.0f} s, peak "
+            f"{versus['memory_gib']['peak']:.2f} GiB) and timed after it in this process:",
+            "",
+            "| step | one in flight | each waited for | tokens/s | MFU |",
+            "|---|---|---|---|---|",
+        ]
+        for name, run_result in (("as above", result), ("with the settings", versus)):
+            lines.append(
+                f"| {name} | {1e3 * run_result['step_seconds']:.1f} ms | "
+                f"{1e3 * run_result['waited_step_seconds']:.1f} ms | "
+                f"{run_result['tokens_per_second']:,.0f} | {100 * run_result['mfu']:.1f}% |")
     if result["setup"]["layers"]:
         lines += [
             "",
@@ -679,6 +730,9 @@ def main(argv=None) -> dict:
                         help="compile the step without command buffers and add its device time by "
                         "part (named scope), its top device ops and its idle gaps (a "
                         f"jax.profiler trace of {PROFILED_STEPS} steps) to the table")
+    parser.add_argument("--versus", metavar="KEY=VALUE", action="append", default=[],
+                        help="after the step, time it again with this TrainConfig override "
+                        "added (repeatable), in the same process: an A/B on one machine")
     parser.add_argument("--no-layers", action="store_true",
                         help="time the step only, not each layer kind alone (the breakdown)")
     parser.add_argument("--out", help="write the markdown table here (--gpu default: "
@@ -689,13 +743,19 @@ def main(argv=None) -> dict:
     overrides = {k: v for k, v in (("batch", args.batch), ("seq_len", args.seq_len),
                                    ("steps", args.steps), ("remat", args.remat)) if v is not None}
     setup = dataclasses.replace(setup, scan_layers=args.scanned, settings=tuple(args.set),
-                                layers=not args.no_layers, **overrides)
+                                layers=not args.no_layers, versus=tuple(args.versus),
+                                **overrides)
     if args.gpu:  # before anything starts the backend, which reads it once
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
     try:
         train_config(setup, args.optimizer)
     except ValueError as error:
         parser.error(f"--set {error}")
+    try:
+        train_config(dataclasses.replace(setup, settings=setup.settings + setup.versus),
+                     args.optimizer)
+    except ValueError as error:
+        parser.error(f"--versus {error}")
     if args.cpu_plan:
         return cpu_plan(setup, args.optimizer)
     command = command_line("experiments.bench_train", argv)

@@ -224,3 +224,24 @@ def test_cpu_plan_compiles_the_step_of_an_abstract_state(capsys):
     result = bench_train.cpu_plan(bench_train.SMOKE, "adamw")
     assert 0 < result["memory_gib"]["argument"] <= result["memory_gib"]["peak"]
     assert "GPU kernels stood in" in capsys.readouterr().out
+
+
+def test_versus_times_the_step_again_with_the_override_in_one_process(tmp_path, capsys):
+    """`--versus KEY=VALUE`: the step as set, then built again with the override added and
+    timed after it; both rows in the table. (`--no-layers`: the breakdown is skipped.)"""
+    out = tmp_path / "bench.md"
+    result = bench_train.main(["--smoke", "--steps", "1", "--no-layers", "--versus",
+                               "model.mla.implementation=xla", "--out", str(out)])
+    versus = result["versus"]
+    assert versus["settings"] == ["model.mla.implementation=xla"]
+    assert versus["step_seconds"] > 0 and versus["memory_gib"]["peak"] > 0
+    assert result["breakdown"] == {}
+    printed = capsys.readouterr().out
+    assert printed.count("preflight: step compiled") == 2
+    assert "versus: the same step with --set model.mla.implementation=xla" in printed
+    text = out.read_text()
+    assert "| as above |" in text and "| with the settings |" in text
+    assert "Breakdown" not in text and "before every layer" not in text
+    with pytest.raises(SystemExit):
+        bench_train.main(["--smoke", "--versus", "model.kda.no_such_field=1"])
+    assert "--versus" in capsys.readouterr().err
