@@ -2,8 +2,10 @@
 steps, evaluation, Muon, QK-Clip, and which gradients enter the update in bfloat16."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax.experimental import pallas as pl
@@ -13,7 +15,8 @@ from moe.routing import updated_bias
 from tests.train_toy_model import BATCH, LENGTH, make_batch, split_state
 from train import qk_clip
 from train.optim import OptimConfig
-from train.step import FAST_COMPILE_OPTIONS, gradient_dtypes, make_eval_step, make_train_step
+from train.step import (FAST_COMPILE_OPTIONS, cross_entropy, gradient_dtypes, make_eval_step,
+                        make_train_step)
 
 @pytest.fixture(scope="module")
 def adamw():
@@ -343,3 +346,33 @@ def test_a_step_with_narrowed_gradients_equals_one_without(monkeypatch):
     for (path, new), (_, reference) in zip(nnx.to_flat_state(narrowed), nnx.to_flat_state(kept)):
         np.testing.assert_array_equal(np.asarray(new[...]), np.asarray(reference[...]),
                                       err_msg=str(path))
+
+
+def _primitives(jaxpr) -> list[str]:
+    """Every primitive of a jaxpr, nested calls' included."""
+    names = []
+    for eqn in jaxpr.eqns:
+        names.append(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            names += _primitives(sub)
+    return names
+
+
+def test_cross_entropy_equals_optax_and_its_backward_is_one_dense_pass():
+    """Values equal optax's; gradients agree to float32 rounding (the target's term is
+    subtracted before the product with the cotangent, not after). The backward has no scatter,
+    which would keep XLA from fusing a cast of the cotangent into the pass that writes it."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    logits = 4 * jax.random.normal(keys[0], (2, 5, 300))
+    targets = jax.random.randint(keys[1], (2, 5), 0, 300)
+    weights = jax.random.normal(keys[2], (2, 5))
+    ours = lambda x: jnp.sum(cross_entropy(x, targets) * weights)  # noqa: E731
+    theirs = lambda x: jnp.sum(  # noqa: E731
+        optax.softmax_cross_entropy_with_integer_labels(x, targets) * weights)
+    np.testing.assert_array_equal(cross_entropy(logits, targets),
+                                  optax.softmax_cross_entropy_with_integer_labels(logits, targets))
+    np.testing.assert_allclose(jax.grad(ours)(logits), jax.grad(theirs)(logits), atol=1e-6)
+    assert not [p for p in _primitives(jax.make_jaxpr(jax.grad(ours))(logits).jaxpr)
+                if p.startswith("scatter")]
+    assert [p for p in _primitives(jax.make_jaxpr(jax.grad(theirs))(logits).jaxpr)
+            if p.startswith("scatter")]  # what it replaces
