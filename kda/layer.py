@@ -54,11 +54,11 @@ class KDAConfig:
       conv_kernels: run the short convolution and SiLU of a sequence's first call as Pallas
         kernels (`kda.kernels.short_conv`, via `conv_silu_parts`) where they run; elsewhere no
         effect. They are more accurate than XLA's path (SiLU in float32, the filter's gradient
-        never in bf16). False by default: on the H200 they took 0.42 against XLA's 0.67 ms
-        forward, but 1.20 against 1.27 ms forward+backward, a difference within run-to-run noise
-        (`python -m experiments.bench_short_conv --gpu`, `benchmarks/short_conv_h200.md`), and
-        the training step with them is not yet timed (`bench_train --set
-        model.kda.conv_kernels=true`).
+        never in bf16). False by default: on the H200 single calls took 0.42 against XLA's
+        0.67 ms forward, but 1.20 against 1.27 ms forward+backward, a difference within
+        run-to-run noise (`python -m experiments.bench_short_conv --gpu`,
+        `benchmarks/short_conv_h200.md`), and the training step with them is not yet timed
+        (`python -m experiments.bench_train --gpu --versus model.kda.conv_kernels=true`).
     """
 
     num_heads: int
