@@ -14,6 +14,8 @@
 * `kda.kernels.path`: what every kernel path does around its kernels (head-size check, bounded
   or unbounded gates).
 * `kda.kernels.mosaic_gpu_common`: what they share (SMEM layouts, `RecurrenceOperands`).
+* `kda.kernels.short_conv`: the KDA layer's short convolution and SiLU as Pallas (Triton) kernels,
+  used by `kda.layer.conv_silu_parts` when `KDAConfig.conv_kernels` is set.
 * `kda.kernels.triton`: the forward kernels in Triton through jax-triton (NVIDIA GPUs from Ampere
   on; `kda.kernels.triton_kernels` holds the kernels), the `impl="triton"` path (by name only:
   `impl="auto"` does not choose it until its GPU tests have all passed).
