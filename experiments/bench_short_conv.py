@@ -4,15 +4,17 @@ and its Pallas kernels side by side, and writes a markdown table.
     python -m experiments.bench_short_conv --gpu     # H200: the `1b` layer's q|k|v,
                                                      # -> benchmarks/short_conv_h200.md
     python -m experiments.bench_short_conv --smoke   # tiny CPU run, kernels interpreted (the test)
-    python -m experiments.bench_short_conv --gpu --tiles 32x128/4 64x128/8   # other blocks
+    python -m experiments.bench_short_conv --gpu --tiles 32x128/4 32x128/4/recompute
+                                                     # other blocks or backward schemes
 
 The input is what the `1b` preset's KDA layer convolves: the q|k|v projection [B, T, C] =
 [4, 4096, 6144] bf16 (q, k and v of 2048 channels each), a float32 [4, C] filter, and four packed
 documents a row. Forward (the three parts) and forward+backward (x's and the filter's cotangents
 from the parts' cotangents), medians of `--repeats` calls; both paths are compared with the
 float32 answer. Wall times include the host's dispatch of each call, a large part of a sub-ms
-call; the device columns sum one call's device ops from a profiler trace. `--tiles` times the kernels with other blocks (tokens x channels / warps),
-one row each; the first is the default, `kda.kernels.short_conv.TILES`.
+call; the device columns sum one call's device ops from a profiler trace. `--tiles` times the kernels with other blocks (tokens x channels / warps)
+and backward schemes (`kda.kernels.short_conv.KernelOptions`), one row each; the first is the
+default, `kda.kernels.short_conv.OPTIONS`.
 """
 
 import argparse
@@ -85,10 +87,11 @@ def make_inputs(setup: Setup, seed: int = 0):
     return x, weight, segment_ids, grads
 
 
-def path_functions(tiles: short_conv.Tiles | None, widths, interpret: bool):
-    """(forward, forward_backward) of the XLA path (tiles None) or of the kernels with `tiles`:
+def path_functions(options: short_conv.KernelOptions | None, widths, interpret: bool):
+    """(forward, forward_backward) of the XLA path (options None) or of the kernels with
+    `options`:
     (x, weight, segment_ids[, grads]) -> parts and, for the latter, (parts, (dx, d_weight))."""
-    if tiles is None:
+    if options is None:
         def forward(x, weight, segment_ids):
             return conv_silu_parts(x, weight, segment_ids, widths, kernels=False)
 
@@ -99,14 +102,14 @@ def path_functions(tiles: short_conv.Tiles | None, widths, interpret: bool):
 
     def kernel_forward(x, weight, segment_ids):
         document = document_index(segment_ids)
-        return short_conv.conv_silu_forward(x, weight, document, widths, tiles=tiles,
+        return short_conv.conv_silu_forward(x, weight, document, widths, options=options,
                                             interpret=interpret)
 
     def kernel_forward_backward(x, weight, segment_ids, grads):
         document = document_index(segment_ids)  # as `conv_silu_parts`' custom VJP runs them
-        parts = short_conv.conv_silu_forward(x, weight, document, widths, tiles=tiles,
+        parts = short_conv.conv_silu_forward(x, weight, document, widths, options=options,
                                              interpret=interpret)
-        return parts, short_conv.conv_silu_backward(x, weight, document, grads, tiles=tiles,
+        return parts, short_conv.conv_silu_backward(x, weight, document, grads, options=options,
                                                     interpret=interpret)
     return kernel_forward, kernel_forward_backward
 
@@ -127,15 +130,15 @@ def max_relative_error(got, want) -> float:
 
 
 def measure(setup: Setup, repeats: int, warmup: int, interpret: bool,
-            tiles: list[short_conv.Tiles]) -> dict:
+            kernels: list[short_conv.KernelOptions]) -> dict:
     """{path: (PathTiming, largest relative error of its outputs and cotangents)}: "xla", then
-    "pallas <tiles>" for each of `tiles`."""
+    "pallas <options>" for each of `kernels`."""
     x, weight, segment_ids, grads = make_inputs(setup)
     truth = jax.jit(functools.partial(exact, widths=setup.widths))(x, weight, segment_ids, grads)
     results = {}
-    for path_tiles in [None, *tiles]:
-        path = "xla" if path_tiles is None else f"pallas {path_tiles}"
-        forward, forward_backward = path_functions(path_tiles, setup.widths, interpret)
+    for options in [None, *kernels]:
+        path = "xla" if options is None else f"pallas {options}"
+        forward, forward_backward = path_functions(options, setup.widths, interpret)
         fwd = compiled_once(forward, x, weight, segment_ids)
         both = compiled_once(forward_backward, x, weight, segment_ids, grads)
         error = max_relative_error(both(x, weight, segment_ids, grads), truth)
@@ -179,29 +182,35 @@ def write_table(path: Path, results: dict, setup: Setup, command: str):
     path.write_text("\n".join(lines) + "\n")
 
 
-def parse_tiles(text: str) -> short_conv.Tiles:
-    """"32x128/4" -> Tiles(tokens=32, channels=128, warps=4)."""
+def parse_options(text: str) -> short_conv.KernelOptions:
+    """"32x128/4" -> KernelOptions(tokens=32, channels=128, warps=4); a last "/recompute" (or
+    "/two_pass") picks the backward scheme."""
     try:
-        block, warps = text.split("/")
+        block, warps, *backward = text.split("/")
         tokens, channels = block.split("x")
-        return short_conv.Tiles(int(tokens), int(channels), int(warps.rstrip("w")))
-    except ValueError:
+        return short_conv.KernelOptions(int(tokens), int(channels), int(warps.rstrip("w")),
+                                        *backward)
+    except (ValueError, TypeError) as error:
         raise argparse.ArgumentTypeError(
-            f"tiles are TOKENSxCHANNELS/WARPS, e.g. 32x128/4, got {text!r}") from None
+            f"kernel options are TOKENSxCHANNELS/WARPS[/BACKWARD], e.g. 32x128/4 or "
+            f"32x128/4/recompute, got {text!r} ({error})") from None
 
 
 def main(argv=None):
     def tiles_option(parser):
-        parser.add_argument("--tiles", nargs="+", type=parse_tiles, default=[short_conv.TILES],
-                            metavar="TxC/W", help="kernel blocks to time: tokens x channels / "
-                            f"warps (default {short_conv.TILES})")
+        parser.add_argument("--tiles", nargs="+", type=parse_options,
+                            default=[short_conv.OPTIONS], metavar="TxC/W[/BACKWARD]",
+                            help="kernels to time: tokens x channels / warps, and optionally "
+                            f"the backward scheme, one of {short_conv.BACKWARDS} "
+                            f"(default {short_conv.OPTIONS})")
 
     args = gpu_or_smoke_args(argv, __doc__.split("\n\n")[0], "short_conv_h200.md",
                              gpu_help="the 1b layer's q|k|v, on the GPU",
                              smoke_help="a tiny run, kernels in interpret mode (CPU check)",
                              add_options=tiles_option)
     setup = GPU_SETUP if args.gpu else SMOKE_SETUP
-    results = measure(setup, args.repeats, args.warmup, interpret=args.smoke, tiles=args.tiles)
+    results = measure(setup, args.repeats, args.warmup, interpret=args.smoke,
+                      kernels=args.tiles)
     if args.out is not None:
         command = command_line("experiments.bench_short_conv", argv)
         write_table(args.out, results, setup, command)

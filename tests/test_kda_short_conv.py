@@ -7,6 +7,7 @@ both are compared with the float32 answer, and the kernels must be at least as a
 worst element (the weight's gradient, a sum over every token, is far more accurate: it never
 passes through bf16)."""
 
+import argparse
 import functools
 
 import jax
@@ -58,14 +59,19 @@ def _max_error(values, exact):
                for v, e in zip(values, exact))
 
 
+@pytest.mark.parametrize("backward", short_conv.BACKWARDS)
 @pytest.mark.parametrize("documents", [True, False])
 @pytest.mark.parametrize("batch,length", [(2, 96), (1, 256)])
-def test_kernels_in_interpret_mode_are_at_least_as_accurate_as_xla(documents, batch, length):
+def test_kernels_in_interpret_mode_are_at_least_as_accurate_as_xla(backward, documents, batch,
+                                                                    length):
     x, weight, segment_ids, grads = _problem(batch, length)
     segment_ids = segment_ids if documents else None
     document = None if segment_ids is None else document_index(segment_ids)
-    parts = short_conv.conv_silu_forward(x, weight, document, WIDTHS, interpret=True)
-    dx, d_weight = short_conv.conv_silu_backward(x, weight, document, grads, interpret=True)
+    options = short_conv.KernelOptions(backward=backward)
+    parts = short_conv.conv_silu_forward(x, weight, document, WIDTHS, options=options,
+                                         interpret=True)
+    dx, d_weight = short_conv.conv_silu_backward(x, weight, document, grads, options=options,
+                                                 interpret=True)
     assert [p.shape for p in parts] == [(batch, length, w) for w in WIDTHS]
     assert all(p.dtype == jnp.bfloat16 for p in parts) and dx.dtype == jnp.bfloat16
     assert d_weight.shape == weight.shape and d_weight.dtype == jnp.float32
@@ -113,7 +119,8 @@ def test_refuses_what_it_cannot_tile_and_says_so(x_shape, widths, width, message
 
 
 def test_kernels_lower_to_triton_for_cuda_at_the_1b_shape():
-    """The `1b` preset's KDA layer: 4 x 4096 tokens, q, k and v of 16 heads of 128."""
+    """The `1b` preset's KDA layer: 4 x 4096 tokens, q, k and v of 16 heads of 128; the
+    two-pass backward is two kernels, the recomputing one one."""
     x = jax.ShapeDtypeStruct((4, 4096, 6144), jnp.bfloat16)
     weight = jax.ShapeDtypeStruct((4, 6144), jnp.float32)
     document = jax.ShapeDtypeStruct((4, 4096), jnp.int32)
@@ -121,9 +128,13 @@ def test_kernels_lower_to_triton_for_cuda_at_the_1b_shape():
     widths = (2048, 2048, 2048)
     with jax.sharding.use_abstract_mesh(A100):
         forward = jax.jit(lambda x, w, d: short_conv.conv_silu_forward(x, w, d, widths))
-        backward = jax.jit(lambda x, w, d, *g: short_conv.conv_silu_backward(x, w, d, g))
-        for fn, args, kernels in ((forward, (x, weight, document), 1),
-                                  (backward, (x, weight, document, *grads), 2)):
+        cases = [(forward, (x, weight, document), 1)]
+        for scheme, kernels in (("two_pass", 2), ("recompute", 1)):
+            options = short_conv.KernelOptions(backward=scheme)
+            backward = jax.jit(lambda x, w, d, *g, options=options:
+                               short_conv.conv_silu_backward(x, w, d, g, options=options))
+            cases.append((backward, (x, weight, document, *grads), kernels))
+        for fn, args, kernels in cases:
             text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert text.count("xla.gpu.triton") == kernels
 
@@ -158,7 +169,9 @@ def test_kernels_only_on_a_gpu_for_tileable_shapes_and_whole_arrays(monkeypatch)
 
 
 @pytest.mark.gpu
-def test_gpu_kernels_at_the_1b_shape_are_at_least_as_accurate_as_xla():
+@pytest.mark.parametrize("backward", short_conv.BACKWARDS)
+def test_gpu_kernels_at_the_1b_shape_are_at_least_as_accurate_as_xla(monkeypatch, backward):
+    monkeypatch.setattr(short_conv, "OPTIONS", short_conv.KernelOptions(backward=backward))
     widths = (2048, 2048, 2048)
     x, weight, segment_ids, grads = _problem(4, 4096, widths=widths)
 
@@ -184,9 +197,22 @@ def test_benchmark_smoke_writes_both_paths(tmp_path):
     out = tmp_path / "short_conv.md"
     results = bench_short_conv.main(["--smoke", "--repeats", "1", "--warmup", "1",
                                      "--out", str(out)])
-    assert set(results) == {"xla", f"pallas {short_conv.TILES}"}
+    assert set(results) == {"xla", f"pallas {short_conv.OPTIONS}"}
     assert all(error < 2**-6 for _, error in results.values())
     text = out.read_text()
-    assert "| xla |" in text and f"| pallas {short_conv.TILES} |" in text
+    assert "| xla |" in text and f"| pallas {short_conv.OPTIONS} |" in text
     assert "fwd+bwd device ms" in text  # the device-op times, beside the wall times
     assert all(timing.forward_backward_device_ms > 0 for timing, _ in results.values())
+
+
+def test_kernel_options_parse_and_refuse_clearly():
+    from experiments.bench_short_conv import parse_options  # noqa: PLC0415
+    assert parse_options("32x128/4") == short_conv.OPTIONS
+    assert parse_options("16x256/8w/recompute") == short_conv.KernelOptions(16, 256, 8,
+                                                                            "recompute")
+    assert str(short_conv.KernelOptions(backward="recompute")) == "32x128/4w/recompute"
+    for bad in ("32x128", "32x128/4/fast", "32x128/4/recompute/1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="TOKENSxCHANNELS/WARPS"):
+            parse_options(bad)
+    with pytest.raises(ValueError, match="backward must be one of"):
+        short_conv.KernelOptions(backward="fast")

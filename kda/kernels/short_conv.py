@@ -5,10 +5,12 @@ document (`kda.layer.causal_depthwise_conv`, W = 4) and applies SiLU, then split
 Here, for a sequence's first call (zero prefix), each program owns a block of tokens x channels:
 
 - the forward reads x [B, T, C] and writes the parts [B, T, C_i] (q, k, v) directly;
-- the backward is two kernels: the first recomputes the pre-activation from x, writes g = the
-  parts' cotangents times SiLU's slope (float32 [B, T, C]) and each block's sums of g times the
-  shifted x, the filter's gradient (summed over blocks by XLA); the second gathers g's shifted
-  rows into dx.
+- the backward (`KernelOptions.backward`), by default two kernels: the first recomputes the
+  pre-activation from x, writes g = the parts' cotangents times SiLU's slope (float32
+  [B, T, C]) and each block's sums of g times the shifted x, the filter's gradient (summed over
+  blocks by XLA); the second gathers g's shifted rows into dx. Or one kernel that recomputes g
+  at every shift dx needs ("recompute": more arithmetic and L1/L2 loads, less than half the
+  HBM traffic; its first, looping version was slow, this one is not yet timed).
 
 Both take the SiLU in float32 before one rounding, so they are more accurate than XLA's path
 (which rounds the pre-activation to bf16 first). They are chosen only by `KDAConfig.conv_kernels`
@@ -32,41 +34,57 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 
 
+BACKWARDS = ("two_pass", "recompute")
+
+
 @dataclasses.dataclass(frozen=True)
-class Tiles:
-    """One program's block: `tokens` x `channels` (powers of two: Triton tensors are), run by
-    `warps` warps."""
+class KernelOptions:
+    """One program's block, `tokens` x `channels` (powers of two: Triton tensors are), run by
+    `warps` warps, and the backward's scheme:
+
+    - "two_pass": one kernel writes g (the cotangents through SiLU, float32) and the filter's
+      partial sums, a second gathers g's shifted rows into dx (~1.4 GB moved at the `1b` shape);
+    - "recompute": one kernel recomputes g at the W shifts each block's dx needs from x (4x the
+      SiLU and the loads, from L1/L2), moving only x, the cotangents and dx (~0.6 GB).
+    """
 
     tokens: int = 32
     channels: int = 128
     warps: int = 4
+    backward: str = "two_pass"
+
+    def __post_init__(self):
+        if self.backward not in BACKWARDS:
+            raise ValueError(f"backward must be one of {BACKWARDS}, got {self.backward!r}")
 
     def __str__(self):
-        return f"{self.tokens}x{self.channels}/{self.warps}w"
+        scheme = "" if self.backward == "two_pass" else f"/{self.backward}"
+        return f"{self.tokens}x{self.channels}/{self.warps}w{scheme}"
 
 
-TILES = Tiles()
+OPTIONS = KernelOptions()
 
 
 def refusal(x_shape: tuple[int, ...], widths: tuple[int, ...], width: int,
-            tiles: Tiles = TILES) -> str | None:
-    """Why the kernels cannot run x [B, T, C] split into `widths` with a width-`width` filter, or
-    None when they can."""
+            options: KernelOptions | None = None) -> str | None:
+    """Why the kernels cannot run x [B, T, C] split into `widths` with a width-`width` filter
+    (with `options`, default `OPTIONS`), or None when they can."""
+    options = options or OPTIONS
     if len(x_shape) != 3:
         return f"x must be [B, T, C], got shape {x_shape}"
     if sum(widths) != x_shape[2]:
         return f"the parts' widths {widths} must add up to C = {x_shape[2]}"
-    if any(w % tiles.channels for w in widths):
-        return f"every part's width must be a multiple of {tiles.channels}, got {widths}"
-    if x_shape[1] % tiles.tokens:
-        return f"T must be a multiple of {tiles.tokens}, got {x_shape[1]}"
+    if any(w % options.channels for w in widths):
+        return f"every part's width must be a multiple of {options.channels}, got {widths}"
+    if x_shape[1] % options.tokens:
+        return f"T must be a multiple of {options.tokens}, got {x_shape[1]}"
     if width < 1:
         return f"the filter width must be positive, got {width}"
     return None
 
 
-def _check(x, widths, weight, tiles):
-    reason = refusal(x.shape, widths, weight.shape[0], tiles)
+def _check(x, widths, weight, options):
+    reason = refusal(x.shape, widths, weight.shape[0], options)
     if reason is not None:
         raise ValueError(f"kda.kernels.short_conv: {reason}; kda.layer falls back to XLA for "
                          "such calls")
@@ -74,11 +92,11 @@ def _check(x, widths, weight, tiles):
         raise ValueError(f"weight must be [W, C] with C = {x.shape[2]}, got {weight.shape}")
 
 
-def _part_block_ranges(widths, tiles):
+def _part_block_ranges(widths, options):
     """[(first, end)) channel blocks of each part."""
     bounds = [0]
     for w in widths:
-        bounds.append(bounds[-1] + w // tiles.channels)
+        bounds.append(bounds[-1] + w // options.channels)
     return tuple(zip(bounds[:-1], bounds[1:]))
 
 
@@ -86,28 +104,28 @@ class _Layout:
     """The grid (B, T / tokens, C / channels) and the block specs: token-major arrays are seen
     whole along T (a program gathers its shifted rows), one block of channels wide."""
 
-    def __init__(self, x_shape, widths, width, tiles):
+    def __init__(self, x_shape, widths, width, options):
         batch, length, channels = x_shape
-        self.tiles = tiles
-        self.grid = (batch, length // tiles.tokens, channels // tiles.channels)
-        self.tokens = pl.BlockSpec((None, length, tiles.channels), lambda b, t, c: (b, 0, c))
+        self.options = options
+        self.grid = (batch, length // options.tokens, channels // options.channels)
+        self.tokens = pl.BlockSpec((None, length, options.channels), lambda b, t, c: (b, 0, c))
         self.documents = pl.BlockSpec((None, length), lambda b, t, c: (b, 0))
-        self.weight = pl.BlockSpec((width, tiles.channels), lambda b, t, c: (0, c))
-        self.weight_partials = pl.BlockSpec((None, None, width, tiles.channels),
+        self.weight = pl.BlockSpec((width, options.channels), lambda b, t, c: (0, c))
+        self.weight_partials = pl.BlockSpec((None, None, width, options.channels),
                                             lambda b, t, c: (b, t, 0, c))
         # A program touches only its own part; other parts' blocks are clamped into range.
-        self.part_ranges = _part_block_ranges(widths, tiles)
+        self.part_ranges = _part_block_ranges(widths, options)
         self.parts = [
-            pl.BlockSpec((None, length, tiles.channels),
+            pl.BlockSpec((None, length, options.channels),
                          lambda b, t, c, lo=lo, hi=hi: (b, 0, jnp.clip(c - lo, 0, hi - lo - 1)))
             for lo, hi in self.part_ranges
         ]
 
     def call(self, kernel, out_shape, in_specs, out_specs, interpret, **params):
         return pl.pallas_call(
-            functools.partial(kernel, tiles=self.tiles, **params),
+            functools.partial(kernel, options=self.options, **params),
             out_shape=out_shape, grid=self.grid, in_specs=in_specs, out_specs=out_specs,
-            compiler_params=pallas_triton.CompilerParams(num_warps=self.tiles.warps,
+            compiler_params=pallas_triton.CompilerParams(num_warps=self.options.warps,
                                                          num_stages=1),
             interpret=interpret,
         )
@@ -118,11 +136,11 @@ def _rows_of(ref, rows, length):
     return ref[jnp.clip(rows, 0, length - 1)]
 
 
-def _program_rows(tiles):
+def _program_rows(options):
     """The first token of this program's block and all of them, [tokens] int32. (Program ids
     are read at a kernel's top level: interpret mode resolves them there.)"""
-    start = pl.program_id(1) * tiles.tokens
-    return start, start + jnp.arange(tiles.tokens, dtype=jnp.int32)
+    start = pl.program_id(1) * options.tokens
+    return start, start + jnp.arange(options.tokens, dtype=jnp.int32)
 
 
 def _taps(x_ref, doc_ref, rows, width, length, documents):
@@ -152,8 +170,14 @@ def _pre_activation(windows, weights):
     return pre
 
 
-def _forward_kernel(x_ref, w_ref, doc_ref, *out_refs, tiles, part_ranges, documents):
-    start, rows = _program_rows(tiles)
+def _silu_slope(pre):
+    """d SiLU / d pre, float32."""
+    sig = jax.nn.sigmoid(pre)
+    return sig * (1.0 + pre * (1.0 - sig))
+
+
+def _forward_kernel(x_ref, w_ref, doc_ref, *out_refs, options, part_ranges, documents):
+    start, rows = _program_rows(options)
     channel_block = pl.program_id(2)
     weights = _weights(w_ref)
     pre = _pre_activation(
@@ -162,38 +186,36 @@ def _forward_kernel(x_ref, w_ref, doc_ref, *out_refs, tiles, part_ranges, docume
     for out_ref, (lo, hi) in zip(out_refs, part_ranges):
         @pl.when((channel_block >= lo) & (channel_block < hi))
         def _(out_ref=out_ref):
-            out_ref[pl.ds(start, tiles.tokens), :] = out.astype(out_ref.dtype)
+            out_ref[pl.ds(start, options.tokens), :] = out.astype(out_ref.dtype)
 
 
-def _slope_kernel(x_ref, w_ref, doc_ref, *refs, tiles, part_ranges, documents):
+def _slope_kernel(x_ref, w_ref, doc_ref, *refs, options, part_ranges, documents):
     """g = the part's cotangent times SiLU's slope at the recomputed pre-activation (float32),
     and this block's sums over tokens of g times each tap's window: the weight's gradient."""
     *grad_refs, g_ref, dw_ref = refs
-    start, rows = _program_rows(tiles)
+    start, rows = _program_rows(options)
     channel_block = pl.program_id(2)
     weights = _weights(w_ref)
     windows = _taps(x_ref, doc_ref, rows, len(weights), x_ref.shape[0], documents)
-    pre = _pre_activation(windows, weights)
-    sig = jax.nn.sigmoid(pre)
-    slope = sig * (1.0 + pre * (1.0 - sig))
+    slope = _silu_slope(_pre_activation(windows, weights))
     for grad_ref, (lo, hi) in zip(grad_refs, part_ranges):
         @pl.when((channel_block >= lo) & (channel_block < hi))
         def _(grad_ref=grad_ref):
-            g = grad_ref[pl.ds(start, tiles.tokens), :].astype(jnp.float32) * slope
-            g_ref[pl.ds(start, tiles.tokens), :] = g
+            g = grad_ref[pl.ds(start, options.tokens), :].astype(jnp.float32) * slope
+            g_ref[pl.ds(start, options.tokens), :] = g
             for tap, window in enumerate(windows):
                 dw_ref[tap, :] = jnp.sum(window * g, axis=0)
 
 
-def _transpose_kernel(g_ref, w_ref, doc_ref, dx_ref, *, tiles, documents):
+def _transpose_kernel(g_ref, w_ref, doc_ref, dx_ref, *, options, documents):
     """dx[t] = sum over k < W of w[W - 1 - k] g[t + k], within t's document and the sequence:
     token t's input feeds the outputs t + k through tap W - 1 - k."""
-    start, rows = _program_rows(tiles)
+    start, rows = _program_rows(options)
     length = g_ref.shape[0]
     weights = _weights(w_ref)
     width = len(weights)
     here = _rows_of(doc_ref, rows, length) if documents else None
-    dx = jnp.zeros((tiles.tokens, tiles.channels), jnp.float32)
+    dx = jnp.zeros((options.tokens, options.channels), jnp.float32)
     for k in range(width):
         outputs = rows + k
         valid = outputs < length
@@ -201,7 +223,36 @@ def _transpose_kernel(g_ref, w_ref, doc_ref, dx_ref, *, tiles, documents):
             valid &= _rows_of(doc_ref, outputs, length) == here
         g = _rows_of(g_ref, outputs, length)
         dx = dx + jnp.where(valid[:, None], g, 0.0) * weights[width - 1 - k][None, :]
-    dx_ref[pl.ds(start, tiles.tokens), :] = dx.astype(dx_ref.dtype)
+    dx_ref[pl.ds(start, options.tokens), :] = dx.astype(dx_ref.dtype)
+
+
+def _recompute_backward_kernel(x_ref, w_ref, doc_ref, *refs, options, part_ranges, documents):
+    """dx and the filter's partial sums in one kernel: g at each shift k < W that dx needs is
+    recomputed from x (token t's input feeds the outputs t + k through tap W - 1 - k)."""
+    *grad_refs, dx_ref, dw_ref = refs
+    start, rows = _program_rows(options)
+    channel_block = pl.program_id(2)
+    length = x_ref.shape[0]
+    weights = _weights(w_ref)
+    width = len(weights)
+    for grad_ref, (lo, hi) in zip(grad_refs, part_ranges):
+        @pl.when((channel_block >= lo) & (channel_block < hi))
+        def _(grad_ref=grad_ref):
+            here = _rows_of(doc_ref, rows, length) if documents else None
+            dx = jnp.zeros((options.tokens, options.channels), jnp.float32)
+            for k in range(width):
+                outputs = rows + k
+                windows = _taps(x_ref, doc_ref, outputs, width, length, documents)
+                g = _rows_of(grad_ref, outputs, length).astype(jnp.float32) * _silu_slope(
+                    _pre_activation(windows, weights))
+                valid = outputs < length
+                if documents:
+                    valid &= _rows_of(doc_ref, outputs, length) == here
+                dx = dx + jnp.where(valid[:, None], g, 0.0) * weights[width - 1 - k][None, :]
+                if k == 0:  # the block's own outputs: the filter's gradient
+                    for tap, window in enumerate(windows):
+                        dw_ref[tap, :] = jnp.sum(window * g, axis=0)
+            dx_ref[pl.ds(start, options.tokens), :] = dx.astype(dx_ref.dtype)
 
 
 def _documents(x, document):
@@ -211,16 +262,17 @@ def _documents(x, document):
     return document.astype(jnp.int32)
 
 
-def conv_silu_forward(x, weight, document, widths, *, tiles: Tiles = TILES,
+def conv_silu_forward(x, weight, document, widths, *, options: KernelOptions | None = None,
                       interpret: bool = False):
     """SiLU(causal depthwise conv) of x [B, T, C] with a zero prefix, split into parts.
 
     weight: [W, C] (tap W - 1 multiplies the current token); document: int [B, T] (each token's
     document, `kda.common.document_index`) or None; widths: the parts' widths (q, k, v), adding
-    up to C. Returns a tuple of [B, T, width] arrays in x.dtype.
+    up to C; options: default `OPTIONS`. Returns a tuple of [B, T, width] arrays in x.dtype.
     """
-    _check(x, widths, weight, tiles)
-    layout = _Layout(x.shape, widths, weight.shape[0], tiles)
+    options = options or OPTIONS
+    _check(x, widths, weight, options)
+    layout = _Layout(x.shape, widths, weight.shape[0], options)
     return tuple(layout.call(
         _forward_kernel,
         out_shape=[jax.ShapeDtypeStruct(x.shape[:2] + (w,), x.dtype) for w in widths],
@@ -230,25 +282,34 @@ def conv_silu_forward(x, weight, document, widths, *, tiles: Tiles = TILES,
     )(x, weight, _documents(x, document)))
 
 
-def conv_silu_backward(x, weight, document, grads, *, tiles: Tiles = TILES,
+def conv_silu_backward(x, weight, document, grads, *, options: KernelOptions | None = None,
                        interpret: bool = False):
     """The cotangents of x [B, T, C] and of weight [W, C] (float32) given the parts' cotangents
     `grads` (a tuple of [B, T, width], as `conv_silu_forward` returns the parts).
 
-    Two kernels: the first writes g (the cotangents through SiLU, float32 [B, T, C]) and each
-    block's sums of the weight's gradient; the second gathers g's shifted rows into dx.
+    `options.backward` picks the scheme (`KernelOptions`; default `OPTIONS`).
     """
+    options = options or OPTIONS
     widths = tuple(g.shape[2] for g in grads)
-    _check(x, widths, weight, tiles)
+    _check(x, widths, weight, options)
     batch, length, channels = x.shape
     width = weight.shape[0]
-    layout = _Layout(x.shape, widths, width, tiles)
+    layout = _Layout(x.shape, widths, width, options)
     documents = _documents(x, document)
+    partials_shape = jax.ShapeDtypeStruct((batch, length // options.tokens, width, channels),
+                                          jnp.float32)
+    if options.backward == "recompute":
+        dx, weight_partials = layout.call(
+            _recompute_backward_kernel,
+            out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), partials_shape],
+            in_specs=[layout.tokens, layout.weight, layout.documents, *layout.parts],
+            out_specs=[layout.tokens, layout.weight_partials],
+            interpret=interpret, part_ranges=layout.part_ranges, documents=document is not None,
+        )(x, weight, documents, *grads)
+        return dx, jnp.sum(weight_partials, axis=(0, 1))
     g, weight_partials = layout.call(
         _slope_kernel,
-        out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32),
-                   jax.ShapeDtypeStruct((batch, length // tiles.tokens, width, channels),
-                                        jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32), partials_shape],
         in_specs=[layout.tokens, layout.weight, layout.documents, *layout.parts],
         out_specs=[layout.tokens, layout.weight_partials],
         interpret=interpret, part_ranges=layout.part_ranges, documents=document is not None,
