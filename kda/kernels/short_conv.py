@@ -298,27 +298,23 @@ def conv_silu_backward(x, weight, document, grads, *, options: KernelOptions | N
     documents = _documents(x, document)
     partials_shape = jax.ShapeDtypeStruct((batch, length // options.tokens, width, channels),
                                           jnp.float32)
-    if options.backward == "recompute":
-        dx, weight_partials = layout.call(
-            _recompute_backward_kernel,
-            out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), partials_shape],
-            in_specs=[layout.tokens, layout.weight, layout.documents, *layout.parts],
-            out_specs=[layout.tokens, layout.weight_partials],
-            interpret=interpret, part_ranges=layout.part_ranges, documents=document is not None,
-        )(x, weight, documents, *grads)
-        return dx, jnp.sum(weight_partials, axis=(0, 1))
-    g, weight_partials = layout.call(
-        _slope_kernel,
-        out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32), partials_shape],
+    # The first kernel writes dx itself ("recompute") or g for the second (float32).
+    recompute = options.backward == "recompute"
+    first, weight_partials = layout.call(
+        _recompute_backward_kernel if recompute else _slope_kernel,
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype if recompute else jnp.float32),
+                   partials_shape],
         in_specs=[layout.tokens, layout.weight, layout.documents, *layout.parts],
         out_specs=[layout.tokens, layout.weight_partials],
         interpret=interpret, part_ranges=layout.part_ranges, documents=document is not None,
     )(x, weight, documents, *grads)
+    if recompute:
+        return first, jnp.sum(weight_partials, axis=(0, 1))
     dx = layout.call(
         _transpose_kernel,
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         in_specs=[layout.tokens, layout.weight, layout.documents],
         out_specs=layout.tokens,
         interpret=interpret, documents=document is not None,
-    )(g, weight, documents)
+    )(first, weight, documents)
     return dx, jnp.sum(weight_partials, axis=(0, 1))
