@@ -67,13 +67,6 @@ class PathTiming(NamedTuple):
     peak_mib: float
 
 
-class DeviceTiming(NamedTuple):
-    """A path's device ms, as `timing_cells` reads a timing."""
-
-    forward_ms: float | None
-    forward_backward_ms: float | None
-
-
 def make_inputs(setup: Setup, seed: int = 0):
     """x, the filter, segment ids (equal documents a row) and the parts' cotangents."""
     keys = jax.random.split(jax.random.key(seed), 2 + len(setup.widths))
@@ -157,6 +150,12 @@ def measure(setup: Setup, repeats: int, warmup: int, interpret: bool,
     return results
 
 
+def _device(timing: PathTiming) -> PathTiming:
+    """The timing with its device ms where `timing_cells` reads the wall ms."""
+    return timing._replace(forward_ms=timing.forward_device_ms,
+                           forward_backward_ms=timing.forward_backward_device_ms)
+
+
 def write_table(path: Path, results: dict, setup: Setup, command: str):
     base = results["xla"][0]
     lines = report_preamble("KDA short convolution + SiLU", command,
@@ -173,10 +172,8 @@ def write_table(path: Path, results: dict, setup: Setup, command: str):
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, (timing, error) in results.items():
-        device = DeviceTiming(timing.forward_device_ms, timing.forward_backward_device_ms)
-        base_device = DeviceTiming(base.forward_device_ms, base.forward_backward_device_ms)
         lines.append(table_row(name, *timing_cells(timing, base, ".3f"),
-                               *timing_cells(device, base_device, ".3f"),
+                               *timing_cells(_device(timing), _device(base), ".3f"),
                                cell(timing.peak_mib, ".0f"), cell(error, ".1e")))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")

@@ -168,8 +168,13 @@ def conv_silu_parts(x, weight, segment_ids, widths, *, kernels: bool | None = No
         return _conv_silu_kernels(x, weight, document, tuple(widths))
     prefix = jnp.zeros((x.shape[0], weight.shape[0] - 1, x.shape[2]), x.dtype)
     mixed, _ = causal_depthwise_conv(x, weight, prefix, segment_ids)
+    return _split_channels(jax.nn.silu(mixed), widths)
+
+
+def _split_channels(x, widths):
+    """x [..., sum(widths)] split along its last axis into parts of `widths`."""
     bounds = [sum(widths[:i]) for i in range(1, len(widths))]
-    return tuple(jnp.split(jax.nn.silu(mixed), bounds, axis=-1))
+    return tuple(jnp.split(x, bounds, axis=-1))
 
 
 def short_conv_kernel_runs(x_shape, widths, width) -> bool:
@@ -288,14 +293,15 @@ class KDA(nnx.Module):
         x = x.astype(self.dtype)
         key_width = cfg.num_heads * cfg.head_dim
         widths = (key_width, key_width, cfg.qkv_dim - 2 * key_width)
+        projected = self.qkv_proj(x)
         if cache is None and not return_cache:  # a sequence's first call: zero prefix
-            q, k, v = conv_silu_parts(self.qkv_proj(x), self.conv_weight[...], segment_ids,
-                                      widths, kernels=None if cfg.conv_kernels else False)
+            q, k, v = conv_silu_parts(projected, self.conv_weight[...], segment_ids, widths,
+                                      kernels=None if cfg.conv_kernels else False)
         else:
             conv_prefix = self.init_cache(batch).conv if cache is None else cache.conv
-            mixed, conv_tail = causal_depthwise_conv(self.qkv_proj(x), self.conv_weight[...],
+            mixed, conv_tail = causal_depthwise_conv(projected, self.conv_weight[...],
                                                      conv_prefix, segment_ids)
-            q, k, v = jnp.split(jax.nn.silu(mixed), [key_width, 2 * key_width], axis=-1)
+            q, k, v = _split_channels(jax.nn.silu(mixed), widths)
         q = q.reshape(batch, length, cfg.num_heads, cfg.head_dim)
         k = k.reshape(batch, length, cfg.num_heads, cfg.head_dim)
         v = v.reshape(batch, length, cfg.num_value_heads, cfg.head_dim)
