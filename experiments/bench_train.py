@@ -7,7 +7,7 @@ breakdown of where the time goes (KDA, Gated MLA attention, MoE, rest).
     python -m experiments.bench_train --smoke   # `tiny` preset at a tiny size (CPU check)
     python -m experiments.bench_train --gpu --cpu-plan   # compile only, here: memory plan
     python -m experiments.bench_train --gpu --profile    # + device time by part and top ops
-    python -m experiments.bench_train --gpu --no-layers --versus model.kda.conv_kernels=true
+    python -m experiments.bench_train --gpu --no-layers --versus model.kda.conv_kernels=false
                                                 # the step, then the step with the override,
                                                 # in one process (an A/B on one machine)
     python -m experiments.bench_train --gpu --set model.mla.implementation=cudnn

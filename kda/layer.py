@@ -54,11 +54,12 @@ class KDAConfig:
       conv_kernels: run the short convolution and SiLU of a sequence's first call as Pallas
         kernels (`kda.kernels.short_conv`, via `conv_silu_parts`) where they run; elsewhere no
         effect. They are more accurate than XLA's path (SiLU in float32, the filter's gradient
-        never in bf16). False by default: on the H200 single calls took 0.42 against XLA's
-        0.67 ms forward, but 1.20 against 1.27 ms forward+backward, a difference within
-        run-to-run noise (`python -m experiments.bench_short_conv --gpu`,
-        `benchmarks/short_conv_h200.md`), and the training step with them is not yet timed
-        (`python -m experiments.bench_train --gpu --versus model.kda.conv_kernels=true`).
+        never in bf16) and faster in the training step: on the H200 the `1b` step took 314.4
+        against 320.9 ms without them, in one process (`python -m experiments.bench_train --gpu
+        --no-layers --set model.kda.conv_kernels=true --versus model.kda.conv_kernels=false`;
+        `benchmarks/train_h200.md`), though alone their forward+backward is only 1.05x XLA's
+        (`benchmarks/short_conv_h200.md`): in the step they also spare the backward XLA's
+        recomputed forward.
     """
 
     num_heads: int
@@ -70,7 +71,7 @@ class KDAConfig:
     full_rank_gate: bool = False
     norm_eps: float = 1e-5
     impl: str = "auto"
-    conv_kernels: bool = False
+    conv_kernels: bool = True
 
     def __post_init__(self):
         if self.num_value_heads is None:

@@ -15,7 +15,7 @@
   or unbounded gates).
 * `kda.kernels.mosaic_gpu_common`: what they share (SMEM layouts, `RecurrenceOperands`).
 * `kda.kernels.short_conv`: the KDA layer's short convolution and SiLU as Pallas (Triton) kernels,
-  used by `kda.layer.conv_silu_parts` when `KDAConfig.conv_kernels` is set.
+  used by `kda.layer.conv_silu_parts` where `KDAConfig.conv_kernels` (on by default) allows.
 * `kda.kernels.triton`: the forward kernels in Triton through jax-triton (NVIDIA GPUs from Ampere
   on; `kda.kernels.triton_kernels` holds the kernels), the `impl="triton"` path (by name only:
   `impl="auto"` does not choose it until its GPU tests have all passed).
