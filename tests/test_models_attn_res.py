@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from models import attn_res
 from models.attn_res import (
     AttnResRead,
     ResidualStream,
@@ -121,20 +122,90 @@ def test_read_is_float32_inside_and_returns_stream_dtype():
     np.testing.assert_array_equal(out, expected)
 
 
-def test_read_and_its_gradient_are_reductions_not_matmuls():
-    """The contractions over D (against one vector) and over the few candidates are written as
-    reductions: as dots, XLA wrote the normalised float32 candidates [S, B, T, D] out, transposed
-    for a batched matmul, in every read's forward and backward."""
-    stream = random_stream(jax.random.key(5), 4, 2, dtype=jnp.bfloat16)
+def formula_read(candidates, gain, query):
+    """The read as the module docstring writes it, float32, differentiated by autodiff: the
+    oracle for `attn_res_read`'s written-out backward."""
+    direction = gain * query
+    normed = [v / jnp.sqrt(jnp.mean(v**2, -1, keepdims=True) + EPS) for v in candidates]
+    probs = jax.nn.softmax(jnp.stack([jnp.sum(n * direction, -1) for n in normed]), axis=0)
+    return sum(p[..., None] * v for p, v in zip(probs, candidates))
 
-    def loss(sealed, live, gain, query):
+
+@pytest.mark.parametrize("layout", ["buffer", "planes"])
+@pytest.mark.parametrize("num_sealed", [0, 2, 4])
+def test_written_out_backward_matches_autodiff_of_the_formula(layout, num_sealed):
+    stream = random_stream(jax.random.key(20 + num_sealed), 4, num_sealed)
+    if layout == "planes":
+        stream = stream.unstacked(num_sealed)
+    gain = 1.0 + 0.3 * jax.random.normal(jax.random.key(1), (8,))
+    query = jax.random.normal(jax.random.key(2), (8,))
+    cotangent = jax.random.normal(jax.random.key(3), stream.live.shape)
+
+    def ours(sealed, live, gain, query):
         read = attn_res_read(ResidualStream(sealed, stream.num_sealed, live), gain, query, EPS)
-        return jnp.sum(read.astype(jnp.float32))
+        return jnp.sum(read * cotangent)
 
-    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(
-        stream.sealed, stream.live, jnp.ones(8), jnp.ones(8))
-    primitives = {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
-    assert "dot_general" not in primitives and "reduce_sum" in primitives
+    def oracle(filled, live, gain, query):
+        return jnp.sum(formula_read(tuple(filled) + (live,), gain, query) * cotangent)
+
+    grads = jax.grad(ours, argnums=(0, 1, 2, 3))(stream.sealed, stream.live, gain, query)
+    filled = tuple(stream.sealed[i] for i in range(num_sealed))
+    expected = jax.grad(oracle, argnums=(0, 1, 2, 3))(filled, stream.live, gain, query)
+    d_sealed = grads[0] if layout == "planes" else tuple(grads[0][:num_sealed])
+    for got, want in zip(d_sealed + grads[1:], expected[0] + expected[1:]):
+        # float32 rounding of sums taken in other orders: relative to the array's largest value
+        assert np.max(np.abs(got - want)) <= 1e-6 * np.max(np.abs(want))
+    if layout == "buffer":  # unfilled slots are masked out: no gradient reaches them
+        np.testing.assert_array_equal(grads[0][num_sealed:], 0.0)
+
+
+def _equations(jaxpr):
+    """Every equation of a jaxpr, those of the jaxprs inside its equations included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                yield from _equations(inner)
+
+
+def test_read_contracts_each_plane_in_its_own_dtype():
+    """The forward's contractions over D and over the candidates are reductions (as dots, XLA
+    wrote the normalised float32 candidates out, transposed for a batched matmul). The backward's
+    only dots are the direction's gradient: one per candidate, reading the bf16 plane itself
+    against three bf16 rows of token weights that sum to the float32 weights."""
+    stream = random_stream(jax.random.key(5), 4, 2, dtype=jnp.bfloat16).unstacked(2)
+
+    def read(sealed, live, gain, query):
+        out = attn_res_read(ResidualStream(sealed, None, live), gain, query, EPS)
+        return jnp.sum(out.astype(jnp.float32))
+
+    args = (stream.sealed, stream.live, jnp.ones(8), jnp.ones(8))
+    forward = [eqn.primitive.name for eqn in _equations(jax.make_jaxpr(read)(*args).jaxpr)]
+    assert "dot_general" not in forward and "reduce_sum" in forward
+    backward = jax.make_jaxpr(jax.grad(read, argnums=(0, 1, 2, 3)))(*args).jaxpr
+    dots = [eqn for eqn in _equations(backward) if eqn.primitive.name == "dot_general"]
+    assert len(dots) == 3  # two sealed planes and the live sum
+    for dot in dots:
+        weights, plane = (var.aval for var in dot.invars)
+        assert weights.shape == (3,) + stream.live.shape[:2] and weights.dtype == jnp.bfloat16
+        assert plane.shape == stream.live.shape and plane.dtype == jnp.bfloat16
+        assert dot.outvars[0].aval.shape == (3, 8)
+
+
+def test_direction_gradient_keeps_float32_accuracy_from_a_bf16_plane():
+    """The float32 token weights enter the bf16 product as three bf16 rows that sum to them, so
+    the direction's gradient is as accurate as float32 weights times the bf16 plane; one bf16
+    row of weights would lose bf16's 2^-9."""
+    plane = jax.random.normal(jax.random.key(8), (2, 64, 16)).astype(jnp.bfloat16)
+    weights = jax.random.normal(jax.random.key(9), (2, 64)) * 1e-3
+    exact = np.einsum("bt,btd->d", np.float64(weights), np.float64(plane.astype(jnp.float32)))
+    got = attn_res._token_weighted_sum(weights, plane)
+    one_row = jnp.einsum("bt,btd->d", weights.astype(jnp.bfloat16), plane,
+                         preferred_element_type=jnp.float32)
+    float32_rounding = 128 * np.finfo(np.float32).eps * np.max(np.abs(exact))
+    assert np.max(np.abs(got - exact)) < float32_rounding
+    assert np.max(np.abs(one_row - exact)) > 100 * float32_rounding
 
 
 def test_traced_seal_writes_one_slot_not_the_whole_buffer():
