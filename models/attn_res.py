@@ -140,21 +140,22 @@ def attn_res_read(stream: ResidualStream, gain: jax.Array, query: jax.Array, eps
     """
     direction = gain.astype(jnp.float32) * query.astype(jnp.float32)
     if not stream.is_buffer:
-        candidates = stream.sealed + (stream.live,)
-        return _mix(candidates, direction, jnp.zeros(len(candidates), jnp.float32), eps)
-    slots = stream.sealed.shape[0]
-    filled = jnp.arange(slots) < stream.num_sealed
-    score_bias = jnp.append(jnp.where(filled, 0.0, -jnp.inf), 0.0)
-    candidates = tuple(stream.sealed[slot] for slot in range(slots)) + (stream.live,)
-    return _mix(candidates, direction, score_bias, eps)
+        score_bias = jnp.zeros(len(stream.sealed) + 1, jnp.float32)
+    else:
+        filled = jnp.arange(stream.sealed.shape[0]) < stream.num_sealed
+        score_bias = jnp.append(jnp.where(filled, 0.0, -jnp.inf), 0.0)
+    return _mix(stream.sealed, stream.live, direction, score_bias, eps)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _mix(candidates, direction, score_bias, eps):
-    """sum_c softmax_c(<RMSNorm(v_c), direction> + score_bias_c) v_c.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _mix(sealed, live, direction, score_bias, eps):
+    """sum_c softmax_c(<RMSNorm(v_c), direction> + score_bias_c) v_c over the candidates
+    v = [sealed..., live].
 
-    candidates: C planes [B, T, D] of one dtype; direction: [D] float32; score_bias: [C] float32
-    (0, or -inf for a buffer slot not yet filled). Returns [B, T, D] in the candidates' dtype.
+    sealed: a tuple of planes [B, T, D] or a buffer [S, B, T, D] (its slots are the planes; it
+    is kept whole for the backward, not copied slot by slot); live: [B, T, D], the dtype of
+    them all; direction: [D] float32; score_bias: [C] float32 (0, or -inf for a buffer slot not
+    yet filled). Returns [B, T, D] in live's dtype.
 
     Every contraction here is an elementwise product summed over D or over the C candidates,
     which XLA fuses into passes over the stream; the backward is written out (`_mix_backward`)
@@ -162,18 +163,18 @@ def _mix(candidates, direction, score_bias, eps):
     bf16 plane once: as autodiff's column reduction fused with the plane's cotangent it took
     6.6 ms a step on the H200 (46 fusions, ~5x what their bytes take).
     """
-    return _mix_forward(candidates, direction, score_bias, eps)[0]
+    return _mix_forward(sealed, live, direction, score_bias, eps)[0]
 
 
-def _mix_forward(candidates, direction, score_bias, eps):
+def _mix_forward(sealed, live, direction, score_bias, eps):
+    candidates = tuple(sealed) + (live,)
     inv_rms = jnp.stack([jax.lax.rsqrt(jnp.mean(jnp.square(v.astype(jnp.float32)), axis=-1) + eps)
                          for v in candidates])  # [C, B, T]
     scores = jnp.stack([jnp.sum(v.astype(jnp.float32) * direction, axis=-1)
                         for v in candidates]) * inv_rms
     probs = jax.nn.softmax(scores + score_bias[:, None, None], axis=0)
     mixed = sum(p[..., None] * v.astype(jnp.float32) for p, v in zip(probs, candidates))
-    out = mixed.astype(candidates[-1].dtype)
-    return out, (candidates, direction, score_bias, probs, scores, inv_rms)
+    return mixed.astype(live.dtype), (sealed, live, direction, score_bias, probs, scores, inv_rms)
 
 
 def _mix_backward(eps, residuals, d_out):
@@ -181,7 +182,8 @@ def _mix_backward(eps, residuals, d_out):
     ds_c = p_c (<d_out, v_c> - sum_c' p_c' <d_out, v_c'>), and through r_c's dependence on v_c
     dv_c = p_c d_out + ds_c r_c d - ds_c s_c r_c^2 / D v_c, dd = sum_tokens sum_c ds_c r_c v_c."""
     del eps
-    candidates, direction, score_bias, probs, scores, inv_rms = residuals
+    sealed, live, direction, score_bias, probs, scores, inv_rms = residuals
+    candidates = tuple(sealed) + (live,)
     d_out = d_out.astype(jnp.float32)
     d_probs = jnp.stack([jnp.sum(d_out * v.astype(jnp.float32), axis=-1) for v in candidates])
     d_scores = probs * (d_probs - jnp.sum(probs * d_probs, axis=0))
@@ -192,7 +194,10 @@ def _mix_backward(eps, residuals, d_out):
          ).astype(v.dtype)
         for v, p, a, b in zip(candidates, probs, along_direction, along_candidate))
     d_direction = sum(_token_weighted_sum(a, v) for a, v in zip(along_direction, candidates))
-    return d_candidates, d_direction, jnp.zeros_like(score_bias)
+    d_sealed = d_candidates[:-1]
+    if not isinstance(sealed, tuple):  # the buffer's cotangent, an empty one included
+        d_sealed = jnp.stack(d_sealed) if d_sealed else jnp.zeros_like(sealed)
+    return d_sealed, d_candidates[-1], d_direction, jnp.zeros_like(score_bias)
 
 
 _mix.defvjp(_mix_forward, _mix_backward)

@@ -107,7 +107,7 @@ def test_documents_never_mix():
 @pytest.mark.parametrize("x_shape,widths,width,message", [
     ((2, 64), (64,), 4, r"x must be \[B, T, C\]"),
     ((2, 64, 256), (128, 64), 4, "must add up to C = 256"),
-    ((2, 64, 192), (128, 64), 4, "multiple of 128"),
+    ((2, 64, 160), (128, 32), 4, "multiple of 64"),
     ((2, 48, 256), (128, 128), 4, "T must be a multiple of 32"),
 ])
 def test_refuses_what_it_cannot_tile_and_says_so(x_shape, widths, width, message):
@@ -207,10 +207,10 @@ def test_benchmark_smoke_writes_both_paths(tmp_path):
 
 def test_kernel_options_parse_and_refuse_clearly():
     from experiments.bench_short_conv import parse_options  # noqa: PLC0415
-    assert parse_options("32x128/4") == short_conv.OPTIONS
+    assert parse_options("32x64/4") == short_conv.OPTIONS
     assert parse_options("16x256/8w/recompute") == short_conv.KernelOptions(16, 256, 8,
                                                                             "recompute")
-    assert str(short_conv.KernelOptions(backward="recompute")) == "32x128/4w/recompute"
+    assert str(short_conv.KernelOptions(backward="recompute")) == "32x64/4w/recompute"
     for bad in ("32x128", "32x128/4/fast", "32x128/4/recompute/1"):
         with pytest.raises(argparse.ArgumentTypeError, match="TOKENSxCHANNELS/WARPS"):
             parse_options(bad)
