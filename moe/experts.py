@@ -38,7 +38,8 @@ from moe.routing import (
 # The `checkpoint_name` of the expert weights cast to the compute dtype, which `models.lm`'s
 # `dots_kernels` remat policy keeps: recasting them for the backward pass re-reads every float32
 # expert weight (the `1b` step on the H200: 2.9 ms a step for the [64, 1024, 2, 1024]
-# up-projections alone), against 6 GB kept for all 15 layers' bfloat16 copies.
+# up-projections alone), against 6 GB kept for all 15 layers' bfloat16 copies. (`train.step`
+# goes further: its state keeps the bf16 copies, so the training forward casts nothing.)
 EXPERT_WEIGHTS_NAME = "moe_expert_weights"
 
 
@@ -268,10 +269,16 @@ class StableLatentMoE(nnx.Module):
         )
         return y.reshape(batch, length, self.d_model).astype(self.dtype), stats
 
+    def kernel_weights(self) -> dict[str, nnx.Param]:
+        """The parameters the routed experts read in `self.dtype`, by attribute name: the grouped
+        GEMM kernels take them as they are, so their cast from float32 cannot fuse into them
+        (`train.step.TrainState` keeps them rounded, written by the update)."""
+        return {"expert_w_in": self.expert_w_in, "expert_w_out": self.expert_w_out}
+
     def _routed_experts(self, z, expert_ids, weights, copy_mask):
         """Routed-expert mix of z [N, W]: expert parallel under an `expert` mesh axis."""
         w_in, w_out = (checkpoint_name(weight[...].astype(self.dtype), EXPERT_WEIGHTS_NAME)
-                       for weight in (self.expert_w_in, self.expert_w_out))
+                       for weight in self.kernel_weights().values())
         mesh = jax.sharding.get_abstract_mesh()
         if EXPERT_AXIS in mesh.axis_names and mesh.shape[EXPERT_AXIS] > 1:
             return expert_parallel_moe(

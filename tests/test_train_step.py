@@ -58,6 +58,73 @@ def test_step_updates_parameters_and_balances_the_router(adamw):
     assert int(after.optimizer.step[...]) == 1
 
 
+def test_expert_weights_are_read_from_compute_copies_that_the_update_rewrites(monkeypatch):
+    """With a bf16 MoE, the state keeps its expert weights rounded to bf16; each update rewrites
+    them from the new float32 weights, and the forward reads them: two steps give, bit for bit,
+    the state of two steps that cast the float32 weights in the forward instead."""
+    from train import step as step_module
+
+    def two_steps():
+        graphdef, state = split_state(moe_dtype=jnp.bfloat16)
+        step = make_train_step(graphdef, compiler_options=FAST_COMPILE_OPTIONS)
+        for seed in (0, 1):
+            state, metrics = step(state, make_batch(seed))
+            assert float(metrics["skipped"]) == 0.0
+        return nnx.merge(graphdef, state)
+
+    graphdef, initial = split_state(moe_dtype=jnp.bfloat16)
+    step = make_train_step(graphdef, compiler_options=FAST_COMPILE_OPTIONS)
+    zeroed = nnx.merge(graphdef, fresh(initial))
+    for copy in zeroed.compute_copies.values():
+        copy[...] = jnp.zeros_like(copy[...])
+    _, metrics = step(fresh(initial), make_batch())
+    _, zeroed_metrics = step(nnx.state(zeroed), make_batch())
+    assert float(zeroed_metrics["loss"]) != float(metrics["loss"])  # the forward reads copies
+
+    with_copies = two_steps()
+    moe = with_copies.model.moe
+    assert sorted(with_copies.compute_copies) == ["moe.expert_w_in", "moe.expert_w_out"]
+    for key, param in (("moe.expert_w_in", moe.expert_w_in),
+                       ("moe.expert_w_out", moe.expert_w_out)):
+        copy = with_copies.compute_copies[key][...]
+        assert copy.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(copy, param[...].astype(jnp.bfloat16))
+
+    monkeypatch.setattr(step_module, "_kernel_weights", lambda model: iter(()))
+    cast_in_forward = two_steps()
+    assert len(cast_in_forward.compute_copies) == 0
+    for (path, got), (_, want) in zip(nnx.to_flat_state(nnx.state(with_copies.model)),
+                                      nnx.to_flat_state(nnx.state(cast_in_forward.model))):
+        np.testing.assert_array_equal(np.asarray(got[...]), np.asarray(want[...]),
+                                      err_msg=str(path))
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_compute_copies_cover_every_moe_layer_of_the_hybrid(scan_layers):
+    """A bf16 HybridLM's TrainState holds one copy of each MoE layer's two expert weights (of a
+    scanned group: the stacked weights), keyed by the parameter's state path, of its shape."""
+    from models.config import preset
+    from models.lm import HybridLM
+    from train.optim import make_optimizer
+    from train.step import TrainState, state_path_key
+
+    cfg = preset("tiny", dtype="bfloat16", scan_layers=scan_layers)
+
+    def build():
+        model = HybridLM(cfg, rngs=nnx.Rngs(0))
+        return TrainState(model, make_optimizer(OptimConfig(warmup_steps=0),
+                                                nnx.state(model, nnx.Param), 100))
+
+    train_state = nnx.eval_shape(build)
+    params = {state_path_key(path): param
+              for path, param in nnx.to_flat_state(nnx.state(train_state.model, nnx.Param))}
+    copies = dict(train_state.compute_copies.items())
+    expert_weights = [key for key in params if key.endswith(("expert_w_in", "expert_w_out"))]
+    assert sorted(copies) == sorted(expert_weights) and len(copies) >= 4
+    for key, copy in copies.items():
+        assert copy.shape == params[key].shape and copy.dtype == jnp.bfloat16
+
+
 def test_non_finite_step_is_skipped_and_counted(adamw):
     graphdef, initial, step = adamw
     poisoned = dict(make_batch(), loss_mask=make_batch()["loss_mask"].at[0, 3].set(jnp.nan))
@@ -284,7 +351,9 @@ def test_the_hybrid_step_passes_expert_gradients_to_the_update_in_bf16(hopper_gr
     with simulated_hopper():
         traced = make_train_step(graphdef).trace(state, make_batch())
     [update] = [eqn for eqn in traced.jaxpr.eqns if eqn.primitive.name == "cond"]
-    narrow = sorted(str(var.aval) for var in update.invars if var.aval.dtype == jnp.bfloat16)
+    state_inputs = set(traced.jaxpr.invars)  # the expert weights' compute copies among them
+    narrow = sorted(str(var.aval) for var in update.invars
+                    if var.aval.dtype == jnp.bfloat16 and var not in state_inputs)
     moe_layers = cfg.num_layers - cfg.first_k_dense
     assert narrow == ["bfloat16[4,128,128]"] * moe_layers + ["bfloat16[4,128,2,128]"] * moe_layers
 

@@ -27,13 +27,13 @@ MOE = MoEConfig(num_experts=4, top_k=2, expert_hidden=16, latent_dim=8, shared_h
 
 
 class ToyLM(nnx.Module):
-    def __init__(self, d_model: int = 16, *, rngs: nnx.Rngs):
+    def __init__(self, d_model: int = 16, *, moe_dtype=jnp.float32, rngs: nnx.Rngs):
         self.embed = nnx.Embed(
             VOCAB, d_model, rngs=rngs,
             embedding_init=logical(nnx.initializers.normal(1.0), ("vocab", "embed")),
         )
         self.attention = GatedMLA(d_model, MLA, rngs=rngs)
-        self.moe = StableLatentMoE(d_model, MOE, dtype=jnp.float32, rngs=rngs)
+        self.moe = StableLatentMoE(d_model, MOE, dtype=moe_dtype, rngs=rngs)
         self.head = nnx.Linear(
             d_model, VOCAB, use_bias=False, rngs=rngs,
             kernel_init=logical(nnx.initializers.lecun_normal(), ("embed", "vocab")),
@@ -43,7 +43,7 @@ class ToyLM(nnx.Module):
         x = self.embed(tokens)
         x = x + self.attention(x, segment_ids=segment_ids)
         routed, stats = self.moe(x, segment_ids)
-        return self.head(x + routed).astype(jnp.float32), (stats,)
+        return self.head(x + routed.astype(x.dtype)).astype(jnp.float32), (stats,)
 
     def __call__(self, tokens, segment_ids=None):
         return self.forward(tokens, segment_ids)[0]
@@ -65,11 +65,13 @@ def make_batch(seed: int = 0) -> dict[str, jax.Array]:
     return {key: jnp.asarray(value) for key, value in finalize_batch(rows).items()}
 
 
-def split_state(optim: OptimConfig = OptimConfig(warmup_steps=0), seed: int = 0):
-    """(graphdef, state) of a TrainState of ToyLM, built by one jitted program."""
+def split_state(optim: OptimConfig = OptimConfig(warmup_steps=0), seed: int = 0,
+                moe_dtype=jnp.float32):
+    """(graphdef, state) of a TrainState of ToyLM (its MoE computing in `moe_dtype`), built by
+    one jitted program."""
 
     def build():
-        model = ToyLM(rngs=nnx.Rngs(seed))
+        model = ToyLM(moe_dtype=moe_dtype, rngs=nnx.Rngs(seed))
         return TrainState(model, make_optimizer(optim, nnx.state(model, nnx.Param), 100))
 
     graphdef, _ = nnx.split(nnx.eval_shape(build))

@@ -9,10 +9,11 @@
 step, and returns the new state (a plain `jax.jit` over modules would drop the optimizer's
 in-place updates). One step:
 
-1. forward and backward in the model's compute dtype against float32 master weights; loss =
-   mean next-byte cross-entropy over `loss_mask` plus the MoE auxiliary loss (zero under QB);
+1. forward and backward in the model's compute dtype against float32 master weights (the MoE
+   expert weights read from their compute copies, `TrainState`); loss = mean next-byte
+   cross-entropy over `loss_mask` plus the MoE auxiliary loss (zero under QB);
 2. the optimizer update (clipping inside the optax chain, with the gradient norm the finite
-   check computed: `train.optim.clip_by_global_norm`);
+   check computed: `train.optim.clip_by_global_norm`), which also rewrites the compute copies;
 3. the MoE router-bias update (Quantile Balancing) from the step's router statistics, outside the
    gradient; every replica computes the same bias from the same globally reduced statistics;
 4. QK-Clip of the MLA heads when enabled (`train.qk_clip`);
@@ -39,6 +40,7 @@ from flax import nnx
 from jax.extend import core as jax_core
 
 from models.lm import KERNEL_PRIMITIVES, aux_loss, profile_scope, update_router_biases
+from moe.experts import StableLatentMoE
 from moe.routing import max_violation
 from train import qk_clip
 
@@ -55,14 +57,79 @@ class StepCount(nnx.Variable):
     """A training counter (not a parameter, not optimizer state)."""
 
 
+class ComputeCopy(nnx.Variable):
+    """A parameter rounded to its module's compute dtype (`TrainState.compute_copies`)."""
+
+
 class TrainState(nnx.Module):
     """What the training step updates: the model (parameters and router biases), the optimizer
-    state, and the number of steps skipped for a non-finite loss or gradient."""
+    state, the number of steps skipped for a non-finite loss or gradient, and `compute_copies`:
+    the MoE expert weights rounded to the compute dtype, keyed by their path in the model
+    (`state_path_key`).
+
+    The grouped GEMM kernels read the expert weights in bf16, so the forward would cast them from
+    float32 every step: on the H200, 2.8 ms a step for the `1b` model's up-projections alone, a
+    float32 read and a bf16 write. The step's update writes the copies instead, from the new
+    weights it already holds, and the forward reads them (`_read_compute_copy`).
+    """
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation):
         self.model = model
         self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
         self.skipped_steps = StepCount(jnp.zeros((), jnp.int32))
+        self.compute_copies = nnx.Dict({
+            state_path_key(path): ComputeCopy(param[...].astype(dtype),
+                                              out_sharding=param.get_metadata().get("out_sharding"),
+                                              eager_sharding=False)
+            for path, param, dtype in _kernel_weights(model)})
+
+    def refresh_compute_copies(self) -> None:
+        """Rewrites every compute copy from the model's current parameters."""
+        for path, param, dtype in _kernel_weights(self.model):
+            self.compute_copies[state_path_key(path)][...] = param[...].astype(dtype)
+
+
+def _kernel_weights(model: nnx.Module):
+    """(path in the model's state, parameter, compute dtype) of each MoE kernel weight stored
+    wider than its module computes in."""
+    for module_path, module in nnx.iter_modules(model):
+        if not isinstance(module, StableLatentMoE):
+            continue
+        for name, param in module.kernel_weights().items():
+            if jnp.dtype(param.dtype).itemsize > jnp.dtype(module.dtype).itemsize:
+                yield (*module_path, name), param, jnp.dtype(module.dtype)
+
+
+def state_path_key(path: tuple) -> str:
+    """A key for the state path ("layers", 3, "ffn", "expert_w_in"): "layers.3.ffn.expert_w_in"."""
+    return ".".join(str(part) for part in path)
+
+
+@jax.custom_vjp
+def _read_compute_copy(param: jax.Array, copy: jax.Array) -> jax.Array:
+    """The compute copy of `param` (its value), with `param`'s gradient: the cotangent of the
+    copy, in param's dtype (the gradient of a cast)."""
+    return copy
+
+
+def _read_compute_copy_forward(param, copy):
+    return copy, jnp.zeros((0,), param.dtype)  # an empty array that carries param's dtype
+
+
+def _read_compute_copy_backward(empty_of_param_dtype, d_copy):
+    return d_copy.astype(empty_of_param_dtype.dtype), None
+
+
+_read_compute_copy.defvjp(_read_compute_copy_forward, _read_compute_copy_backward)
+
+
+def _through_compute_copies(params: nnx.State, copies: dict[str, jax.Array]) -> nnx.State:
+    """params with each parameter that has a compute copy read through it (`_read_compute_copy`)."""
+    def read(path, value):
+        key = state_path_key(tuple(part.key for part in path
+                                   if isinstance(part, jax.tree_util.DictKey)))
+        return value if key not in copies else _read_compute_copy(value, copies[key])
+    return jax.tree_util.tree_map_with_path(read, params)
 
 
 def stacked_axes(model: nnx.Module) -> Callable[[tuple[str, ...]], int]:
@@ -231,9 +298,10 @@ def make_train_step(
     def step(state: nnx.State, batch: Batch):
         train_state = nnx.merge(graphdef, state)
         graph, params, rest = nnx.split(train_state.model, nnx.Param, ...)
+        copies = {key: copy[...] for key, copy in train_state.compute_copies.items()}
 
         def loss_fn(params):
-            model = nnx.merge(graph, params, rest)
+            model = nnx.merge(graph, _through_compute_copies(params, copies), rest)
             inputs = (batch["tokens"], batch["segment_ids"])
             if qk_clip_tau is None:
                 output, captured = model.forward(*inputs), {}
@@ -286,6 +354,8 @@ def make_train_step(
             with profile_scope("qk_clip"):
                 for (_, layer), logits_h in zip(qk_clip.mla_layers(model), head_max):  # [] if off
                     qk_clip.clip_query_key(layer, logits_h, qk_clip_tau)
+            with profile_scope("optimizer"):  # last, after every change to the parameters
+                updated.refresh_compute_copies()
             return nnx.state(updated)
 
         new_state = jax.lax.cond(finite, apply_updates, lambda state: state, state)
