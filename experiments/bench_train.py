@@ -74,7 +74,11 @@ policies. `dots_kernels` keeps those outputs too (102.7 GiB scanned and 82.1 unr
 estimate; the H200 planned 108.4 and 85.7), so `--gpu` gives JAX's allocator
 `GPU_MEMORY_FRACTION` of the GPU (128 of 139 GiB) unless XLA_PYTHON_CLIENT_MEM_FRACTION says
 otherwise. The step also no longer copies the AdamW moments (27.7 GiB) for its non-finite-step
-check: `train.step` applies the update under `lax.cond`.
+check: `train.step` applies the update under `lax.cond`. Since the train state keeps the expert
+weights' bf16 compute copies (`train.step.TrainState`), the arguments are 47.20 GiB (41.57
+before); `--cpu-plan --batch` 4, 6 and 8 (`dots_kernels`, unrolled) planned 44.13, 63.33 and
+81.97 GiB of temporaries, peaks of 91.3, 110.5 and 129.2 GiB (the H200's plan at 4 rows, before
+the copies: 49.72 GiB of temporaries against the CPU's 44.13).
 
 Why the `--gpu` setup compiles every layer on its own: `--scanned` (`scan_layers`,
 `models.lm.layer_plan`) runs layers 1-12 of the `1b` preset as three repeats of one four-layer
