@@ -13,8 +13,9 @@ The training side (imported on first use, so the data modules stay light):
 
 - `train.optim`: `OptimConfig`, `make_optimizer` (AdamW, Muon with per-head orthogonalisation),
   `learning_rate_schedule` (warmup-stable-decay, cosine).
-- `train.step`: `TrainState`, `make_train_step` / `make_eval_step` (the jitted functional steps:
-  QB router-bias update, non-finite steps skipped and counted, QK-Clip).
+- `train.step`: `TrainState` (model, optimizer, skipped-step count, the MoE expert weights'
+  compute copies), `make_train_step` / `make_eval_step` (the jitted functional steps: QB
+  router-bias update, non-finite steps skipped and counted, QK-Clip).
 - `train.checkpoint`: `Checkpointer` (orbax: state, data iterator, metadata; async, atomic).
 - `train.metrics`: JSONL rows, plots, `train_flops_per_token` for tokens/s and MFU.
 - `train.loop`: `TrainConfig`, `Trainer`, `Stage`, `train` (progress bar, evaluation,
