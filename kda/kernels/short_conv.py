@@ -50,9 +50,10 @@ class KernelOptions:
     - "recompute": one kernel recomputes g at the W shifts each block's dx needs from x (4x the
       SiLU and the loads, from L1/L2), moving only x, the cotangents and dx (~0.6 GB).
 
-    The default, 32 x 64 by 4 warps, was the fastest of the eleven blocks timed on the H200
-    (forward+backward 0.82 ms of device time at the `1b` shape, against 0.90-0.94 ms for
-    32 x 128 and XLA's 0.98 ms; `benchmarks/short_conv_h200.md`).
+    The default, 32 x 64 by 4 warps, had the shortest forward+backward device time of the nine
+    options so timed on the H200 at the `1b` shape: 0.82 ms, against 0.85-0.94 ms for five other
+    two-pass blocks, 1.13-1.32 ms for three recompute ones and XLA's 0.98 ms
+    (`benchmarks/short_conv_h200.md`).
     """
 
     tokens: int = 32
