@@ -57,7 +57,7 @@ class KDAConfig:
         never in bf16) and faster in the training step: on the H200 the `1b` step took 314.4
         against 320.9 ms without them, in one process (`python -m experiments.bench_train --gpu
         --no-layers --set model.kda.conv_kernels=true --versus model.kda.conv_kernels=false`;
-        `benchmarks/train_h200.md`), though alone their forward+backward is only 1.05x XLA's
+        `benchmarks/train_h200.md`), though alone their forward+backward is only 1.05-1.20x XLA's
         (`benchmarks/short_conv_h200.md`): in the step they also spare the backward XLA's
         recomputed forward.
     """

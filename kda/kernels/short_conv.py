@@ -11,15 +11,15 @@ Here, for a sequence's first call (zero prefix), each program owns a block of to
   blocks by XLA); the second gathers g's shifted rows into dx. Or one kernel that recomputes g
   at every shift dx needs ("recompute": less than half the HBM traffic and 0.68x the peak
   memory, but 4x the SiLU and the loads; on the H200 0.75-0.87x XLA's speed, against the two
-  kernels' 1.05x, device time).
+  kernels' 1.05-1.20x, device time).
 
 Both take the SiLU in float32 before one rounding, so they are more accurate than XLA's path
 (which rounds the pre-activation to bf16 first). They run where `KDAConfig.conv_kernels` (on by
-default) and the shapes allow: on the H200 the forward is 1.8-2.0x XLA's and forward+backward
-1.05x alone (device time), and in the `1b` training step they save 6.5 ms, since there they
+default) and the shapes allow: on the H200 the forward is 1.9-2.1x XLA's and forward+backward
+1.20x alone (device time, `OPTIONS`' blocks), and in the `1b` training step they save 6.5 ms, since there they
 also spare the backward XLA's recomputed forward (`benchmarks/short_conv_h200.md`,
 `benchmarks/train_h200.md`). Reading and writing what the backward needs takes ~0.3 ms at the
-`1b` shape; the two kernels take ~0.75 ms.
+`1b` shape; the two kernels take ~0.64 ms.
 
 Shifted rows are loaded by gathering clipped row indices and masking the rows before the
 sequence, past its end, or in another document: a dynamic slice starting before row 0 would be
