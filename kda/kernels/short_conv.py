@@ -16,10 +16,10 @@ Here, for a sequence's first call (zero prefix), each program owns a block of to
 Both take the SiLU in float32 before one rounding, so they are more accurate than XLA's path
 (which rounds the pre-activation to bf16 first). They run where `KDAConfig.conv_kernels` (on by
 default) and the shapes allow: on the H200 the forward is 1.9-2.1x XLA's and forward+backward
-1.20x alone (device time, `OPTIONS`' blocks), and in the `1b` training step they save 6.5 ms, since there they
-also spare the backward XLA's recomputed forward (`benchmarks/short_conv_h200.md`,
-`benchmarks/train_h200.md`). Reading and writing what the backward needs takes ~0.3 ms at the
-`1b` shape; the two kernels take ~0.64 ms.
+1.20x alone (device time, `OPTIONS`' blocks), and in the `1b` training step they save 6.5 ms,
+since there they also spare the backward XLA's recomputed forward
+(`benchmarks/short_conv_h200.md`, `benchmarks/train_h200.md`). Reading and writing what the
+backward needs takes ~0.3 ms at the `1b` shape; the two kernels take ~0.64 ms.
 
 Shifted rows are loaded by gathering clipped row indices and masking the rows before the
 sequence, past its end, or in another document: a dynamic slice starting before row 0 would be
