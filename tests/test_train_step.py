@@ -64,24 +64,25 @@ def test_expert_weights_are_read_from_compute_copies_that_the_update_rewrites(mo
     the state of two steps that cast the float32 weights in the forward instead."""
     from train import step as step_module
 
-    def two_steps():
+    def state_and_step():
         graphdef, state = split_state(moe_dtype=jnp.bfloat16)
-        step = make_train_step(graphdef, compiler_options=FAST_COMPILE_OPTIONS)
+        return graphdef, state, make_train_step(graphdef, compiler_options=FAST_COMPILE_OPTIONS)
+
+    def two_steps(graphdef, state, step):
         for seed in (0, 1):
             state, metrics = step(state, make_batch(seed))
             assert float(metrics["skipped"]) == 0.0
         return nnx.merge(graphdef, state)
 
-    graphdef, initial = split_state(moe_dtype=jnp.bfloat16)
-    step = make_train_step(graphdef, compiler_options=FAST_COMPILE_OPTIONS)
+    graphdef, initial, step = state_and_step()
     zeroed = nnx.merge(graphdef, fresh(initial))
     for copy in zeroed.compute_copies.values():
         copy[...] = jnp.zeros_like(copy[...])
-    _, metrics = step(fresh(initial), make_batch())
     _, zeroed_metrics = step(nnx.state(zeroed), make_batch())
+    _, metrics = step(fresh(initial), make_batch())
     assert float(zeroed_metrics["loss"]) != float(metrics["loss"])  # the forward reads copies
 
-    with_copies = two_steps()
+    with_copies = two_steps(graphdef, initial, step)
     moe = with_copies.model.moe
     assert sorted(with_copies.compute_copies) == ["moe.expert_w_in", "moe.expert_w_out"]
     for key, param in (("moe.expert_w_in", moe.expert_w_in),
@@ -91,7 +92,7 @@ def test_expert_weights_are_read_from_compute_copies_that_the_update_rewrites(mo
         np.testing.assert_array_equal(copy, param[...].astype(jnp.bfloat16))
 
     monkeypatch.setattr(step_module, "_kernel_weights", lambda model: iter(()))
-    cast_in_forward = two_steps()
+    cast_in_forward = two_steps(*state_and_step())
     assert len(cast_in_forward.compute_copies) == 0
     for (path, got), (_, want) in zip(nnx.to_flat_state(nnx.state(with_copies.model)),
                                       nnx.to_flat_state(nnx.state(cast_in_forward.model))):
