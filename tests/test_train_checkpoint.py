@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from tests.train_toy_model import make_batch, split_state
 from train.checkpoint import Checkpointer, abstract_like
@@ -73,6 +74,22 @@ def test_round_trip_restores_state_and_data_position(tmp_path, trained):
     reference = make_train_iterator(DATA)
     next(reference)
     assert_same_batch(next(older), next(reference))
+
+
+def test_round_trip_keeps_the_expert_weights_compute_copies(tmp_path):
+    """A bf16 MoE's state holds its expert weights' bf16 compute copies (`train.step`); they are
+    saved and restored with the rest, in bf16, bit for bit."""
+    graphdef, state = split_state(moe_dtype=jnp.bfloat16)
+    state, _ = make_train_step(graphdef, compiler_options=FAST_COMPILE_OPTIONS)(state,
+                                                                             make_batch(0))
+    iterator = make_train_iterator(DATA)
+    checkpointer = Checkpointer(str(tmp_path))
+    checkpointer.save(1, state, iterator)
+    checkpointer.wait()
+    restored, _ = Checkpointer(str(tmp_path)).restore(abstract_like(state), iterator)
+    assert_same_state(restored, state)
+    copies = nnx.merge(graphdef, restored).compute_copies
+    assert len(copies) == 2 and all(copy[...].dtype == jnp.bfloat16 for copy in copies.values())
 
 
 def test_an_interrupted_save_leaves_the_previous_checkpoint(tmp_path, trained):
