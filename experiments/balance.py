@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             logs[method] = train(method, args, shape, progress)
     rows = summarise(logs)
     command = command_line("experiments.balance", argv)
-    table = markdown(rows, args, shape, command.strip())
+    table = markdown(rows, args, shape, command)
     with open(os.path.join(args.out, "balance_table.md"), "w") as f:
         f.write(table)
     with open(os.path.join(args.out, "balance_log.json"), "w") as f:

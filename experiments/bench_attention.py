@@ -266,7 +266,7 @@ def main(argv=None):
     flops = {documents: document_attention_flops(layout, setup.heads, setup.qk_dim, setup.v_dim)
              for documents, layout in layouts.items()}
     run(setup, layouts, table, args.repeats, args.warmup,
-        lambda results: write_table(out, results, setup, flops, list(table), command.strip()))
+        lambda results: write_table(out, results, setup, flops, list(table), command))
     print(f"wrote {out}")
 
 

@@ -529,7 +529,7 @@ def main(argv=None):
     command = command_line("experiments.bench_kda", argv)
     dtype = jnp.bfloat16 if args.gpu else np.float32
     run(shapes, table, dtype, args.repeats, lambda results: write_table(
-        out, results, shapes, names, baseline, command.strip(), args.gpu))
+        out, results, shapes, names, baseline, command, args.gpu))
     if args.profile:
         peers = args.peers if args.gpu else ()
         with out.open("a") as table_file:

@@ -12,9 +12,10 @@ The input is what the `1b` preset's KDA layer convolves: the q|k|v projection [B
 documents a row. Forward (the three parts) and forward+backward (x's and the filter's cotangents
 from the parts' cotangents), medians of `--repeats` calls; both paths are compared with the
 float32 answer. Wall times include the host's dispatch of each call, a large part of a sub-ms
-call; the device columns sum one call's device ops from a profiler trace. `--tiles` times the kernels with other blocks (tokens x channels / warps)
-and backward schemes (`kda.kernels.short_conv.KernelOptions`), one row each; the first is the
-default, `kda.kernels.short_conv.OPTIONS`.
+call; the device columns sum one call's device ops from a profiler trace. `--tiles` times the
+kernels with other blocks (tokens x channels / warps) and backward schemes
+(`kda.kernels.short_conv.KernelOptions`), one row each; the first is the default,
+`kda.kernels.short_conv.OPTIONS`.
 """
 
 import argparse
@@ -34,7 +35,6 @@ from experiments.profiling import command_line, median_seconds
 from kda.common import document_index
 from kda.layer import conv_silu_parts
 from kda.kernels import short_conv
-
 
 
 @dataclasses.dataclass(frozen=True)

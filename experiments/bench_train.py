@@ -265,8 +265,9 @@ def preflight(compiled: jax.stages.Compiled, times: dict[str, float], setup: Ben
     print(
         f"preflight: step compiled in {times['compile_seconds']:.1f} s "
         f"({times['lowering_seconds']:.1f} s of it tracing and lowering); XLA memory per device: "
-        f"arguments {memory['argument']:.2f} GiB, outputs {memory['output']:.2f} GiB ({memory['alias']:.2f} "
-        f"GiB of them in donated arguments), temporaries {memory['temp']:.2f} GiB; peak "
+        f"arguments {memory['argument']:.2f} GiB, outputs {memory['output']:.2f} GiB "
+        f"({memory['alias']:.2f} GiB of them in donated arguments), temporaries "
+        f"{memory['temp']:.2f} GiB; peak "
         f"{memory['peak']:.2f} GiB" + ("" if limit is None else f" of {limit:.2f} GiB"),
         flush=True,
     )

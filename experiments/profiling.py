@@ -16,8 +16,8 @@ import itertools
 import os
 import re
 import statistics
-import tempfile
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple

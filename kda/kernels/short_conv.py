@@ -158,12 +158,16 @@ def _taps(x_ref, doc_ref, rows, width, length, documents):
     windows = []
     for tap in range(width):
         source = rows - (width - 1 - tap)
-        valid = source >= 0
-        if documents:
-            valid &= _rows_of(doc_ref, source, length) == here
         window = _rows_of(x_ref, source, length).astype(jnp.float32)
+        valid = (source >= 0) & _in_row_document(doc_ref, source, here, length)
         windows.append(jnp.where(valid[:, None], window, 0.0))
     return windows
+
+
+def _in_row_document(doc_ref, shifted, here, length):
+    """Whether the rows `shifted` [R] (clipped into the sequence) hold the document `here` [R] of
+    their unshifted rows; True without documents (`here` None)."""
+    return True if here is None else _rows_of(doc_ref, shifted, length) == here
 
 
 def _weights(w_ref):
@@ -226,9 +230,7 @@ def _transpose_kernel(g_ref, w_ref, doc_ref, dx_ref, *, options, documents):
     dx = jnp.zeros((options.tokens, options.channels), jnp.float32)
     for k in range(width):
         outputs = rows + k
-        valid = outputs < length
-        if documents:
-            valid &= _rows_of(doc_ref, outputs, length) == here
+        valid = (outputs < length) & _in_row_document(doc_ref, outputs, here, length)
         g = _rows_of(g_ref, outputs, length)
         dx = dx + jnp.where(valid[:, None], g, 0.0) * weights[width - 1 - k][None, :]
     dx_ref[pl.ds(start, options.tokens), :] = dx.astype(dx_ref.dtype)
@@ -253,9 +255,7 @@ def _recompute_backward_kernel(x_ref, w_ref, doc_ref, *refs, options, part_range
                 windows = _taps(x_ref, doc_ref, outputs, width, length, documents)
                 g = _rows_of(grad_ref, outputs, length).astype(jnp.float32) * _silu_slope(
                     _pre_activation(windows, weights))
-                valid = outputs < length
-                if documents:
-                    valid &= _rows_of(doc_ref, outputs, length) == here
+                valid = (outputs < length) & _in_row_document(doc_ref, outputs, here, length)
                 dx = dx + jnp.where(valid[:, None], g, 0.0) * weights[width - 1 - k][None, :]
                 if k == 0:  # the block's own outputs: the filter's gradient
                     for tap, window in enumerate(windows):
