@@ -1,7 +1,7 @@
 """Benchmark: the full training step of the hybrid on one device, in tokens/s and MFU, with a
 breakdown of where the time goes (KDA, Gated MLA attention, MoE, rest).
 
-    python -m experiments.bench_train --gpu     # H200: `1b` preset, 4 rows x 4096 tokens,
+    python -m experiments.bench_train --gpu     # H200: `1b` preset, 6 rows x 4096 tokens,
                                                 # bf16 compute, remat dots_kernels, unrolled
                                                 # -> benchmarks/train_h200.md
     python -m experiments.bench_train --smoke   # `tiny` preset at a tiny size (CPU check)
@@ -79,6 +79,12 @@ weights' bf16 compute copies (`train.step.TrainState`), the arguments are 47.20 
 before); `--cpu-plan --batch` 4, 6 and 8 (`dots_kernels`, unrolled) planned 44.13, 63.33 and
 81.97 GiB of temporaries, peaks of 91.3, 110.5 and 129.2 GiB (the H200's plan at 4 rows, before
 the copies: 49.72 GiB of temporaries against the CPU's 44.13).
+
+Why the `--gpu` setup runs 6 rows: the optimizer update, the non-finite check and the router-bias
+update (~31 ms on the H200) cost the same at any number of rows, so more rows spend a smaller
+share of the step on them. 6 is the most that fits: the H200 planned a 113.3 GiB peak at 6 rows
+(91.3 at 4), and `--cpu-plan` 129.2 GiB at 8, over the 128.6 GiB the allocator is given. On one
+H200 (2026-11-30, ae618f8) 6 rows ran at 36.8% MFU and 4 rows at 35.0-35.1% (`--batch 4`).
 
 Why the `--gpu` setup compiles every layer on its own: `--scanned` (`scan_layers`,
 `models.lm.layer_plan`) runs layers 1-12 of the `1b` preset as three repeats of one four-layer
@@ -187,8 +193,8 @@ class BenchSetup:
         return self.batch * self.seq_len
 
 
-# The module docstring says why the GPU setup runs 4 rows, unrolled, with `dots_kernels`.
-GPU = BenchSetup("1b", batch=4, seq_len=4096, steps=20, warmup=3, remat="dots_kernels")
+# The module docstring says why the GPU setup runs 6 rows, unrolled, with `dots_kernels`.
+GPU = BenchSetup("1b", batch=6, seq_len=4096, steps=20, warmup=3, remat="dots_kernels")
 # Of the GPU's memory, what `--gpu` lets JAX's allocator take unless XLA_PYTHON_CLIENT_MEM_FRACTION
 # is set (JAX's default, 0.75, is 104 of the H200's 139 GiB; the step planned 85.7 GiB unrolled
 # and 108.4 scanned with `dots_kernels`). Read when the backend starts, so set before the first
