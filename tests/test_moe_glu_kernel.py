@@ -36,14 +36,24 @@ def _assert_close(ours, ref):
     np.testing.assert_allclose(ours, ref, rtol=2**-7, atol=1e-6)
 
 
+# Both sides compiled at XLA's default optimisation level, whatever the suite's (conftest). At
+# level 0 the interpreted kernel's float32 tanh moves in its last bits (the XLA path's does not),
+# and where the SiTU gate saturates (g > ~24 here) the derivative 1 - tanh^2 keeps only those
+# bits, so its tiny gradients (~1e-5) moved by several bf16 ulps. Compiled alike, both compute
+# the same float32 values.
+compiled_alike = functools.partial(jax.jit, static_argnums=0,
+                                   compiler_options={"xla_backend_optimization_level": 3})
+
+
 @pytest.mark.parametrize("kind", ["situ", "swiglu", "clamped_swiglu"])
 @pytest.mark.parametrize("shape", [(16, 2, 128), (2, 8, 2, 384)])
 def test_kernels_equal_xla_in_interpret_mode(kind, shape):
     act = GLUActivation(kind)
     gate_up, cotangent = _problem(shape)
-    out = glu_kernel.glu_forward(act, gate_up, interpret=True)
-    grad = glu_kernel.glu_backward(act, gate_up, cotangent, interpret=True)
-    ref_out, ref_grad = _xla(act, gate_up, cotangent)
+    out = compiled_alike(functools.partial(glu_kernel.glu_forward, interpret=True))(act, gate_up)
+    grad = compiled_alike(functools.partial(glu_kernel.glu_backward, interpret=True))(
+        act, gate_up, cotangent)
+    ref_out, ref_grad = compiled_alike(_xla)(act, gate_up, cotangent)
     assert out.shape == ref_out.shape and grad.shape == gate_up.shape
     _assert_close(out, ref_out)
     _assert_close(grad, ref_grad)
