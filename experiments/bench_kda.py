@@ -66,7 +66,7 @@ class Shape:
 class Timing:
     forward_ms: float | None = None
     forward_backward_ms: float | None = None
-    error: float | None = None  # relative error of the output against our chunked op
+    error: float | None = None  # relative error of the output against `error_anchor`'s
     peak_mib: float | None = None
     # The device ops' time of one call (`--device-time`): what is left without host launch work.
     forward_device_ms: float | None = None
@@ -327,7 +327,9 @@ def contenders(gpu: bool, impls: list[str], peers=PEERS, parts=True,
 
 def run(shapes: list[Shape], table: dict[str, Callable], dtype, repeats: int,
         on_progress: Callable[[dict], None]):
-    """Times every contender on every shape; calls `on_progress(results)` after each one."""
+    """Times every contender on every shape, and measures each KDA output's error against
+    `error_anchor`'s; calls `on_progress(results)` after each one."""
+    anchor = error_anchor(list(table))
     results: dict[tuple[str, str], Timing] = {}
     for shape in shapes:
         inputs = make_inputs(shape, dtype)
@@ -347,7 +349,7 @@ def run(shapes: list[Shape], table: dict[str, Callable], dtype, repeats: int,
             if output is not None:  # recurrence- and preparation-only rows have no output
                 outputs[name] = output
             results[(str(shape), name)] = timing
-            _fill_errors(results, shape, outputs)
+            _fill_errors(results, shape, outputs, anchor)
             print(f"{shape} {name}: fwd {cell(timing.forward_ms, '.2f')} ms, fwd+bwd "
                   f"{cell(timing.forward_backward_ms, '.2f')} ms", flush=True)
             on_progress(results)  # the table so far survives a run cut short
@@ -376,14 +378,26 @@ def profile_markdown(shape: Shape, dtype, impls: list[str], peers) -> list[str]:
     return lines
 
 
-def _fill_errors(results, shape, outputs):
-    """Relative error of every KDA output against our chunked op, once that has run."""
-    anchor = outputs.get("chunked")
-    if anchor is None:
+def error_anchor(names: list[str]) -> str | None:
+    """The contender whose output every KDA output's error is measured against: our chunked op if
+    it runs, else the first other whole-KDA contender, so that every run checks that the outputs
+    agree. Not the token-by-token reference (skipped at long lengths), not softmax attention (it
+    computes something else) and not the rows that time a part alone ("recurrence: ...")."""
+    whole_kda = [name for name in names
+                 if name not in ("reference", "cuDNN attention") and ":" not in name]
+    if "chunked" in whole_kda:
+        return "chunked"
+    return whole_kda[0] if whole_kda else None
+
+
+def _fill_errors(results, shape, outputs, anchor: str | None):
+    """Relative L2 error of every KDA output against the anchor's, once that has run."""
+    if anchor not in outputs:
         return
+    reference = outputs[anchor]
     for name, output in outputs.items():
-        if name != "cuDNN attention":  # softmax attention computes something else
-            error = np.linalg.norm(output - anchor) / np.linalg.norm(anchor)
+        if name != "cuDNN attention":
+            error = np.linalg.norm(output - reference) / np.linalg.norm(reference)
             results[(str(shape), name)].error = float(error)
 
 
@@ -442,6 +456,13 @@ def gpu_or_smoke_args(argv, description: str, table: str, gpu_help: str, smoke_h
     return args
 
 
+def anchor_words(anchor: str | None) -> str:
+    """How the table's preamble names `error_anchor`'s choice."""
+    if anchor is None:
+        return "nothing (no whole-KDA contender besides the reference ran)"
+    return "our chunked op" if anchor == "chunked" else f"the {anchor} row's output"
+
+
 def write_table(path: Path, results, shapes, names, baseline: str, command: str, gpu: bool):
     peers = ("torch", "triton", "fla-core", "jax-linear-attention") if gpu else ()
     lines = report_preamble(
@@ -451,7 +472,8 @@ def write_table(path: Path, results, shapes, names, baseline: str, command: str,
         "use_qk_l2norm, no initial state. Shapes are BxTxHxD (K = V = D, HV = H).",
         "- Times are medians of repeated calls after warm-up, in milliseconds. "
         f"'vs {baseline}' = {baseline}'s time / this row's time (above 1: this row is faster).",
-        "- Error: relative L2 error of the output against our chunked op. Memory: arguments, "
+        f"- Error: relative L2 error of the output against {anchor_words(error_anchor(names))}. "
+        "Memory: arguments, "
         "outputs and temporaries of the forward+backward (XLA's analysis; torch's peak for fla).",
         "- Device ms (`--device-time`): the device ops of one call summed from a profiler trace, "
         "fwd / fwd+bwd, and the same ratios on them: the kernels' work without the host's launch "

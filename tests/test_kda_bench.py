@@ -1,6 +1,8 @@
 """`python -m experiments.bench_kda` on CPU: it times our implementations, checks their outputs
-against the chunked op and writes the table; bad shapes are refused."""
+against the chunked op (or, without it, the first other KDA contender) and writes the table; bad
+shapes are refused."""
 
+import numpy as np
 import pytest
 
 from experiments import bench_kda
@@ -24,6 +26,31 @@ def test_device_time_sums_the_traced_ops_of_each_call(tmp_path):
     forward_ms, forward_backward_ms = (float(x) for x in row.split("|")[9].split("/"))
     assert 0 < forward_ms < forward_backward_ms
     assert [float(x) for x in row.split("|")[10].split("/")] == [1.0, 1.0]  # its own baseline
+
+
+@pytest.mark.parametrize("names, anchor", [
+    (["reference", "chunked", "mosaic_gpu", "recurrence: chunked scan", "jla mosaic_gpu"],
+     "chunked"),
+    (["mosaic_gpu", "recurrence: mosaic_gpu", "jla mosaic_gpu", "fla chunk_kda"], "mosaic_gpu"),
+    (["reference", "cuDNN attention", "jla mosaic_gpu"], "jla mosaic_gpu"),
+    (["reference"], None),
+])
+def test_errors_are_measured_against_the_chunked_op_else_the_first_kda_row(names, anchor):
+    assert bench_kda.error_anchor(names) == anchor
+
+
+def test_a_run_without_the_chunked_op_still_checks_that_outputs_agree():
+    """--impls mosaic_gpu --peers jla fla (the GPU runs' usual choice) has no chunked row: the
+    peers' errors are measured against our kernel's output instead."""
+    outputs = {"mosaic_gpu": np.ones(8), "recurrence: mosaic_gpu": None,
+               "jla mosaic_gpu": np.full(8, 1.01), "fla chunk_kda": np.full(8, 0.98)}
+    table = {name: (lambda inputs, repeats, output=output: (output, bench_kda.Timing(1.0, 2.0)))
+             for name, output in outputs.items()}
+    results = bench_kda.run([bench_kda.Shape.parse("1x64x1x16")], table, np.float32, 1,
+                            lambda results: None)
+    errors = {name: results[("1x64x1x16", name)].error for name in outputs}
+    assert errors == pytest.approx({"mosaic_gpu": 0.0, "recurrence: mosaic_gpu": None,
+                                    "jla mosaic_gpu": 0.01, "fla chunk_kda": 0.02})
 
 
 def test_malformed_shapes_are_refused(capsys):
