@@ -7,7 +7,8 @@
 
 Every contender gets the same inputs (bf16 q/k/v on GPU, float32 on CPU; lower-bound gates in
 [-5, 0); L2-normalised q and k); forward and forward+backward are timed after a warm-up, the
-outputs are compared with our chunked op, and peak memory is recorded. Peers that are not
+outputs are compared with our chunked op (or, in a run without it, with the first other KDA
+contender's, `error_anchor`), and peak memory is recorded. Peers that are not
 installed are skipped with a note. The table goes to `benchmarks/kda_<backend>.md`.
 """
 
