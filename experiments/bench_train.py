@@ -82,9 +82,10 @@ the copies: 49.72 GiB of temporaries against the CPU's 44.13).
 
 Why the `--gpu` setup runs 6 rows: the optimizer update and the non-finite check (~29 ms on the
 H200) cost the same at any number of rows, and the router-bias update little more (2.3 ms at 4
-rows, 3.0 at 6), so more rows spend a smaller share of the step on them. 6 is the most that fits: the H200 planned a 113.3 GiB peak at 6 rows
-(91.3 at 4), and `--cpu-plan` 129.2 GiB at 8, over the 128.6 GiB the allocator is given. On one
-H200 (2026-11-30, ae618f8) 6 rows ran at 36.8% MFU and 4 rows at 35.0-35.1% (`--batch 4`).
+rows, 3.0 at 6), so more rows spend a smaller share of the step on them. 6 is the most that fits:
+the H200 planned a 113.3 GiB peak at 6 rows (91.3 at 4), and `--cpu-plan` 129.2 GiB at 8, over the
+128.6 GiB the allocator is given. On one H200 (2026-11-30, ae618f8) 6 rows ran at 36.8% MFU and 4
+rows at 35.0-35.1% (`--batch 4`).
 
 Why the `--gpu` setup compiles every layer on its own: `--scanned` (`scan_layers`,
 `models.lm.layer_plan`) runs layers 1-12 of the `1b` preset as three repeats of one four-layer
