@@ -38,6 +38,7 @@ from kda.kernels.mosaic_gpu_common import OPERAND_DTYPE
 CHUNK = CHUNK_SIZE
 NUM_TILES = CHUNK // TILE_SIZE
 WARPGROUP_THREADS = 128
+SCAN_ROWS_PER_ITERATION = 7  # `scanned_cumulative_sum`'s unrolling: 7 divides the 63 steps
 WGMMA = plgpu.Layout.WGMMA
 ROW_VECTOR = WGMMA.reduce(1)  # a [rows] vector of a WGMMA-layout matrix
 COLUMN_VECTOR = WGMMA.reduce(0)  # a [columns] vector of a WGMMA-layout matrix
@@ -144,8 +145,13 @@ def scanned_cumulative_sum(x_smem):
     """`cumsum(x)` down the rows of x, in place, by a scan: thread t adds up column t row by row.
 
     Compensated (each addition's rounding error, exact by Knuth's two-sum, is carried and added
-    back), so every sum is float32-accurate, without splits or products: the rows load one by one
-    and the sums store at once (a store is a warpgroup barrier either side).
+    back), so every sum is float32-accurate, without splits or products. Thread t reads and writes
+    only column t, so the rows need no barrier between them.
+
+    A rolled loop, not 63 unrolled steps: Hopper fetches a kernel's instructions as it runs them,
+    and the preparation kernel's straight-line code outgrew the instruction cache. Rolling this
+    loop alone took that kernel from 0.75 to 0.44 ms at 8x2048x16x128 on the H200
+    (`benchmarks/kda_h200.md`).
 
     Args:
       x_smem: float32 [C, 128] plain SMEM: x, then its cumulative sum (committed).
@@ -156,16 +162,22 @@ def scanned_cumulative_sum(x_smem):
         raise ValueError(f"x_smem must be [{CHUNK}, {WARPGROUP_THREADS}] (a column a thread), got "
                          f"{x_smem.shape}; use cumulative_sum for other widths")
     row_layout = plgpu.Layout.WG_STRIDED((1, WARPGROUP_THREADS), 1)  # thread t: column t
-    total = plgpu.load(x_smem.at[pl.ds(0, 1)], layout=row_layout)
-    sums, carried = [total], None
-    for row in range(1, CHUNK):
+
+    def add_row(row, sums):
+        total, carried = sums
         x = plgpu.load(x_smem.at[pl.ds(row, 1)], layout=row_layout)
         new_total = total + x
         x_part = new_total - total
         error = (total - (new_total - x_part)) + (x - x_part)  # total + x - new_total, exactly
-        total, carried = new_total, error if carried is None else carried + error
-        sums.append(total + carried)
-    x_smem[...] = jnp.concatenate(sums, axis=0)  # thread t still holds column t
+        carried = carried + error
+        x_smem[pl.ds(row, 1)] = new_total + carried
+        return new_total, carried
+
+    first = plgpu.load(x_smem.at[pl.ds(0, 1)], layout=row_layout)
+    # Seven rows an iteration: their loads can be issued together, while a row at a time waits
+    # for each load in turn (63 = 9 x 7 steps).
+    lax.fori_loop(1, CHUNK, add_row, (first, first - first),  # (x - x: zeros in x's layout)
+                  unroll=SCAN_ROWS_PER_ITERATION)
     plgpu.commit_smem()
     return load_plain(x_smem)
 
@@ -307,7 +319,8 @@ def unit_lower_inverse(N_smem, scratch):
     With `X_b` the inverse of the block-diagonal part of blocks of size b, `X_2b = X_b - X_b C_b
     X_b`, where `C_b` holds the entries of N that link two neighbouring b-blocks. Like block
     forward substitution, every intermediate is a block of the true inverse, so nothing grows the
-    way powers of N would (a Neumann-series product is not stable here).
+    way powers of N would (a Neumann-series product is not stable here). The doublings are a
+    rolled loop, to keep the kernel's code small (`scanned_cumulative_sum`).
 
     Args:
       N_smem: bf16 [C, C] SMEM holding N.
@@ -319,16 +332,19 @@ def unit_lower_inverse(N_smem, scratch):
     link, product, inverse_smem = scratch
     rows, columns = iota(N.shape, 0), iota(N.shape, 1)
     distance = rows ^ columns  # b <= distance < 2b: neighbouring b-blocks of one 2b-block
-    inverse = jnp.where(rows == columns, 1.0, 0.0) - jnp.where(distance < 2, N, 0.0)
-    for block in (2 ** e for e in range(1, int(math.log2(CHUNK)))):
+
+    def double(exponent, inverse):
+        block = lax.shift_left(1, exponent)
         link[...] = jnp.where((distance >= block) & (distance < 2 * block), N,
                               0.0).astype(OPERAND_DTYPE)
         inverse_smem[...] = inverse.astype(OPERAND_DTYPE)
         plgpu.commit_smem()
         product[...] = matmul(inverse_smem, link, N.shape).astype(OPERAND_DTYPE)
         plgpu.commit_smem()
-        inverse = inverse - matmul(product, inverse_smem, N.shape)
-    return inverse
+        return inverse - matmul(product, inverse_smem, N.shape)
+
+    inverse = jnp.where(rows == columns, 1.0, 0.0) - jnp.where(distance < 2, N, 0.0)
+    return lax.fori_loop(1, int(math.log2(CHUNK)), double, inverse)
 
 
 def documents_in_chunk(segment_ids, batch, padded_length):
