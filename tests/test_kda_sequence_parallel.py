@@ -292,6 +292,32 @@ def test_interpreted_kernel_on_segments_matches_one_segment_and_plain_jax(
             assert relative_error(x, want) <= BF16_TOLERANCE["state"], name
 
 
+@pytest.mark.parametrize("num_segments", [1, 2])
+def test_interpreted_token_major_output_is_the_chunk_output_transposed(num_segments):
+    """`token_major`: the kernel's own token-row stores (P = 1) or the transpose after the
+    combine (P = 2) give exactly the [B, HV, N, C, V] output in [B, N C, HV, V]."""
+    inputs = slow_gate_inputs(5, 4 * CHUNK_SIZE, 2, 64, 64, dtype=jnp.bfloat16,
+                              initial_state=True)
+    chunks, state = chunks_of(inputs)
+    operands = recurrence_operands(chunks)
+
+    def kernel(token_major):
+        return jax.jit(lambda ops, s: sequence_parallel_recurrence(
+            ops, s, jnp.bfloat16, num_segments=num_segments, token_major=token_major))(
+                operands, state)
+
+    with interpreted_on_simulated_hopper():
+        o, final_state = kernel(token_major=False)
+    with interpreted_on_simulated_hopper():
+        o_token_major, final_state_token_major = kernel(token_major=True)
+    batch, heads, num_chunks, chunk, value_dim = o.shape
+    assert o_token_major.shape == (batch, num_chunks * chunk, heads, value_dim)
+    np.testing.assert_array_equal(
+        np.asarray(o_token_major, np.float32),
+        np.asarray(jnp.moveaxis(o, 1, 3).reshape(o_token_major.shape), np.float32))
+    np.testing.assert_array_equal(final_state_token_major, final_state)
+
+
 def test_sequence_parallel_reversed_kernel_lowers_for_hopper():
     """V + K = 256 cotangent columns pass Mosaic GPU's checks at K = V = 128."""
     batch, heads, num_chunks, dim = 1, 2, 4, 128

@@ -99,7 +99,7 @@ def _bounded_forward(q, k, v, g, beta, initial_state, segment_ids, options, save
     """Both kernels, preparation then recurrence: (o [B, T, HV, V], final_state [B, HV, K, V]),
     then (operands, `PreparationResiduals`, `RecurrenceResiduals`), the residuals only with
     `save_for_backward` (else None and nothing: neither kernel writes them)."""
-    batch, length, num_value_heads, value_dim = v.shape
+    length = v.shape[1]
     prepare = functools.partial(prepare_chunks_kernel, q, k, v, g, beta, segment_ids=segment_ids,
                                 **options._asdict())
     if save_for_backward:
@@ -107,8 +107,7 @@ def _bounded_forward(q, k, v, g, beta, initial_state, segment_ids, options, save
     else:
         operands, preparation_residuals = prepare(), None
     o, final_state, *recurrence_residuals = sequence_parallel_recurrence(
-        operands, initial_state, v.dtype, save_for_backward=save_for_backward)
-    o = jnp.moveaxis(o, 1, 3).reshape(batch, -1, num_value_heads, value_dim)
+        operands, initial_state, v.dtype, save_for_backward=save_for_backward, token_major=True)
     return (o[:, :length], final_state), (operands, preparation_residuals, *recurrence_residuals)
 
 

@@ -48,13 +48,22 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, s0_g
 
     GMEM operands: w, q [B, HV, N, C, K], kt [B, HV, N, K, C] and a [B, HV, N, C, C] in bfloat16;
     u [B, HV, N, C, V], decay [B, HV, N, K] and s0 [B, HV, K, V] in float32.
-    Outputs: o [B, HV, N, C, V] and s_final [B, HV, K, V] (float32), and when the backward needs
+    Outputs: o [B, HV, N, C, V] (or token-major, [B, N C, HV, V]: `run_recurrence`'s
+    `token_major`) and s_final [B, HV, K, V] (float32), and when the backward needs
     them (`saved_gmem`, `RecurrenceResiduals`) the entering states [B, HV, N, K, V] and V_new
     [B, HV, N, C, V], both as the bf16 wgmma operands the forward used.
     """
     num_chunks, chunk, key_dim = w_gmem.shape[2:]
     batch, head, v_tile = (lax.axis_index(axis) for axis in ("batch", "heads", "v_tiles"))
     columns = pl.ds(v_tile * BLOCK_V, BLOCK_V)
+    token_major = o_gmem.ndim == 4
+
+    def output_tile(n):
+        """Chunk n's [C, 64] tile of o (a strided view where o is token-major)."""
+        if token_major:
+            return o_gmem.at[batch, pl.ds(n * chunk, chunk), head, columns]
+        return o_gmem.at[batch, head, n, :, columns]
+
     state_shape = (key_dim, BLOCK_V)
     saves = bool(saved_gmem)
     # Copies to GMEM a step issues, in order: [entering state, V_new,] output. Waiting until at
@@ -102,7 +111,7 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, s0_g
             plgpu.wait_smem_to_gmem(copies_per_step, wait_read_only=True)
             slot[...] = o.astype(slot.dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(slot, o_gmem.at[batch, head, n, :, columns])
+            plgpu.copy_smem_to_gmem(slot, output_tile(n))
             return decayed_state + update
 
         pipeline = plgpu.emit_pipeline(
@@ -138,18 +147,22 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, s0_g
     pl.run_scoped(store_final_state, swizzled_smem(state_shape, jnp.float32))
 
 
-@lowered_once("out_dtype", "save_for_backward")
+@lowered_once("out_dtype", "save_for_backward", "token_major")
 def run_recurrence(operands: RecurrenceOperands, initial_state, out_dtype, *,
-                   save_for_backward=False):
+                   save_for_backward=False, token_major=False):
     """Runs the kernel: (o [B, HV, N, C, V] in out_dtype, final_state float32 [B, HV, K, V]).
 
     With `save_for_backward`, also returns the `RecurrenceResiduals` the backward reads (the
-    entering states and V_new, which the kernel then writes as it goes) as a third result.
+    entering states and V_new, which the kernel then writes as it goes) as a third result. With
+    `token_major`, o is [B, N C, HV, V], the layout of the model's v: the kernel stores each
+    chunk's tile into its token rows, and no transpose follows.
     """
     batch, heads, num_chunks, chunk, key_dim = operands.W.shape
     value_dim = operands.U.shape[-1]
     chunked = lambda *tail: (batch, heads, num_chunks, *tail)  # noqa: E731
-    out_type = (jax.ShapeDtypeStruct(chunked(chunk, value_dim), out_dtype),
+    o_shape = ((batch, num_chunks * chunk, heads, value_dim) if token_major
+               else chunked(chunk, value_dim))
+    out_type = (jax.ShapeDtypeStruct(o_shape, out_dtype),
                 jax.ShapeDtypeStruct((batch, heads, key_dim, value_dim), jnp.float32))
     if save_for_backward:
         out_type += RecurrenceResiduals(

@@ -305,7 +305,8 @@ def _segment_count(num_segments: int | None, operands, value_dim: int) -> int:
 
 
 def sequence_parallel_recurrence(operands: RecurrenceOperands, initial_state, out_dtype, *,
-                                 num_segments: int | None = None, save_for_backward=False):
+                                 num_segments: int | None = None, save_for_backward=False,
+                                 token_major=False):
     """`kda.kernels.mosaic_gpu_recurrence.run_recurrence` over P segments, side by side.
 
     Args:
@@ -317,17 +318,24 @@ def sequence_parallel_recurrence(operands: RecurrenceOperands, initial_state, ou
       save_for_backward: also return the `RecurrenceResiduals` the backward reads (the entering
         states and V_new, bf16), as `run_recurrence` does; over segments they are corrected from
         each segment's zero start to its true entering state like the outputs.
+      token_major: o as [B, N 64, HV, V] (`run_recurrence`'s `token_major`): written so by the
+        kernel when P = 1, transposed after the segments are combined otherwise.
     Returns:
-      (o [B, HV, N, 64, V] in out_dtype, final_state float32 [B, HV, K, V][, residuals]).
+      (o [B, HV, N, 64, V] (token-major: [B, N 64, HV, V]) in out_dtype, final_state float32
+      [B, HV, K, V][, residuals]).
     """
     num_segments = _segment_count(num_segments, operands, operands.U.shape[-1])
     if num_segments == 1:
         return run_recurrence(operands, initial_state, out_dtype,
-                              save_for_backward=save_for_backward)
+                              save_for_backward=save_for_backward, token_major=token_major)
     # The kernel already rounds the state to bf16 where it multiplies it; TF32 here is finer.
-    return recurrence_in_segments(run_recurrence, operands, initial_state, out_dtype,
-                                  num_segments=num_segments, precision=lax.Precision.DEFAULT,
-                                  save_for_backward=save_for_backward)
+    o, *rest = recurrence_in_segments(
+        run_recurrence, operands, initial_state, out_dtype, num_segments=num_segments,
+        precision=lax.Precision.DEFAULT, save_for_backward=save_for_backward)
+    if token_major:
+        batch, heads, num_chunks, chunk, value_dim = o.shape
+        o = jnp.moveaxis(o, 1, 3).reshape(batch, num_chunks * chunk, heads, value_dim)
+    return o, *rest
 
 
 def sequence_parallel_reversed_recurrence(operands: RecurrenceOperands, d_o, d_final_state, *,
