@@ -25,8 +25,9 @@ from test_kda_kernels_prepare_backward import (LOWER_BOUND, assert_vjp_matches_p
                                                chunk_cumulative_sum, preparation_case)
 
 OUTPUT_NAMES = ("dq", "dk", "dg")
-# Set before any GPU run: the same operations on each slab, but ptxas compiles every slab's
-# unrolled code on its own and may contract them into FMAs differently.
+# Set before any GPU run: the same operations on each slab, but two warpgroups run one slab's
+# code and four another's (a loop over two slabs, or one slab), which ptxas may contract into
+# FMAs differently.
 GPU_WARPGROUPS_TOLERANCE = 1e-6
 # An H100/H200 SM has 228 KiB of shared memory and reserves 1 KiB a program.
 ONE_PROGRAM_PER_SM = 227 * 1024

@@ -199,7 +199,7 @@ def anchor(G_smem, tile, lower_bound):
     Args:
       G_smem: float32 [C, n] plain SMEM holding G = cumsum(g) (`load_plain` reads it whole), or
         `StoredAnchors`.
-      tile: the 16-row tile, a Python int; lower_bound: L, the gates' lower bound.
+      tile: the 16-row tile, a Python int or traced (a rolled loop's); lower_bound: L, the gates' lower bound.
     """
     if isinstance(G_smem, StoredAnchors):
         return plgpu.load(G_smem.smem.at[tile], layout=COLUMN_VECTOR)
