@@ -6,7 +6,8 @@ Forward, two kernels, each replacing one half of the chunked op (`kda.chunked`):
   `kda.chunked.prepare_chunks` when `gate_lower_bound` is set and writes the recurrence kernel's
   operands directly (with unbounded gates the preparation stays in plain JAX);
 * the recurrence over chunks (`kda.kernels.mosaic_gpu_recurrence`), run over segments of the
-  sequence side by side where the grid would leave SMs idle (`kda.kernels.sequence_parallel`).
+  sequence side by side where the grid would leave SMs idle and that pays for the split's extra
+  passes (`kda.kernels.sequence_parallel`).
 
 Backward (`jax.custom_vjp`s): the forward recurrence also writes the state entering each chunk
 and V_new; the recurrence's VJP is the reversed recurrence kernel and batched matmuls over all

@@ -43,21 +43,22 @@ costs no accuracy that matters. The combine runs in float32 at full precision; t
 (`R_n S_p`) at the backend's default float32 matmul precision (TF32 on Hopper: finer than the
 bf16 rounding the kernel applies to the same state in the unsplit run).
 
-When it pays, counted in sequential chunk steps (the kernel is bound by the latency of its
-per-chunk chain of wgmmas, not by bandwidth: about 7.5 us a step at 1.4 TB/s in the first H200
-run; one program per SM, as each takes 185-201 KiB of shared memory at K = 128):
+When it pays, in estimated time (`choose_num_segments`). The kernels are bound by the latency of
+their per-chunk chain of wgmmas, one program an SM (each takes 185-201 KiB of shared memory at
+K = 128), so
 
-    plain:    waves(G)      * N,        G  = B * HV * V / 64 programs
-    segments: waves(G' * P) * ceil(N/P), G' = B * HV * (V + K) / 64 programs per segment
+    plain:    waves(G)      * N        * STEP_SECONDS,   G  = B * HV * V / 64 programs
+    segments: waves(G' * P) * ceil(N/P) * STEP_SECONDS,  G' = B * HV * (V + K) / 64 per segment
+              + B * T * HV * (V + K) / 256 * EXTRA_SECONDS_PER_TOKEN_HEAD
 
-with `waves(x) = ceil(x / SMs)`. The extension doubles the work at K = V, so splitting pays only
-while the plain grid leaves at least half the SMs idle: on 132 SMs at K = V = 128, B * HV <= 16
-(P = 2 at 16: 128 programs, N/2 steps; P = 16 at 2); at K = V = 64, B * HV <= 33. At B * HV = 32,
-V = 128 (64 programs) no P helps: 2 waves of N/2 steps equal N. On top come memory-bound extras
-that do not shrink with P, about 4 KB per token and value head at K = V = 128 (U read and U'
-written, U' read by the kernel, float32 outputs written and read back, the bf16 output written),
-against the plain kernel's 1.7 KB: about 1.1 ms at B * HV = 16, T = 65536, where splitting saves
-N/2 = 512 steps (about 4 ms); hence `MIN_STEP_GAIN`.
+with `waves(x) = ceil(x / SMs)`. The second line is what splitting adds that does not shrink with
+P: memory-bound passes over every token (U extended, float32 outputs written and read back, the
+correction matmul, the transposes, the same again backward). Both constants were measured on the
+H200 at 1x32768x16x128, forward and backward together (both directions pick the same P): 3.4 us a
+chunk step (0.763 + 0.966 ms for 512 steps, unsplit), and 4.9 ns a token and value head (split at
+P = 2, forward+backward took 7.82 ms against 5.82 unsplit while its kernels saved 0.56 ms). Since
+the kernels of that session (their steps once took about 7.5 us) splitting pays only at B * HV <= 4
+or so: at B * HV = 16 it cost 2 ms at T = 32768.
 """
 
 import math
@@ -67,15 +68,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kda.chunked import CHUNK_SIZE
 from kda.common import einsum
 from kda.kernels.mosaic_gpu_backward import run_reversed_recurrence
 from kda.kernels.mosaic_gpu_recurrence import BLOCK_V, run_recurrence
 from kda.kernels.mosaic_gpu_common import RecurrenceOperands
 
 HOPPER_SM_COUNT = 132  # H100 SXM and H200: the count assumed where no GPU is attached
-# Splitting must cut the sequential chunk steps at least this much to pay for the memory-bound
-# extras (U extended, float32 outputs read back, the correction matmul) and the combine.
-MIN_STEP_GAIN = 1.5
+# The cost model of the module docstring ("When it pays"), measured on the H200 at K = V = 128.
+STEP_SECONDS = 3.4e-6  # a chunk step of the recurrence kernel and its reversed twin together
+EXTRA_SECONDS_PER_TOKEN_HEAD = 4.9e-9  # what splitting adds, per token and value head, at V+K=256
+# The model's estimate must favour splitting by this much: its constants come from one shape.
+MIN_TIME_GAIN = 1.2
 # Shorter segments would spend a growing share of each program in its prologue and epilogue
 # (initial-state load, pipeline fill, final-state store) for little further gain.
 MIN_SEGMENT_CHUNKS = 16
@@ -266,8 +270,8 @@ def _multiprocessor_count() -> int:
 
 def choose_num_segments(batch_heads: int, num_chunks: int, key_dim: int, value_dim: int,
                         num_sms: int | None = None) -> int:
-    """P with the fewest sequential chunk steps (module docstring) in at most `MAX_WAVES` waves,
-    or 1 where splitting does not cut them by `MIN_STEP_GAIN`. Ties go to the smaller P.
+    """P with the least estimated time (module docstring) in at most `MAX_WAVES` waves, or 1 where
+    splitting does not cut the estimate by `MIN_TIME_GAIN`. Ties go to the smaller P.
 
     Args:
       batch_heads: B * HV.
@@ -284,13 +288,17 @@ def choose_num_segments(batch_heads: int, num_chunks: int, key_dim: int, value_d
         programs = plain_programs if num_segments == 1 else segment_programs * num_segments
         return math.ceil(programs / num_sms)
 
-    def sequential_steps(num_segments):
-        return waves(num_segments) * math.ceil(num_chunks / num_segments)
+    extras = (batch_heads * num_chunks * CHUNK_SIZE * (value_dim + key_dim) / 256
+              * EXTRA_SECONDS_PER_TOKEN_HEAD)
+
+    def seconds(num_segments):
+        steps = waves(num_segments) * math.ceil(num_chunks / num_segments)
+        return steps * STEP_SECONDS + (extras if num_segments > 1 else 0.0)
 
     candidates = [p for p in range(1, max(1, num_chunks // MIN_SEGMENT_CHUNKS) + 1)
                   if p == 1 or waves(p) <= MAX_WAVES]
-    best = min(candidates, key=sequential_steps)
-    return best if MIN_STEP_GAIN * sequential_steps(best) <= sequential_steps(1) else 1
+    best = min(candidates, key=seconds)
+    return best if MIN_TIME_GAIN * seconds(best) <= seconds(1) else 1
 
 
 def _segment_count(num_segments: int | None, operands, value_dim: int) -> int:
