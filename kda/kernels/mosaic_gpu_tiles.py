@@ -174,8 +174,8 @@ def scanned_cumulative_sum(x_smem):
         return new_total, carried
 
     first = plgpu.load(x_smem.at[pl.ds(0, 1)], layout=row_layout)
-    # Seven rows an iteration: their loads can be issued together, while a row at a time waits
-    # for each load in turn (63 = 9 x 7 steps).
+    # Seven rows an iteration (63 = 9 x 7 steps), so that their loads can issue together; on the
+    # H200 the kernel took the same time as with one row an iteration (0.454 against 0.455 ms).
     lax.fori_loop(1, CHUNK, add_row, (first, first - first),  # (x - x: zeros in x's layout)
                   unroll=SCAN_ROWS_PER_ITERATION)
     plgpu.commit_smem()
