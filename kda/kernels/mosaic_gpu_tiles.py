@@ -148,10 +148,10 @@ def scanned_cumulative_sum(x_smem):
     back), so every sum is float32-accurate, without splits or products. Thread t reads and writes
     only column t, so the rows need no barrier between them.
 
-    A rolled loop, not 63 unrolled steps: Hopper fetches a kernel's instructions as it runs them,
-    and the preparation kernel's straight-line code outgrew the instruction cache. Rolling this
-    loop alone took that kernel from 0.75 to 0.44 ms at 8x2048x16x128 on the H200
-    (`benchmarks/kda_h200.md`).
+    A rolled loop, not 63 unrolled steps: the preparation kernel's straight-line code was bound
+    by fetching its instructions (an in-kernel trace on the H200: about 16 cycles an
+    instruction). Rolling this loop alone took that kernel from 0.75 to 0.44 ms at
+    8x2048x16x128 (`benchmarks/kda_h200.md`).
 
     Args:
       x_smem: float32 [C, 128] plain SMEM: x, then its cumulative sum (committed).
@@ -199,7 +199,8 @@ def anchor(G_smem, tile, lower_bound):
     Args:
       G_smem: float32 [C, n] plain SMEM holding G = cumsum(g) (`load_plain` reads it whole), or
         `StoredAnchors`.
-      tile: the 16-row tile, a Python int or traced (a rolled loop's); lower_bound: L, the gates' lower bound.
+      tile: the 16-row tile, a Python int or traced (a rolled loop's); lower_bound: L, the
+        gates' lower bound.
     """
     if isinstance(G_smem, StoredAnchors):
         return plgpu.load(G_smem.smem.at[tile], layout=COLUMN_VECTOR)
