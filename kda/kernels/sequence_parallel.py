@@ -56,9 +56,9 @@ P: memory-bound passes over every token (U extended, float32 outputs written and
 correction matmul, the transposes, the same again backward). Both constants were measured on the
 H200 at 1x32768x16x128, forward and backward together (both directions pick the same P): 3.4 us a
 chunk step (0.763 + 0.966 ms for 512 steps, unsplit), and 4.9 ns a token and value head (split at
-P = 2, forward+backward took 7.82 ms against 5.82 unsplit while its kernels saved 0.56 ms). Since
-the kernels of that session (their steps once took about 7.5 us) splitting pays only at B * HV <= 4
-or so: at B * HV = 16 it cost 2 ms at T = 32768.
+P = 2, forward+backward took 7.82 ms against 5.82 unsplit while its kernels saved 0.56 ms). With
+these kernels (an earlier version took about 7.5 us a step) splitting pays only up to B * HV = 4
+or so at T = 65536 (`tests/test_kda_sequence_parallel.py`).
 """
 
 import math
