@@ -9,9 +9,9 @@ accumulators), from the building blocks of `kda.kernels.mosaic_gpu_tiles` (named
 
 1. L2 norm and scale of q and k (in float32 registers).
 2. `G = cumsum(g)`, float32-accurate: at K = 128 a compensated scan, each thread adding up one
-   column (`scanned_cumulative_sum`: no products, one store); at K = 64 (half the threads would
-   idle) `tril(1) @ g`, with g split exactly into three bf16 parts (g = hi + mid + lo to float32
-   precision, `cumulative_sum`).
+   column in place (`scanned_cumulative_sum`: no products, a rolled loop); at K = 64 (half the
+   threads would idle) `tril(1) @ g`, with g split exactly into three bf16 parts (g = hi + mid +
+   lo to float32 precision, `cumulative_sum`).
 3. The score tiles of `kda/chunked.py`, every 16x16 tile a bf16 matmul. Each row tile i has the
    causal anchor `b_i = G[16 i] + 7.5 L`; rows are scaled by `exp(G_r - b_i)` and the columns
    `s < 16 (i + 1)` of the tile's products by `exp(b_i - G_s)`. On the diagonal this is
