@@ -34,11 +34,10 @@ Two kernels, like peers' "WY" and "intra" backward kernels:
    the UT transform: dv, dbeta, dAkk (written in bf16, a matmul operand of the score kernel) and
    `beta E reads d rhs_k` (float32), the right-hand sides of the UT transform (v, then k) in steps
    of 64 columns, dT accumulating over the steps. The steps are one rolled loop, the v/k difference
-   as data (factors of one for v) and branches (loads, stores), not unrolled code: the forward
-   preparation kernel's unrolled code was bound by fetching its instructions (rolling one of its
-   loops, `scanned_cumulative_sum`, took it from 0.75 to 0.44 ms on the H200). This kernel's
-   time did not change measurably when rolled (the forward+backward at 8x2048x16x128: 2.420 ms
-   before, 2.436 after); the smaller code (40% at K = 128) stays.
+   as data (factors of one for v) and branches (loads, stores), not unrolled code, as in the
+   forward (`scanned_cumulative_sum` says why). This kernel's time did not change measurably
+   when rolled (the forward+backward at 8x2048x16x128: 2.420 ms before, 2.436 after); the
+   smaller code (40% at K = 128) stays.
 2. `kda.kernels.mosaic_gpu_score_backward.score_backward`, one program of two warpgroups per
    (batch row, value head, chunk): the score terms of both score matrices in [token, key]
    orientation (anchored at the summed token's tile, so no product is transposed), the direct

@@ -52,11 +52,10 @@ transposes or untransposes.
 
 Code size: a warpgroup's slabs are one rolled loop (each slab issues the next one's loads), and
 each term's tile groups another (the tile index traced: shared-memory slices and anchors at a
-dynamic offset), not unrolled Python loops. Every operation on a float32 [64, 32] tile is 16 or
-more instructions a thread, and the forward preparation kernel's unrolled code was bound by
-fetching its instructions (rolling one of its loops, `scanned_cumulative_sum`, took it from 0.75
-to 0.44 ms on the H200). This kernel's time did not change measurably when rolled (the
-forward+backward at 8x2048x16x128: 2.420 ms before, 2.436 after); the smaller code stays.
+dynamic offset), not unrolled Python loops: every operation on a float32 [64, 32] tile is 16 or
+more instructions a thread, and unrolled code of this size can be bound by fetching them
+(`scanned_cumulative_sum` says why). This kernel's time did not change measurably when rolled
+(the forward+backward at 8x2048x16x128: 2.420 ms before, 2.436 after); the smaller code stays.
 Lowered for Hopper (then canonicalized and CSE'd), the kernel's Mosaic GPU module has a fifth
 fewer operations than unrolled at one slab a warpgroup (K = 64, or four warpgroups), half at two.
 The operations are the same: in interpret mode run eagerly the gradients are bit-identical to the
