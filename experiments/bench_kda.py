@@ -90,10 +90,18 @@ def make_inputs(shape: Shape, dtype, seed: int = 0) -> dict[str, np.ndarray]:
     )
 
 
+# Warm-up per timing, in calls and in seconds: an idle GPU clocks down (the H200 to 345 MHz), and
+# a few calls of a millisecond do not bring it back up; a peer timed after a busy one would gain.
+WARMUP_CALLS, WARMUP_SECONDS = 2, 0.25
+
+
 def _time(fn: Callable[[], object], sync: Callable[[object], None], repeats: int) -> float:
-    """Median wall time in milliseconds of `fn` after two warm-up calls."""
-    for _ in range(2):
+    """Median wall time in milliseconds of `fn`, each call waited for, after warm-up calls for
+    at least `WARMUP_SECONDS` (and `WARMUP_CALLS`)."""
+    started, calls = time.perf_counter(), 0
+    while calls < WARMUP_CALLS or time.perf_counter() - started < WARMUP_SECONDS:
         sync(fn())
+        calls += 1
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -474,7 +482,8 @@ def write_table(path: Path, results, shapes, names, baseline: str, command: str,
         ", ".join(f"{name} {package_version(name)}" for name in ("flax", *peers))) + [
         f"- Inputs: {'bf16' if gpu else 'float32'} q/k/v, lower-bound gates in [-5, 0), "
         "use_qk_l2norm, no initial state. Shapes are BxTxHxD (K = V = D, HV = H).",
-        "- Times are medians of repeated calls after warm-up, in milliseconds. "
+        "- Times are medians of repeated calls, each waited for, after at least "
+        f"{WARMUP_SECONDS} s of warm-up calls, in milliseconds. "
         f"'vs {baseline}' = {baseline}'s time / this row's time (above 1: this row is faster).",
         f"- Error: relative L2 error of the output against {anchor_words(error_anchor(names))}. "
         "Memory: arguments, "
