@@ -26,6 +26,13 @@ def lowered_once(*static_argnames: str):
     return functools.partial(jax.jit, static_argnames=static_argnames)
 
 
+def kernel_body(body, **static):
+    """`body` with its static arguments bound, under its own name: Mosaic GPU names a kernel
+    after its body (in profiles and lowered modules), and a bare `functools.partial` is
+    "anonymous"."""
+    return functools.update_wrapper(functools.partial(body, **static), body)
+
+
 def swizzled(shape, dtype):
     """The (tiling, swizzle) transforms wgmma and TMA want for a [rows, cols] SMEM tile."""
     itemsize = jnp.dtype(dtype).itemsize

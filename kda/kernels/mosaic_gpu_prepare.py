@@ -71,7 +71,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.common import L2_NORM_EPS
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, PreparationResiduals,
-                                           RecurrenceOperands, lowered_once, swizzled_smem)
+                                           RecurrenceOperands, kernel_body, lowered_once,
+                                           swizzled_smem)
 from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, COMPILER_PARAMS, ROW_VECTOR,
                                           WARPGROUP_THREADS, WGMMA, cumulative_sum,
                                           documents_in_chunk, iota, load_plain,
@@ -271,7 +272,7 @@ def prepare_chunks_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm
         G=chunked(jnp.float32, CHUNK, key_dim), Akk=chunked(OPERAND_DTYPE, CHUNK, CHUNK),
         inverse=chunked(OPERAND_DTYPE, 2, CHUNK, CHUNK)) if save_for_backward else ()
     run = plgpu.kernel(
-        functools.partial(_prepare_kernel, scale=float(scale), use_qk_l2norm=use_qk_l2norm,
+        kernel_body(_prepare_kernel, scale=float(scale), use_qk_l2norm=use_qk_l2norm,
                           lower_bound=float(gate_lower_bound),
                           group=num_value_heads // q.shape[2]),
         out_type=(*operands_type, *residuals_type),

@@ -78,7 +78,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kda.chunked import ChunkedInputs
 from kda.common import L2_NORM_EPS, prepare_qk_vjp
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, SUPPORTED_DIMS, PreparationResiduals,
-                                           lowered_once, swizzled_smem)
+                                           kernel_body, lowered_once, swizzled_smem)
 from kda.kernels.mosaic_gpu_score_backward import score_backward
 from kda.kernels.mosaic_gpu_tiles import (CHUNK, COMPILER_PARAMS, ROW_VECTOR, WGMMA,
                                           documents_in_chunk, iota, load_plain, matmul,
@@ -345,7 +345,7 @@ def prepare_chunks_vjp_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2
     lower_bound = float(gate_lower_bound)
 
     wy_backward = plgpu.kernel(
-        functools.partial(_wy_backward_kernel, group=group),
+        kernel_body(_wy_backward_kernel, group=group),
         out_type=(jax.ShapeDtypeStruct((batch, padded_length, num_value_heads, value_dim),
                                        OPERAND_DTYPE),
                   jax.ShapeDtypeStruct((batch, num_value_heads, padded_length), jnp.float32),

@@ -92,7 +92,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.chunked import TILE_SIZE
-from kda.kernels.mosaic_gpu_common import OPERAND_DTYPE, lowered_once, swizzled_smem
+from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, kernel_body, lowered_once,
+                                           swizzled_smem)
 from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, COMPILER_PARAMS, NUM_TILES,
                                           ROW_VECTOR, WGMMA, cumulative_sum, exponent_from_tile,
                                           exponent_up_to_tile, iota, load_plain, per_column,
@@ -390,7 +391,7 @@ def score_backward(q, k, G, document, q_factor, k_factor, dakk, dk_wy, cotangent
     slab_shape = (CHUNK, SLAB)
     warpgroup_barrier = functools.partial(plgpu.Barrier, num_barriers=warpgroups)
     run = plgpu.kernel(
-        functools.partial(_score_backward_kernel, lower_bound=lower_bound, group=group,
+        kernel_body(_score_backward_kernel, lower_bound=lower_bound, group=group,
                           slabs=slabs),
         out_type=(keyed, keyed, keyed),
         grid=(batch, num_value_heads, num_chunks),
