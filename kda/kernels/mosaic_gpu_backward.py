@@ -1,5 +1,5 @@
 """The backward of KDA's recurrence over chunks: a reversed Mosaic GPU kernel (Hopper), then
-batched matmuls that are parallel over chunks.
+products that are parallel over chunks.
 
 Per chunk n of one (batch row, value head), the forward (`kda.chunked.chunk_recurrence`) is, with
 S_n the state entering chunk n:
@@ -15,18 +15,29 @@ final-state cotangent; P_n = Aqk_n^T dO_n):
     dS_n     = D_n * dS_{n+1} + Qs_n^T dO_n - W_n^T dV_new_n
 
 The reversed kernel runs this recurrence like the forward kernel runs its own: one program per
-(batch row, value head, 64-column V tile) keeps `dS [K, 64]` in float32 registers; per chunk, with
-the chunk's inputs streaming in by TMA while the previous chunk computes (`plgpu.emit_pipeline`,
-two stages, chunks in reverse order), four wgmmas (M = C = 64, or K for the state):
+(batch row, value head, 64-column V tile), with the chunk's inputs streaming in by TMA while the
+previous chunk computes (`plgpu.emit_pipeline`, two stages, chunks in reverse order). It carries
+the cotangent *transposed*, `E = dS^T [64, K]` in float32 registers, and per chunk runs four
+wgmmas (M = 64):
 
-    dV_new = Aqk^T dO + Kt dS                    [C, C] x [C, 64]  +  [C, K] x [K, 64]
-    dS     = D * dS + Qs^T dO + W^T (-dV_new)    [K, C] x [C, 64]  +  [K, C] x [C, 64]
+    dV_new^T = dO^T Aqk + E Kt^T                       [64, C] x [C, C]  +  [64, K] x [K, C]
+    E        = E * D + dO^T Qs + (-dV_new^T) W          [64, C] x [C, K]  +  [64, C] x [C, K]
 
-(the transposed operands are transposed views of the forward's SMEM tiles). It writes dS_{n+1}
-per chunk (bf16, as FLA and jax-linear-attention keep it), dV_new per chunk (float32, or bf16
-where every consumer rounds it so) and dS_0 (float32). Every other cotangent contracts over V,
-which the programs split, so it is left to batched matmuls over all chunks at once
-(`recurrence_cotangents`):
+Transposed, E and dV_new^T are wgmma's left operand straight from registers, so the chain from
+one chunk's cotangent to the next goes through no shared memory (the untransposed kernel stored
+-dV_new and dS there for every chunk, each behind a fence and a warpgroup barrier); dO^T is a
+transposed view of dO's tile as TMA brings it, the right operands the tiles as they are. On the
+H200 this took the kernel from 0.769 to 0.693 ms at 1x32768x16x128 and from 0.199 to 0.181 ms at
+2x8192x16x128 (device time; unchanged at 0.135 ms at 8x2048x16x128). (The forward kernel,
+transposed the same way, was slower: `kda.kernels.mosaic_gpu_recurrence` says why.)
+
+It writes dS_{n+1} per chunk (bf16, as FLA and jax-linear-attention keep it), dV_new per chunk
+(bf16 where every consumer rounds it so, else float32) and dS_0 (float32), each transposed on
+its way through shared memory; Mosaic GPU transposes only 16-bit values there, so a float32
+dV_new leaves value-major ([B, HV, N, V, C]) and dS_0 (like the final-state cotangent it reads)
+as [B, HV, V, K], both swapped back in XLA. Every other cotangent contracts over V, which the
+programs split, so it is left to a pass that is parallel over chunks (`recurrence_cotangents`
+here in XLA; one Mosaic GPU kernel, `kda.kernels.mosaic_gpu_cotangents`, on the kernel path):
 
     dU = dV_new,  dW = -dV_new S_n^T,  dQs = dO S_n^T,  dAqk = dO V_new^T,
     dKt = V_new dS_{n+1}^T,  dD = sum over V of S_n * dS_{n+1}
@@ -38,8 +49,8 @@ consumer rounds to bf16 anyway (the preparation-backward kernels: dW, dU and dAq
 gives the consumer the same operands in half the bytes written and read (dQs, dKt and dD stay
 float32: the kernels use them so).
 
-Numerics: matmul operands bf16 (dO, dS and -dV_new rounded when written to SMEM), accumulation
-and the carried dS float32, D read in float32.
+Numerics: matmul operands bf16 (dO as given, E and -dV_new^T rounded as they become operands),
+accumulation and the carried cotangent float32, D read in float32.
 """
 
 import jax
@@ -50,11 +61,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.chunked import ChunkedInputs
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands, RecurrenceResiduals,
-                                           load_state_tile, lowered_once, swizzled,
+                                           kernel_body, load_state_tile, lowered_once, swizzled,
                                            swizzled_smem)
+from kda.kernels.mosaic_gpu_tiles import COLUMN_VECTOR, per_column
 
-# The backward's own V tile, chosen as the forward's: dS [K, 64] float32 is 64 registers a thread
-# at K = 128.
+# The backward's own V tile, chosen as the forward's: dS^T [64, K] float32 is 64 registers a
+# thread at K = 128.
 BLOCK_V = 64
 PIPELINE_STAGES = 2
 
@@ -67,50 +79,61 @@ def _reversed_chunk_block(shape, dtype, num_chunks):
 
 
 def _reversed_recurrence_kernel(w_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, d_o_gmem,
-                                d_final_gmem, d_states_gmem, d_v_new_gmem, d_initial_gmem):
+                                d_final_t_gmem, d_states_gmem, d_v_new_gmem, d_initial_t_gmem,
+                                *, value_major):
     """The body of one (batch row, value head, V tile) program; see the module docstring.
 
     GMEM inputs: w, q [B, HV, N, C, K], kt [B, HV, N, K, C], a [B, HV, N, C, C] and
-    d_o [B, HV, N, C, V] in bfloat16; decay [B, HV, N, K] and d_final [B, HV, K, V] in float32.
-    Outputs: d_states [B, HV, N, K, V] (dS_{n+1}, bf16), d_v_new [B, HV, N, C, V] (float32 or
-    bf16) and d_initial [B, HV, K, V] (float32).
+    d_o [B, HV, N, C, V] in bfloat16; decay [B, HV, N, K] and d_final_t [B, HV, V, K] (the
+    final-state cotangent, transposed) in float32.
+    Outputs: d_states [B, HV, N, K, V] (dS_{n+1}, bf16), d_v_new [B, HV, N, C, V] (bf16) or,
+    with `value_major` (float32), [B, HV, N, V, C], and d_initial_t [B, HV, V, K] (float32,
+    transposed).
     """
     num_chunks, chunk, key_dim = w_gmem.shape[2:]
     batch, head, v_tile = (lax.axis_index(axis) for axis in ("batch", "heads", "v_tiles"))
     columns = pl.ds(v_tile * BLOCK_V, BLOCK_V)
-    state_shape, values_shape = (key_dim, BLOCK_V), (chunk, BLOCK_V)
+    state_shape, values_shape = (BLOCK_V, key_dim), (BLOCK_V, chunk)
 
-    d_final_state = load_state_tile(d_final_gmem.at[batch, head, :, columns], state_shape)
+    d_final_state_t = load_state_tile(d_final_t_gmem.at[batch, head, columns], state_shape)
 
-    def recur(d_state_smem, minus_d_v_new_smem, d_v_new_smem):
-        def chunk_step(indices, w, q, kt, a, decay, d_o, d_state):
+    def d_v_new_tile(n):
+        if value_major:
+            return d_v_new_gmem.at[batch, head, n, columns]
+        return d_v_new_gmem.at[batch, head, n, :, columns]
+
+    def recur(d_state_smem, d_v_new_smem):
+        def chunk_step(indices, w, q, kt, a, decay, d_o, d_state_t):
             n = num_chunks - 1 - indices[0]
+            d_state_operand = d_state_t.astype(OPERAND_DTYPE)
+            decay_row = plgpu.load(decay, layout=COLUMN_VECTOR)
+            d_o_t = d_o.transpose((1, 0))
 
             def products(d_v_new_acc, d_state_acc):
-                # The products of dO need no dS: they run while dS is written for the next one.
-                plgpu.wgmma(d_v_new_acc, a.T, d_o)
-                plgpu.wgmma(d_state_acc, q.T, d_o)
+                # The products of dO need no dS: issued first, they run while dS^T is converted.
+                plgpu.wgmma(d_state_acc, d_o_t, q)
+                plgpu.wgmma(d_v_new_acc, d_o_t, a)
+                plgpu.wgmma(d_v_new_acc, d_state_operand, kt)
                 # A step issues two copies to GMEM, dS then dV_new: waiting until at most one is
                 # pending frees the buffer of the other one of the previous step.
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                d_state_smem[...] = d_state.astype(OPERAND_DTYPE)
-                plgpu.commit_smem()  # fences the store for wgmma and TMA
+                d_state_smem.transpose((1, 0))[...] = d_state_operand
+                # Fences the store for TMA, and orders the plain load of `decay` before the TMA
+                # that refills this pipeline slot after the step.
+                plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(d_state_smem,
                                         d_states_gmem.at[batch, head, n, :, columns])
-                plgpu.wgmma(d_v_new_acc, kt.T, d_state_smem)
-                # Formed once dS is stored, so that dS and its decayed copy are not both live.
-                decayed = d_state * lax.broadcast_in_dim(decay[...], state_shape, (0,))
-                d_v_new = d_v_new_acc[...]
+                d_v_new_t = plgpu.wgmma_accumulator_load(d_v_new_acc)
+                plgpu.wgmma(d_state_acc, (-d_v_new_t).astype(OPERAND_DTYPE), w)
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                minus_d_v_new_smem[...] = (-d_v_new).astype(OPERAND_DTYPE)
-                d_v_new_smem[...] = d_v_new.astype(d_v_new_smem.dtype)
-                # Fences the stores for wgmma and TMA, and orders the plain load of `decay`
-                # before the TMA that refills this pipeline slot after the step.
+                if value_major:
+                    d_v_new_smem[...] = d_v_new_t
+                else:
+                    d_v_new_smem.transpose((1, 0))[...] = d_v_new_t.astype(d_v_new_smem.dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(d_v_new_smem,
-                                        d_v_new_gmem.at[batch, head, n, :, columns])
-                plgpu.wgmma(d_state_acc, w.T, minus_d_v_new_smem)
-                return decayed + d_state_acc[...]
+                plgpu.copy_smem_to_gmem(d_v_new_smem, d_v_new_tile(n))
+                return (d_state_t * per_column(decay_row, state_shape)
+                        + plgpu.wgmma_accumulator_load(d_state_acc))
 
             return pl.run_scoped(products, plgpu.ACC(values_shape), plgpu.ACC(state_shape))
 
@@ -123,25 +146,24 @@ def _reversed_recurrence_kernel(w_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, d_o
                 _reversed_chunk_block((key_dim, chunk), OPERAND_DTYPE, num_chunks),  # Kt^T
                 _reversed_chunk_block((chunk, chunk), OPERAND_DTYPE, num_chunks),  # Aqk
                 _reversed_chunk_block((key_dim,), jnp.float32, num_chunks),  # chunk_decay
-                _reversed_chunk_block(values_shape, OPERAND_DTYPE, num_chunks),  # dO
+                _reversed_chunk_block((chunk, BLOCK_V), OPERAND_DTYPE, num_chunks),  # dO
             ],
             max_concurrent_steps=PIPELINE_STAGES,
-            init_carry=d_final_state,
+            init_carry=d_final_state_t,
         )
         return pipeline(w_gmem.at[batch, head], q_gmem.at[batch, head], kt_gmem.at[batch, head],
                         a_gmem.at[batch, head], decay_gmem.at[batch, head],
                         d_o_gmem.at[batch, head, :, :, columns])
 
-    d_initial_state = pl.run_scoped(
-        recur, swizzled_smem(state_shape, OPERAND_DTYPE),
-        swizzled_smem(values_shape, OPERAND_DTYPE),
-        swizzled_smem(values_shape, d_v_new_gmem.dtype))
+    d_initial_state_t = pl.run_scoped(
+        recur, swizzled_smem(state_shape[::-1], OPERAND_DTYPE),
+        swizzled_smem(values_shape if value_major else values_shape[::-1], d_v_new_gmem.dtype))
 
     def store_initial_cotangent(state_smem):
         plgpu.wait_smem_to_gmem(0)  # the last chunk's outputs are out
-        state_smem[...] = d_initial_state
+        state_smem[...] = d_initial_state_t
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(state_smem, d_initial_gmem.at[batch, head, :, columns])
+        plgpu.copy_smem_to_gmem(state_smem, d_initial_t_gmem.at[batch, head, columns])
         plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(store_initial_cotangent, swizzled_smem(state_shape, jnp.float32))
@@ -156,27 +178,34 @@ def run_reversed_recurrence(operands: RecurrenceOperands, d_o, d_final_state,
       operands: the forward's `RecurrenceOperands` [B, HV, N, ...] (U may be None).
       d_o: [B, HV, N, C, V], the cotangent of the chunk outputs.
       d_final_state: [B, HV, K, V], the cotangent of the final state.
-      d_v_new_dtype: float32, or bf16 where every consumer of dV_new rounds it to bf16.
+      d_v_new_dtype: float32, or bf16 where every consumer of dV_new rounds it to bf16 (a float32
+        dV_new comes out of the kernel value-major and is swapped here).
     Returns:
       (d_states bf16 [B, HV, N, K, V]: dS_{n+1} for chunk n, d_v_new [B, HV, N, C, V] in
       d_v_new_dtype, d_initial_state float32 [B, HV, K, V]).
     """
     batch, heads, num_chunks, chunk, key_dim = operands.W.shape
     value_dim = d_o.shape[-1]
+    value_major = jnp.dtype(d_v_new_dtype).itemsize != 2  # transposed stores take 16 bits only
+    chunked = lambda *tail: (batch, heads, num_chunks, *tail)  # noqa: E731
     run = plgpu.kernel(
-        _reversed_recurrence_kernel,
+        kernel_body(_reversed_recurrence_kernel, value_major=value_major),
         out_type=(
-            jax.ShapeDtypeStruct((batch, heads, num_chunks, key_dim, value_dim), OPERAND_DTYPE),
-            jax.ShapeDtypeStruct((batch, heads, num_chunks, chunk, value_dim), d_v_new_dtype),
-            jax.ShapeDtypeStruct((batch, heads, key_dim, value_dim), jnp.float32)),
+            jax.ShapeDtypeStruct(chunked(key_dim, value_dim), OPERAND_DTYPE),
+            jax.ShapeDtypeStruct(chunked(value_dim, chunk) if value_major
+                                 else chunked(chunk, value_dim), d_v_new_dtype),
+            jax.ShapeDtypeStruct((batch, heads, value_dim, key_dim), jnp.float32)),
         grid=(batch, heads, value_dim // BLOCK_V),
         grid_names=("batch", "heads", "v_tiles"),
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )
-    return run(operands.W, operands.q_from_state, operands.k_to_state_t, operands.Aqk,
-               operands.chunk_decay, d_o.astype(OPERAND_DTYPE),
-               d_final_state.astype(jnp.float32))
+    d_states, d_v_new, d_initial_state_t = run(
+        operands.W, operands.q_from_state, operands.k_to_state_t, operands.Aqk,
+        operands.chunk_decay, d_o.astype(OPERAND_DTYPE),
+        jnp.swapaxes(d_final_state.astype(jnp.float32), -1, -2))
+    if value_major:
+        d_v_new = jnp.swapaxes(d_v_new, -1, -2)
+    return d_states, d_v_new, jnp.swapaxes(d_initial_state_t, -1, -2)
 
 
 def _products(subscripts, x, y, dtype):
@@ -188,7 +217,8 @@ def _products(subscripts, x, y, dtype):
 
 def recurrence_cotangents(residuals: RecurrenceResiduals, d_o, d_states, d_v_new,
                           rounded=()) -> ChunkedInputs:
-    """The cotangents of the recurrence's inputs, parallel over chunks.
+    """The cotangents of the recurrence's inputs, parallel over chunks, by XLA's batched matmuls:
+    the plain-JAX twin of `kda.kernels.mosaic_gpu_cotangents.chunk_cotangents`, its oracle.
 
     Args:
       residuals: the forward's S_n and V_new_n.

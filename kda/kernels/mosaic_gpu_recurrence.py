@@ -17,6 +17,13 @@ float32. Inputs of the next chunk stream in by TMA while the current chunk compu
 For training the kernel also writes what the backward (`kda.kernels.mosaic_gpu_backward`) reads
 (`save_for_backward`): the state entering each chunk and V_new, the bf16 wgmma operands it used
 (two TMA stores a chunk from shared memory it fills anyway).
+
+Why S is not carried transposed, as the reversed kernel carries dS: with `S^T [64, K]` and
+V_new^T as wgmma's left operands from registers, the state's chain skips shared memory, but U
+(float32 [C, V]) must then be read transposed, which Mosaic GPU does only for 16-bit values (it
+went through shared memory as a bf16 hi/lo pair), and the saved S and V_new became stores of
+their own. On the H200 that kernel took 0.885 ms against this one's 0.871 at 1x32768x16x128
+(device time), and 1.085 against 0.952 with `save_for_backward`.
 """
 
 import jax
