@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from kda.api import KDACall, register_kernel
 from kda.chunked import CHUNK_SIZE, ChunkedInputs
-from kda.kernels.mosaic_gpu_backward import recurrence_cotangents
+from kda.kernels.mosaic_gpu_cotangents import chunk_cotangents
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, SUPPORTED_DIMS, RecurrenceOperands,
                                            RecurrenceResiduals, recurrence_operands)
 from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
@@ -45,7 +45,7 @@ def recurrence_vjp(operands: RecurrenceOperands, residuals: RecurrenceResiduals,
                    d_final_state, rounded=()):
     """The VJP of the recurrence over chunks: the reversed kernel (over segments of the sequence
     side by side where the forward's choice of P splits it, `kda.kernels.sequence_parallel`),
-    then the parallel cotangents.
+    then the parallel cotangents in one pass (`kda.kernels.mosaic_gpu_cotangents`).
 
     Args:
       operands: the forward's `RecurrenceOperands` (U is not read and may be None).
@@ -61,7 +61,7 @@ def recurrence_vjp(operands: RecurrenceOperands, residuals: RecurrenceResiduals,
     d_states, d_v_new, d_initial_state = sequence_parallel_reversed_recurrence(
         operands, d_o, d_final_state,
         d_v_new_dtype=OPERAND_DTYPE if "U" in rounded else jnp.float32)
-    return (recurrence_cotangents(residuals, d_o, d_states, d_v_new, rounded),
+    return (chunk_cotangents(residuals, d_o, d_states, d_v_new, rounded),
             d_initial_state)
 
 
