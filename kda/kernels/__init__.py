@@ -8,6 +8,7 @@
 * `kda.kernels.sequence_parallel`: the recurrence over segments of the sequence side by side,
   combined exactly, for few long sequences.
 * `kda.kernels.mosaic_gpu_backward`: the reversed recurrence (backward of the recurrence).
+* `kda.kernels.mosaic_gpu_cotangents`: the recurrence's per-chunk cotangents in one pass.
 * `kda.kernels.mosaic_gpu_prepare_backward`: backward of the chunk preparation.
 * `kda.kernels.mosaic_gpu_tiles`: the in-kernel building blocks of both preparation kernels
   (chunk cumsum, causal anchors and score tiles, document masks, `(I + N)^-1`, split matmuls).
