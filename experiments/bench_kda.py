@@ -6,13 +6,15 @@
     python -m experiments.bench_kda --gpu --device-time   # also each call's summed device time
 
 Every contender gets the same inputs (bf16 q/k/v on GPU, float32 on CPU; lower-bound gates in
-[-5, 0); L2-normalised q and k); forward and forward+backward are timed after a warm-up, the
+[-5, 0); L2-normalised q and k); forward and forward+backward are timed after a warm-up, all
+contenders of a shape in turns (`time_contenders`: a drift of the GPU's clocks falls on all), the
 outputs are compared with our chunked op (or, in a run without it, with the first other KDA
 contender's, `error_anchor`), and peak memory is recorded. Peers that are not
 installed are skipped with a note. The table goes to `benchmarks/kda_<backend>.md`.
 """
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import functools
@@ -90,24 +92,57 @@ def make_inputs(shape: Shape, dtype, seed: int = 0) -> dict[str, np.ndarray]:
     )
 
 
-# Warm-up per timing, in calls and in seconds: an idle GPU clocks down (the H200 to 345 MHz), and
-# a few calls of a millisecond do not bring it back up; a peer timed after a busy one would gain.
-WARMUP_CALLS, WARMUP_SECONDS = 2, 0.25
+@dataclasses.dataclass
+class Contender:
+    """One contender at one shape, compiled and ready: the calls to time (each returns what `sync`
+    waits for; `forward_backward` None where only a forward is timed), its output (None for the
+    rows that time a part alone) and what was measured without timing calls (peak memory, device
+    times, a note); `time_contenders` fills in the times."""
+
+    forward: Callable[[], object]
+    forward_backward: Callable[[], object] | None
+    sync: Callable[[object], None]
+    output: np.ndarray | None
+    timing: "Timing"
 
 
-def _time(fn: Callable[[], object], sync: Callable[[object], None], repeats: int) -> float:
-    """Median wall time in milliseconds of `fn`, each call waited for, after warm-up calls for
-    at least `WARMUP_SECONDS` (and `WARMUP_CALLS`)."""
-    started, calls = time.perf_counter(), 0
-    while calls < WARMUP_CALLS or time.perf_counter() - started < WARMUP_SECONDS:
-        sync(fn())
-        calls += 1
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        sync(fn())
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+# Warm-up before the rounds, in seconds: an idle GPU clocks down (the H200 to 345 MHz), and a few
+# calls of a millisecond do not bring it back up. Rounds: the contenders are timed in turns, so
+# that a drift of the clocks in the run (0.1 and more in a ratio from one run to the next at
+# small grids) falls on all of them alike.
+WARMUP_SECONDS, ROUNDS = 0.25, 5
+
+
+def _calls(contender: Contender) -> list[tuple[str, Callable[[], object]]]:
+    return [(field, call) for field, call in (("forward_ms", contender.forward),
+                                              ("forward_backward_ms", contender.forward_backward))
+            if call is not None]
+
+
+def time_contenders(contenders: dict[str, Contender], repeats: int, rounds: int = ROUNDS):
+    """Sets each contender's forward_ms and forward_backward_ms to the median wall time of
+    `repeats` calls (each waited for), taken in `rounds` turns over all contenders (one untimed
+    call first in each turn), after `WARMUP_SECONDS` of calls of all of them."""
+    started = time.perf_counter()
+    while True:
+        for contender in contenders.values():
+            for _, call in _calls(contender):
+                contender.sync(call())
+        if time.perf_counter() - started >= WARMUP_SECONDS:
+            break
+    samples = collections.defaultdict(list)
+    rounds = max(1, min(rounds, repeats))
+    for turn in range(rounds):
+        per_turn = repeats // rounds + (turn < repeats % rounds)
+        for name, contender in contenders.items():
+            for field, call in _calls(contender):
+                contender.sync(call())
+                for _ in range(per_turn):
+                    start = time.perf_counter()
+                    contender.sync(call())
+                    samples[name, field].append((time.perf_counter() - start) * 1e3)
+    for (name, field), times in samples.items():
+        setattr(contenders[name].timing, field, statistics.median(times))
 
 
 def compiled_once(fn: Callable, *args) -> jax.stages.Compiled:
@@ -143,20 +178,18 @@ def device_ms(fn: Callable, args: tuple) -> float | None:
     return ops["total_ms"] if ops["rows"] else None
 
 
-def bench_jax(attention: Callable, inputs, repeats: int, device_time: bool = False):
-    """Times `attention(q, k, v, g, beta) -> o` and the gradient of `sum(o * do)`; with
-    `device_time`, also sums each one's device ops (`device_ms`)."""
+def bench_jax(attention: Callable, inputs, device_time: bool = False) -> Contender:
+    """`attention(q, k, v, g, beta) -> o` and the gradient of `sum(o * do)`; with `device_time`,
+    also each one's summed device ops (`device_ms`)."""
     args, d_o = _arrays(inputs)
     forward = compiled_once(attention, *args)
     backward = compiled_once(gradient(attention), args, d_o)
-    sync = jax.block_until_ready
-    timing = Timing(forward_ms=_time(lambda: forward(*args), sync, repeats),
-                    forward_backward_ms=_time(lambda: backward(args, d_o), sync, repeats),
-                    peak_mib=compiled_peak_mib(backward))
+    timing = Timing(peak_mib=compiled_peak_mib(backward))
     if device_time:
         timing.forward_device_ms = device_ms(attention, args)
         timing.forward_backward_device_ms = device_ms(gradient(attention), (args, d_o))
-    return np.asarray(forward(*args), np.float32), timing
+    return Contender(lambda: forward(*args), lambda: backward(args, d_o), jax.block_until_ready,
+                     np.asarray(forward(*args), np.float32), timing)
 
 
 def ours(impl: str) -> Callable:
@@ -186,21 +219,20 @@ def triton_preparation(q, k, v, g, beta):
                                              **PREPARATION_OPTIONS)
 
 
-def bench_preparation(prepare: Callable, inputs, repeats: int):
-    """Times only the chunk preparation, forward (the kernel has no backward of its own).
+def bench_preparation(prepare: Callable, inputs) -> Contender:
+    """Only the chunk preparation, forward (the kernel has no backward of its own).
 
     `prepare(q, k, v, g, beta)` returns the recurrence kernel's operands.
     """
     args = [jnp.asarray(inputs[name]) for name in ("q", "k", "v", "g", "beta")]
     forward = compiled_once(prepare, *args)
-    timing = Timing(forward_ms=_time(lambda: forward(*args), jax.block_until_ready, repeats),
-                    peak_mib=compiled_peak_mib(forward),
+    timing = Timing(peak_mib=compiled_peak_mib(forward),
                     note="chunk preparation alone (forward); memory of the forward")
-    return None, timing
+    return Contender(lambda: forward(*args), None, jax.block_until_ready, None, timing)
 
 
-def bench_recurrence(recurrence: Callable, inputs, repeats: int):
-    """Times only the recurrence over chunks, on inputs prepared once: a kernel's own share.
+def bench_recurrence(recurrence: Callable, inputs) -> Contender:
+    """Only the recurrence over chunks, on inputs prepared once: a kernel's own share.
 
     `recurrence` has the contract of `kda.chunked.chunk_recurrence`; the backward is timed on the
     gradient of `sum(o) + sum(final_state)` with respect to the prepared chunks and state.
@@ -213,27 +245,26 @@ def bench_recurrence(recurrence: Callable, inputs, repeats: int):
     state = jnp.zeros((batch, heads, key_dim, chunks.U.shape[-1]), jnp.float32)
     out_dtype = args[2].dtype
     forward = compiled_once(lambda c, s: recurrence(c, s, out_dtype), chunks, state)
-    sync = jax.block_until_ready
-    timing = Timing(forward_ms=_time(lambda: forward(chunks, state), sync, repeats),
-                    note="recurrence over chunks alone, on prepared inputs")
 
     def loss(c, s):
         o, final_state = recurrence(c, s, out_dtype)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final_state)
 
     backward = compiled_once(jax.grad(loss, argnums=(0, 1)), chunks, state)
-    timing.forward_backward_ms = _time(lambda: backward(chunks, state), sync, repeats)
-    timing.peak_mib = compiled_peak_mib(backward)
-    return None, timing
+    timing = Timing(peak_mib=compiled_peak_mib(backward),
+                    note="recurrence over chunks alone, on prepared inputs")
+    return Contender(lambda: forward(chunks, state), lambda: backward(chunks, state),
+                     jax.block_until_ready, None, timing)
 
 
-def bench_kernel_recurrence(inputs, repeats: int):
+def bench_kernel_recurrence(inputs) -> Contender:
     """`bench_recurrence` of the Mosaic GPU recurrence (forward and reversed kernels, each over
     the P sequence segments `choose_num_segments` picks for this grid), P in the note."""
-    _, timing = bench_recurrence(kernel_recurrence, inputs, repeats)
+    contender = bench_recurrence(kernel_recurrence, inputs)
     batch, length, heads, dim = inputs["v"].shape
-    timing.note += f"; P = {choose_num_segments(batch * heads, -(-length // CHUNK_SIZE), dim, dim)}"
-    return None, timing
+    num_segments = choose_num_segments(batch * heads, -(-length // CHUNK_SIZE), dim, dim)
+    contender.timing.note += f"; P = {num_segments}"
+    return contender
 
 
 def jla_attention() -> Callable:
@@ -250,7 +281,7 @@ def cudnn_attention(q, k, v, g, beta):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
 
-def bench_fla(inputs, repeats: int):
+def bench_fla(inputs) -> Contender:
     """fla-core's Triton `chunk_kda` (safe_gate=True, lower_bound=-5) on the same inputs."""
     import torch  # noqa: PLC0415 (optional peer)
     from fla.ops.kda import chunk_kda as fla_chunk_kda  # noqa: PLC0415
@@ -264,26 +295,26 @@ def bench_fla(inputs, repeats: int):
     q, k, v, g, beta = (tensor(name, True) for name in ("q", "k", "v", "g", "beta"))
     d_o = tensor("do", False)
 
-    def forward():
+    def output():
         return fla_chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, safe_gate=True,
                              lower_bound=-5.0)[0]
 
+    def forward():
+        with torch.no_grad():
+            return output()
+
     def forward_backward():
-        forward().backward(d_o)
+        output().backward(d_o)
         return None
 
     def sync(_):
         torch.cuda.synchronize()
 
     torch.cuda.reset_peak_memory_stats()
-    with torch.no_grad():
-        forward_ms = _time(forward, sync, repeats)
-    timing = Timing(forward_ms=forward_ms,
-                    forward_backward_ms=_time(forward_backward, sync, repeats))
-    timing.peak_mib = torch.cuda.max_memory_allocated() / 2**20
-    with torch.no_grad():
-        output = forward().float().cpu().numpy()
-    return output, timing
+    forward_backward()  # also its first call's autotuning, before any timing
+    sync(None)
+    timing = Timing(peak_mib=torch.cuda.max_memory_allocated() / 2**20)
+    return Contender(forward, forward_backward, sync, forward().float().cpu().numpy(), timing)
 
 
 def package_version(package: str) -> str:
@@ -301,70 +332,73 @@ SOFTMAX_ATTENTION = "cuDNN attention"
 
 def contenders(gpu: bool, impls: list[str], peers=PEERS, parts=True,
                device_time=False) -> dict[str, Callable]:
-    """name -> bench(inputs, repeats) -> (output, Timing); `parts`: also the recurrence and the
-    preparation alone, for each of our kernels (GPU only); `device_time`: also the device-op time
-    of the whole-op JAX contenders (`bench_jax`)."""
+    """name -> bench(inputs) -> `Contender`; `parts`: also the recurrence and the preparation
+    alone, for each of our kernels (GPU only); `device_time`: also the device-op time of the
+    whole-op JAX contenders (`bench_jax`)."""
     whole_op = functools.partial(bench_jax, device_time=device_time)
-    table = {impl: (lambda inputs, repeats, impl=impl: whole_op(ours(impl), inputs, repeats))
-             for impl in impls}
+    table = {impl: (lambda inputs, impl=impl: whole_op(ours(impl), inputs)) for impl in impls}
     if gpu and parts:
         # The sequential part alone, plain JAX against our kernel: how much the kernel saves.
-        table["recurrence: chunked scan"] = lambda inputs, repeats: bench_recurrence(
-            chunk_recurrence, inputs, repeats)
+        table["recurrence: chunked scan"] = functools.partial(bench_recurrence,
+                                                              chunk_recurrence)
         if "mosaic_gpu" in impls:
             table["recurrence: mosaic_gpu"] = bench_kernel_recurrence
         if triton_path.NAME in impls:
-            table["recurrence: triton"] = lambda inputs, repeats: bench_recurrence(
-                triton_path.kernel_recurrence, inputs, repeats)
+            table["recurrence: triton"] = functools.partial(bench_recurrence,
+                                                            triton_path.kernel_recurrence)
         # The parallel part alone, plain JAX against our kernel (bounded gates).
-        table["preparation: plain JAX"] = lambda inputs, repeats: bench_preparation(
-            plain_preparation, inputs, repeats)
+        table["preparation: plain JAX"] = functools.partial(bench_preparation,
+                                                            plain_preparation)
         if "mosaic_gpu" in impls:
-            table["preparation: mosaic_gpu"] = lambda inputs, repeats: bench_preparation(
-                kernel_preparation, inputs, repeats)
+            table["preparation: mosaic_gpu"] = functools.partial(bench_preparation,
+                                                                 kernel_preparation)
         if triton_path.NAME in impls:
-            table["preparation: triton"] = lambda inputs, repeats: bench_preparation(
-                triton_preparation, inputs, repeats)
+            table["preparation: triton"] = functools.partial(bench_preparation,
+                                                             triton_preparation)
     if gpu:
         if "jla" in peers:
-            table["jla mosaic_gpu"] = lambda inputs, repeats: whole_op(jla_attention(), inputs,
-                                                                       repeats)
+            table["jla mosaic_gpu"] = lambda inputs: whole_op(jla_attention(), inputs)
         if "fla" in peers:
             table["fla chunk_kda"] = bench_fla
         if "cudnn" in peers:
-            table[SOFTMAX_ATTENTION] = lambda inputs, repeats: whole_op(cudnn_attention, inputs,
-                                                                        repeats)
+            table[SOFTMAX_ATTENTION] = functools.partial(whole_op, cudnn_attention)
     return table
 
 
 def run(shapes: list[Shape], table: dict[str, Callable], dtype, repeats: int,
         on_progress: Callable[[dict], None]):
-    """Times every contender on every shape, and measures each KDA output's error against
-    `error_anchor`'s; calls `on_progress(results)` after each one."""
+    """Times every contender on every shape (all of a shape's in turns, `time_contenders`), and
+    measures each KDA output's error against `error_anchor`'s; calls `on_progress(results)` after
+    each contender is ready and after each shape is timed."""
     anchor = error_anchor(list(table))
     results: dict[tuple[str, str], Timing] = {}
     for shape in shapes:
         inputs = make_inputs(shape, dtype)
-        outputs = {}
+        ready: dict[str, Contender] = {}
         for name, bench in table.items():
             if name == "reference" and shape.batch * shape.length > REFERENCE_MAX_TOKENS:
                 results[(str(shape), name)] = Timing(note=f"skipped: > {REFERENCE_MAX_TOKENS} "
                                                           "tokens")
                 continue
             try:
-                output, timing = bench(inputs, repeats)
+                contender = bench(inputs)
+                for _, call in _calls(contender):  # a call that fails does so here, not timed
+                    contender.sync(call())
             except Exception as error:  # a peer that is missing or fails must not stop the run
                 results[(str(shape), name)] = Timing(note=f"{type(error).__name__}: "
                                                           f"{str(error).splitlines()[0][:100]}")
                 print(f"{shape} {name}: {results[(str(shape), name)].note}", file=sys.stderr)
                 continue
-            if output is not None:  # recurrence- and preparation-only rows have no output
-                outputs[name] = output
-            results[(str(shape), name)] = timing
-            _fill_errors(results, shape, outputs, anchor)
-            print(f"{shape} {name}: fwd {cell(timing.forward_ms, '.2f')} ms, fwd+bwd "
-                  f"{cell(timing.forward_backward_ms, '.2f')} ms", flush=True)
-            on_progress(results)  # the table so far survives a run cut short
+            ready[name] = contender
+            results[(str(shape), name)] = contender.timing
+            on_progress(results)  # what is known so far survives a run cut short
+        outputs = {name: contender.output for name, contender in ready.items()
+                   if contender.output is not None}  # rows of a part alone have none
+        _fill_errors(results, shape, outputs, anchor)
+        time_contenders(ready, repeats)
+        for name, contender in ready.items():
+            print(f"{shape} {name}: fwd {cell(contender.timing.forward_ms, '.2f')} ms, fwd+bwd "
+                  f"{cell(contender.timing.forward_backward_ms, '.2f')} ms", flush=True)
         on_progress(results)
     return results
 
@@ -482,8 +516,9 @@ def write_table(path: Path, results, shapes, names, baseline: str, command: str,
         ", ".join(f"{name} {package_version(name)}" for name in ("flax", *peers))) + [
         f"- Inputs: {'bf16' if gpu else 'float32'} q/k/v, lower-bound gates in [-5, 0), "
         "use_qk_l2norm, no initial state. Shapes are BxTxHxD (K = V = D, HV = H).",
-        "- Times are medians of repeated calls, each waited for, after at least "
-        f"{WARMUP_SECONDS} s of warm-up calls, in milliseconds. "
+        "- Times are medians of repeated calls, each waited for, taken in "
+        f"{ROUNDS} turns over all contenders of a shape after at least {WARMUP_SECONDS} s of "
+        "warm-up calls, in milliseconds. "
         f"'vs {baseline}' = {baseline}'s time / this row's time (above 1: this row is faster).",
         f"- Error: relative L2 error of the output against {anchor_words(error_anchor(names))}. "
         "Memory: arguments, "

@@ -44,13 +44,37 @@ def test_a_run_without_the_chunked_op_still_checks_that_outputs_agree():
     peers' errors are measured against our kernel's output instead."""
     outputs = {"mosaic_gpu": np.ones(8), "recurrence: mosaic_gpu": None,
                "jla mosaic_gpu": np.full(8, 1.01), "fla chunk_kda": np.full(8, 0.98)}
-    table = {name: (lambda inputs, repeats, output=output: (output, bench_kda.Timing(1.0, 2.0)))
+    table = {name: (lambda inputs, output=output: bench_kda.Contender(
+        lambda: None, lambda: None, lambda _: None, output, bench_kda.Timing()))
              for name, output in outputs.items()}
     results = bench_kda.run([bench_kda.Shape.parse("1x64x1x16")], table, np.float32, 1,
                             lambda results: None)
     errors = {name: results[("1x64x1x16", name)].error for name in outputs}
     assert errors == pytest.approx({"mosaic_gpu": 0.0, "recurrence: mosaic_gpu": None,
                                     "jla mosaic_gpu": 0.01, "fla chunk_kda": 0.02})
+
+
+def test_contenders_are_timed_in_turns(monkeypatch):
+    """Each contender's calls are timed in `rounds` turns over all of them, each turn after one
+    untimed call, and the medians come from those timed calls alone."""
+    clock = iter(range(10**6))
+    monkeypatch.setattr(bench_kda.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(bench_kda, "WARMUP_SECONDS", 0.0)
+    calls = []
+
+    def contender(name, with_backward):
+        return bench_kda.Contender(lambda: calls.append((name, "forward")),
+                                   (lambda: calls.append((name, "backward"))) if with_backward
+                                   else None, lambda _: None, None, bench_kda.Timing())
+
+    contenders = {"a": contender("a", True), "b": contender("b", False)}
+    bench_kda.time_contenders(contenders, repeats=4, rounds=2)
+    warm_up = [("a", "forward"), ("a", "backward"), ("b", "forward")]
+    turn = [("a", "forward")] * 3 + [("a", "backward")] * 3 + [("b", "forward")] * 3
+    assert calls == warm_up + turn + turn
+    # A fake clock that ticks once a reading: every timed call reads it twice, 1 tick apart.
+    assert contenders["a"].timing.forward_ms == contenders["b"].timing.forward_ms == 1e3
+    assert contenders["b"].timing.forward_backward_ms is None
 
 
 def test_malformed_shapes_are_refused(capsys):
