@@ -8,8 +8,9 @@ launch's `plgpu.CompilerParams` `profile_space=S` (ranges recorded a warpgroup; 
 records one range an iteration) and `profile_dir=DIR`. Each call then writes a Perfetto trace
 per kernel into DIR. The region times are `%clock` cycles in thousands although the trace
 labels them microseconds (only each program's start uses the global timer), so this module
-reports cycles. The KDA notes (`benchmarks/kda_h200.md`) used it for the preparation kernel
-(fourteenth session) and the recurrence kernel (fifteenth).
+reports cycles. The KDA notes (`benchmarks/kda_h200.md`) took their traces of the preparation
+and recurrence kernels this way with scratch code that this module replaces (it gives the same
+numbers from the recurrence kernel's trace).
 
 For each region it gives the median and mean cycles over all its ranges (every program, every
 iteration); for each pair of consecutive regions in one warpgroup's stream the median gap
