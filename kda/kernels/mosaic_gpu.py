@@ -10,8 +10,9 @@ Forward, two kernels, each replacing one half of the chunked op (`kda.chunked`):
   passes (`kda.kernels.sequence_parallel`).
 
 Backward (`jax.custom_vjp`s): the forward recurrence also writes the state entering each chunk
-and V_new; the recurrence's VJP is the reversed recurrence kernel and batched matmuls over all
-chunks (`kda.kernels.mosaic_gpu_backward.recurrence_vjp`). With unbounded gates JAX
+and V_new; the recurrence's VJP (`recurrence_vjp`) is the reversed recurrence kernel
+(`kda.kernels.mosaic_gpu_backward`) and one kernel over all chunks for the cotangents that
+contract over V (`kda.kernels.mosaic_gpu_cotangents`). With unbounded gates JAX
 differentiates the plain-JAX preparation around it (`kernel_recurrence`); with bounded gates
 (`_bounded_kda`) the forward keeps the preparation kernel's operands and what that kernel saves for
 its backward (`PreparationResiduals`: G, Akk and the inverse, written only when a backward will
@@ -87,7 +88,7 @@ def _kernel_recurrence_fwd(chunks, initial_state, out_dtype):
 
 
 def _kernel_recurrence_bwd(out_dtype, saved, cotangents):
-    """The reversed kernel and the parallel cotangents (`kda.kernels.mosaic_gpu_backward`)."""
+    """The reversed kernel and the parallel cotangents (`recurrence_vjp`)."""
     del out_dtype
     operands, residuals = saved
     return recurrence_vjp(operands, residuals, *cotangents)

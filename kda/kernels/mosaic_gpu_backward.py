@@ -215,6 +215,13 @@ def _products(subscripts, x, y, dtype):
                       preferred_element_type=dtype)
 
 
+def cotangent_dtypes(rounded) -> dict:
+    """The dtype of each `ChunkedInputs` cotangent: bf16 where `rounded` names it, else float32
+    (module docstring)."""
+    return {name: OPERAND_DTYPE if name in rounded else jnp.float32
+            for name in ChunkedInputs._fields}
+
+
 def recurrence_cotangents(residuals: RecurrenceResiduals, d_o, d_states, d_v_new,
                           rounded=()) -> ChunkedInputs:
     """The cotangents of the recurrence's inputs, parallel over chunks, by XLA's batched matmuls:
@@ -230,8 +237,7 @@ def recurrence_cotangents(residuals: RecurrenceResiduals, d_o, d_states, d_v_new
       [B, HV, N, C, K], not transposed).
     """
     states, v_new = residuals
-    dtype = {name: OPERAND_DTYPE if name in rounded else jnp.float32
-             for name in ChunkedInputs._fields}
+    dtype = cotangent_dtypes(rounded)
     return ChunkedInputs(
         # bf16 negation is exact: -dV_new rounds as dV_new does.
         W=_products("...cv,...kv->...ck", -d_v_new, states, dtype["W"]),

@@ -51,6 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.chunked import ChunkedInputs
+from kda.kernels.mosaic_gpu_backward import cotangent_dtypes
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, SUPPORTED_DIMS, RecurrenceResiduals,
                                            lowered_once, swizzled_smem)
 from kda.kernels.mosaic_gpu_tiles import CHUNK, COMPILER_PARAMS, WGMMA
@@ -190,8 +191,7 @@ def chunk_cotangents(residuals: RecurrenceResiduals, d_o, d_states, d_v_new,
         raise ValueError(f"residuals.states: V must be one of {SUPPORTED_DIMS}, got {value_dim}")
     if v_new.shape[-2] != CHUNK:
         raise ValueError(f"residuals.v_new: chunks must have {CHUNK} rows, got {v_new.shape}")
-    dtype = {name: OPERAND_DTYPE if name in rounded else jnp.float32
-             for name in ChunkedInputs._fields}
+    dtype = cotangent_dtypes(rounded)
     as_operand = lambda x: x.astype(OPERAND_DTYPE)  # noqa: E731
     d_w, d_q, d_kt, d_aqk, d_decay = _run_kernel(
         as_operand(states), as_operand(d_states), as_operand(v_new), as_operand(d_o),

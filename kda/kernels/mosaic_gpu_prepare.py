@@ -30,10 +30,11 @@ accumulators), from the building blocks of `kda.kernels.mosaic_gpu_tiles` (named
 
 When a backward will run (`save_for_backward`, a static flag: a forward alone writes none of it),
 the kernel also writes what its backward's kernels would otherwise recompute
-(`PreparationResiduals`; the UT/WY kernel reads all three, the score-tile kernel G): G (float32 [C, K], stored from g's buffer once step 2 is done), Akk
-(bf16 [C, C], masked, without beta: one more buffer, written beside N) and `(I + N)^-1` as the
-bf16 hi/lo pair step 5 multiplies with (stored from its operand buffers), 4 C K + 6 C^2 bytes a
-chunk: 56 KiB at K = 128 (its other outputs are 88.5 KiB) and 40 KiB at 64.
+(`PreparationResiduals`; the UT/WY kernel reads all three, the score-tile kernel G): G (float32
+[C, K], stored from g's buffer once step 2 is done), Akk (bf16 [C, C], masked, without beta: one
+more buffer, written beside N) and `(I + N)^-1` as the bf16 hi/lo pair step 5 multiplies with
+(stored from its operand buffers), 4 C K + 6 C^2 bytes a chunk: 56 KiB at K = 128 (its other
+outputs are 88.5 KiB) and 40 KiB at 64.
 
 Numerics: matmul operands are bfloat16, accumulators and everything elementwise float32 (exp and
 rsqrt approximate, to a few float32 ulp); U and chunk_decay are written in float32, the other
@@ -273,8 +274,7 @@ def prepare_chunks_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm
         inverse=chunked(OPERAND_DTYPE, 2, CHUNK, CHUNK)) if save_for_backward else ()
     run = plgpu.kernel(
         kernel_body(_prepare_kernel, scale=float(scale), use_qk_l2norm=use_qk_l2norm,
-                          lower_bound=float(gate_lower_bound),
-                          group=num_value_heads // q.shape[2]),
+                    lower_bound=float(gate_lower_bound), group=num_value_heads // q.shape[2]),
         out_type=(*operands_type, *residuals_type),
         grid=(batch, num_value_heads, num_chunks),
         grid_names=("batch", "heads", "chunks"),

@@ -76,11 +76,12 @@ with the vectors 109 KiB as Mosaic GPU allocates it (190 KiB with four warpgroup
 KiB of two programs (four warpgroups) an SM, if ptxas needed at most 128 registers a thread. On the
 H200 it takes 255 (268 bytes spilled) with two warpgroups, so one program runs an SM; with four,
 128 (172 bytes spilled), also one program: both took 1.04-1.06 ms at 8x2048x16x128
-(`experiments.bench_score_backward`, `benchmarks/kda_h200.md`). Buffers are reused in place (no `plgpu.RefUnion`: interpret mode checks a
-union's groups as whole buffers, so two warpgroups' halves of one union would race): A holds G,
-the cumulative sum of k d k_to_state, kernel 1's dk term and dk; B d k_to_state, d q_from_state,
-dk's column sums, dq and dg; the operand tiles the sums' parts and both terms' operands. Interpret
-mode does not check wgmma's operand reads for races.
+(`experiments.bench_score_backward`, `benchmarks/kda_h200.md`). Buffers are reused in place (no
+`plgpu.RefUnion`: interpret mode checks a union's groups as whole buffers, so two warpgroups'
+halves of one union would race): A holds G, the cumulative sum of k d k_to_state, kernel 1's dk
+term and dk; B d k_to_state, d q_from_state, dk's column sums, dq and dg; the operand tiles the
+sums' parts and both terms' operands. Interpret mode does not check wgmma's operand reads for
+races.
 """
 
 import functools
@@ -391,8 +392,7 @@ def score_backward(q, k, G, document, q_factor, k_factor, dakk, dk_wy, cotangent
     slab_shape = (CHUNK, SLAB)
     warpgroup_barrier = functools.partial(plgpu.Barrier, num_barriers=warpgroups)
     run = plgpu.kernel(
-        kernel_body(_score_backward_kernel, lower_bound=lower_bound, group=group,
-                          slabs=slabs),
+        kernel_body(_score_backward_kernel, lower_bound=lower_bound, group=group, slabs=slabs),
         out_type=(keyed, keyed, keyed),
         grid=(batch, num_value_heads, num_chunks),
         grid_names=("batch", "heads", "chunks"),
