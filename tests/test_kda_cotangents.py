@@ -20,7 +20,7 @@ from kda.kernels.mosaic_gpu_backward import recurrence_cotangents
 from kda.kernels.mosaic_gpu_common import RecurrenceResiduals
 from kda.kernels.mosaic_gpu_cotangents import chunk_cotangents
 from kda.kernels.mosaic_gpu_prepare_backward import ROUNDED_COTANGENTS
-from kda_inputs import relative_error
+from kda_inputs import relative_error, token_major
 from test_kda_kernels import HOPPER, TWO_PROGRAMS_PER_SM, interpreted_on_simulated_hopper
 
 # float32 sums of the same bf16 products in another order (observed on CPU: below 1e-7).
@@ -103,15 +103,37 @@ def test_interpreted_kernel_matches_xla_products(key_dim, value_dim, rounded):
     assert_matches_oracle(actual, expected, inputs, rounded)
 
 
+@pytest.mark.parametrize("key_dim,value_dim", [(64, 128), (128, 64)])
+def test_interpreted_kernel_reads_token_major_d_o_as_the_chunk_major_one(key_dim, value_dim):
+    """d_o given token-major, [B, N C, HV, V] (the kernel reads each chunk's token rows): exactly
+    the cotangents of the [B, HV, N, C, V] d_o."""
+    residuals, d_o, d_states, d_v_new = cotangent_inputs(2, 2, 2, 3, key_dim, value_dim,
+                                                         ROUNDED_COTANGENTS)
+    with interpreted_on_simulated_hopper():
+        expected = jax.block_until_ready(
+            chunk_cotangents(residuals, d_o, d_states, d_v_new, ROUNDED_COTANGENTS))
+    with interpreted_on_simulated_hopper():
+        actual = jax.block_until_ready(
+            chunk_cotangents(residuals, token_major(d_o), d_states, d_v_new, ROUNDED_COTANGENTS))
+    for name, got, want in zip(ChunkedInputs._fields, actual, expected):
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                      err_msg=name)
+
+
 @pytest.mark.parametrize("rounded", [(), ROUNDED_COTANGENTS])
 @pytest.mark.parametrize("key_dim,value_dim", DIMS)
-def test_kernel_lowers_for_hopper_two_programs_per_sm(key_dim, value_dim, rounded):
-    """Layout inference, wgmma and TMA checks with no GPU, and the shared memory of two programs
-    an SM. Shapes no other test here uses: a lowering cached under another limit would not be
-    checked again."""
+@pytest.mark.parametrize("d_o_token_major", [False, True])
+def test_kernel_lowers_for_hopper_two_programs_per_sm(key_dim, value_dim, rounded,
+                                                      d_o_token_major):
+    """Layout inference, wgmma and TMA checks with no GPU (d_o chunk-major or token-major), and
+    the shared memory of two programs an SM. Shapes no other test here uses: a lowering cached
+    under another limit would not be checked again."""
     residuals, d_o, d_states, d_v_new = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((2, 3, 5, *x.shape[3:]), x.dtype),
         cotangent_inputs(0, 1, 1, 1, key_dim, value_dim, rounded))
+    if d_o_token_major:
+        d_o = jax.ShapeDtypeStruct((2, 5 * CHUNK_SIZE, 3, value_dim), d_o.dtype)
     kernel = jax.jit(chunk_cotangents, static_argnums=4)
     with (jax.sharding.use_abstract_mesh(HOPPER),
           mosaic_gpu_core.artificial_shared_memory_limit(TWO_PROGRAMS_PER_SM)):

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kda
 from kda.chunked import CHUNK_SIZE, ChunkedInputs, chunk_recurrence, prepare_chunks
 from kda.kernels import mosaic_gpu
 from kda.kernels.mosaic_gpu_backward import recurrence_cotangents, run_reversed_recurrence
@@ -237,6 +238,30 @@ def test_backward_lowers_for_hopper(gate_lower_bound):
     # Bounded gates: preparation, recurrence and reversed recurrence; otherwise the last two.
     assert text.count("_reversed_recurrence_kernel") >= 1
     assert text.count("mosaic_gpu") >= (2 if gate_lower_bound is None else 3)
+
+
+@pytest.mark.usefixtures("kernel_on_any_backend")
+def test_bounded_backward_reads_the_cotangent_of_o_token_major():
+    """At T a multiple of 64, d_o [B, T, HV, V] reaches both kernels of the recurrence's VJP as
+    it is: no transpose to chunk-major [B, HV, N, 64, V] in XLA (the one this path once had)."""
+    batch, length, heads, value_heads, dim = 2, 4 * CHUNK_SIZE, 2, 4, 128
+    inputs = bf16_inputs(4, batch, length, heads, value_heads, dim, initial_state=True)
+    use_qk_l2norm = inputs.pop("use_qk_l2norm")
+
+    def loss(q, k, v, g, beta, initial_state):
+        o, state = kda.kda_attention(
+            q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+            use_qk_l2norm=use_qk_l2norm, gate_lower_bound=-5.0, impl=mosaic_gpu.NAME)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(state)
+
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    with jax.sharding.use_abstract_mesh(HOPPER):
+        text = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(
+            *(inputs[name] for name in names)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "_reversed_recurrence_kernel" in text and "_cotangents_kernel" in text
+    chunk_major = f"tensor<{batch}x{value_heads}x{length // CHUNK_SIZE}x{CHUNK_SIZE}x{dim}xbf16>"
+    transposes = [line for line in text.splitlines() if "stablehlo.transpose" in line]
+    assert not [line for line in transposes if f"-> {chunk_major}" in line]
 
 
 def test_identical_layers_share_each_lowered_kernel():

@@ -34,7 +34,7 @@ from kda.kernels.sequence_parallel import (choose_num_segments, combine_segments
                                            sequence_parallel_recurrence,
                                            sequence_parallel_reversed_recurrence,
                                            split_into_segments)
-from kda_inputs import make_inputs, relative_error
+from kda_inputs import make_inputs, relative_error, token_major
 from test_kda_kernels import HOPPER, interpreted_on_simulated_hopper
 from test_kda_kernels_backward import (GRADIENT_TOLERANCE, jitted_vjp, kernel_recurrence,
                                        plain_recurrence)
@@ -313,14 +313,38 @@ def test_interpreted_token_major_output_is_the_chunk_output_transposed(num_segme
         o_token_major, final_state_token_major = kernel(token_major=True)
     batch, heads, num_chunks, chunk, value_dim = o.shape
     assert o_token_major.shape == (batch, num_chunks * chunk, heads, value_dim)
-    np.testing.assert_array_equal(
-        np.asarray(o_token_major, np.float32),
-        np.asarray(jnp.moveaxis(o, 1, 3).reshape(o_token_major.shape), np.float32))
+    np.testing.assert_array_equal(np.asarray(o_token_major, np.float32),
+                                  np.asarray(token_major(o), np.float32))
     np.testing.assert_array_equal(final_state_token_major, final_state)
 
 
-def test_sequence_parallel_reversed_kernel_lowers_for_hopper():
-    """V + K = 256 cotangent columns pass Mosaic GPU's checks at K = V = 128."""
+@pytest.mark.parametrize("num_segments", [1, 2])
+def test_interpreted_reversed_kernel_reads_token_major_d_o_as_the_chunk_major_one(num_segments):
+    """d_o given token-major, [B, N C, HV, V]: the kernel's reads of its token rows (P = 1) or the
+    transpose before the split (P = 2) give exactly what the [B, HV, N, C, V] d_o gives."""
+    inputs = slow_gate_inputs(6, 4 * CHUNK_SIZE, 2, 64, 64, dtype=jnp.bfloat16,
+                              initial_state=True)
+    chunks, _ = chunks_of(inputs)
+    operands = recurrence_operands(chunks)._replace(U=None)
+    d_o, d_final_state = random_cotangents(chunks, 7, jnp.bfloat16)
+
+    def kernel(d_o):
+        with interpreted_on_simulated_hopper():
+            return jax.jit(lambda ops, d_o, d_s: sequence_parallel_reversed_recurrence(
+                ops, d_o, d_s, num_segments=num_segments, d_v_new_dtype=jnp.bfloat16))(
+                    operands, d_o, d_final_state)
+
+    expected, actual = kernel(d_o), kernel(token_major(d_o))
+    for name, x, want in zip(("d_states", "d_v_new", "d_initial"), actual, expected):
+        assert x.shape == want.shape and x.dtype == want.dtype, name
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(want, np.float32),
+                                      err_msg=name)
+
+
+@pytest.mark.parametrize("num_segments,d_o_token_major", [(2, False), (1, True), (2, True)])
+def test_sequence_parallel_reversed_kernel_lowers_for_hopper(num_segments, d_o_token_major):
+    """V + K = 256 cotangent columns (P = 2), and the kernel's reads of a token-major d_o (P = 1),
+    pass Mosaic GPU's checks at K = V = 128."""
     batch, heads, num_chunks, dim = 1, 2, 4, 128
     shapes = dict(W=(CHUNK_SIZE, dim), q_from_state=(CHUNK_SIZE, dim),
                   k_to_state_t=(dim, CHUNK_SIZE), Aqk=(CHUNK_SIZE, CHUNK_SIZE), chunk_decay=(dim,))
@@ -328,10 +352,12 @@ def test_sequence_parallel_reversed_kernel_lowers_for_hopper():
         name: jax.ShapeDtypeStruct((batch, heads, num_chunks, *shape),
                                    jnp.float32 if name == "chunk_decay" else jnp.bfloat16)
         for name, shape in shapes.items()})
-    d_o = jax.ShapeDtypeStruct((batch, heads, num_chunks, CHUNK_SIZE, dim), jnp.bfloat16)
+    d_o = jax.ShapeDtypeStruct(
+        (batch, num_chunks * CHUNK_SIZE, heads, dim) if d_o_token_major
+        else (batch, heads, num_chunks, CHUNK_SIZE, dim), jnp.bfloat16)
     d_final_state = jax.ShapeDtypeStruct((batch, heads, dim, dim), jnp.float32)
     reversed_recurrence = jax.jit(lambda ops, d_o, d_s: sequence_parallel_reversed_recurrence(
-        ops, d_o, d_s, num_segments=2))
+        ops, d_o, d_s, num_segments=num_segments))
     with jax.sharding.use_abstract_mesh(HOPPER):
         lowered = reversed_recurrence.trace(operands, d_o, d_final_state).lower(
             lowering_platforms=("cuda",))

@@ -18,7 +18,10 @@ differentiates the plain-JAX preparation around it (`kernel_recurrence`); with b
 its backward (`PreparationResiduals`: G, Akk and the inverse, written only when a backward will
 run), and the backward maps the recurrence's cotangents through the preparation-backward kernels
 (`kda.kernels.mosaic_gpu_prepare_backward`), those that the kernels round to bf16 anyway
-(`ROUNDED_COTANGENTS`) handed over in bf16.
+(`ROUNDED_COTANGENTS`) handed over in bf16. With bounded gates the recurrence kernel writes o
+token-major, [B, N 64, HV, V] (the model's layout, cut to T), and both kernels of its VJP read
+the cotangent in that layout (padded to N 64 where T is not a multiple of 64), so neither
+direction transposes o in XLA.
 
 Importing this module registers `impl="mosaic_gpu"` with `kda.api`; it imports on any backend.
 """
@@ -51,7 +54,9 @@ def recurrence_vjp(operands: RecurrenceOperands, residuals: RecurrenceResiduals,
     Args:
       operands: the forward's `RecurrenceOperands` (U is not read and may be None).
       residuals: what the forward kernel saved for the backward.
-      d_o: [B, HV, N, C, V]; d_final_state: [B, HV, K, V].
+      d_o: [B, HV, N, C, V], or token-major, [B, N C, HV, V] (the forward kernel's o with
+        `token_major`): both kernels read that layout as it is.
+      d_final_state: [B, HV, K, V].
       rounded: the `ChunkedInputs` fields whose cotangents the consumer rounds to bf16 anyway:
         given in bf16 (the same gradients, half the bytes).
     Returns:
@@ -135,12 +140,11 @@ def _bounded_kda_bwd(options, saved, cotangents):
     """The recurrence's VJP by kernels, then the preparation's VJP by kernels."""
     inputs, segment_ids, operands, preparation_residuals, recurrence_residuals = saved
     d_o, d_final_state = cotangents
-    batch, length, num_value_heads, value_dim = d_o.shape
-    num_chunks = operands.W.shape[2]
-    # The transpose of the forward's [B, HV, N, C, V] -> [B, T, HV, V]: zeros for the padding.
-    d_o = jnp.pad(d_o, ((0, 0), (0, num_chunks * CHUNK_SIZE - length), (0, 0), (0, 0)))
-    d_o = jnp.moveaxis(d_o.reshape(batch, num_chunks, CHUNK_SIZE, num_value_heads, value_dim),
-                       3, 1)
+    # The kernels read d_o token-major, as the forward wrote o; the padding the forward cut off
+    # gets zeros (a pass only where T is not a multiple of 64).
+    padding = operands.W.shape[2] * CHUNK_SIZE - d_o.shape[1]
+    if padding:
+        d_o = jnp.pad(d_o, ((0, 0), (0, padding), (0, 0), (0, 0)))
     d_chunks, d_initial_state = recurrence_vjp(operands, recurrence_residuals, d_o, d_final_state,
                                                rounded=ROUNDED_COTANGENTS)
     d_inputs = prepare_chunks_vjp_kernel(*inputs, segment_ids=segment_ids,

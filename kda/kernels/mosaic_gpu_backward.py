@@ -31,6 +31,11 @@ H200 this took the kernel from 0.769 to 0.693 ms at 1x32768x16x128 and from 0.19
 2x8192x16x128 (device time; unchanged at 0.135 ms at 8x2048x16x128). (The forward kernel,
 transposed the same way, was slower: `kda.kernels.mosaic_gpu_recurrence` says why.)
 
+dO comes chunk-major, [B, HV, N, C, V], or token-major, [B, N C, HV, V]: the layout in which the
+forward kernel writes o on the kernel path (`run_recurrence`'s `token_major`), so the model's
+cotangent reaches the kernel with no transpose in XLA (0.04 ms at 2x8192x16x128 on the H200); TMA
+reads each chunk's tile from its token rows, a strided view, as the forward stores it.
+
 It writes dS_{n+1} per chunk (bf16, as FLA and jax-linear-attention keep it), dV_new per chunk
 (bf16 where every consumer rounds it so, else float32) and dS_0 (float32), each transposed on
 its way through shared memory; Mosaic GPU transposes only 16-bit values there, so a float32
@@ -84,8 +89,9 @@ def _reversed_recurrence_kernel(w_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, d_o
     """The body of one (batch row, value head, V tile) program; see the module docstring.
 
     GMEM inputs: w, q [B, HV, N, C, K], kt [B, HV, N, K, C], a [B, HV, N, C, C] and
-    d_o [B, HV, N, C, V] in bfloat16; decay [B, HV, N, K] and d_final_t [B, HV, V, K] (the
-    final-state cotangent, transposed) in float32.
+    d_o [B, HV, N, C, V] (or token-major, [B, N C, HV, V], as the forward kernel writes o) in
+    bfloat16; decay [B, HV, N, K] and d_final_t [B, HV, V, K] (the final-state cotangent,
+    transposed) in float32.
     Outputs: d_states [B, HV, N, K, V] (dS_{n+1}, bf16), d_v_new [B, HV, N, C, V] (bf16) or,
     with `value_major` (float32), [B, HV, N, V, C], and d_initial_t [B, HV, V, K] (float32,
     transposed).
@@ -94,6 +100,15 @@ def _reversed_recurrence_kernel(w_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, d_o
     batch, head, v_tile = (lax.axis_index(axis) for axis in ("batch", "heads", "v_tiles"))
     columns = pl.ds(v_tile * BLOCK_V, BLOCK_V)
     state_shape, values_shape = (BLOCK_V, key_dim), (BLOCK_V, chunk)
+    # Token-major (the layout the forward writes o in, so that no transpose comes between),
+    # chunk n of dO is block n of rows of this program's strided [N C, 64] view.
+    if d_o_gmem.ndim == 4:
+        d_o_spec = plgpu.BlockSpec((chunk, BLOCK_V), lambda i: (num_chunks - 1 - i, 0),
+                                   transforms=swizzled((chunk, BLOCK_V), OPERAND_DTYPE))
+        d_o_columns = d_o_gmem.at[batch, :, head, columns]
+    else:
+        d_o_spec = _reversed_chunk_block((chunk, BLOCK_V), OPERAND_DTYPE, num_chunks)
+        d_o_columns = d_o_gmem.at[batch, head, :, :, columns]
 
     d_final_state_t = load_state_tile(d_final_t_gmem.at[batch, head, columns], state_shape)
 
@@ -146,14 +161,14 @@ def _reversed_recurrence_kernel(w_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, d_o
                 _reversed_chunk_block((key_dim, chunk), OPERAND_DTYPE, num_chunks),  # Kt^T
                 _reversed_chunk_block((chunk, chunk), OPERAND_DTYPE, num_chunks),  # Aqk
                 _reversed_chunk_block((key_dim,), jnp.float32, num_chunks),  # chunk_decay
-                _reversed_chunk_block((chunk, BLOCK_V), OPERAND_DTYPE, num_chunks),  # dO
+                d_o_spec,  # dO
             ],
             max_concurrent_steps=PIPELINE_STAGES,
             init_carry=d_final_state_t,
         )
         return pipeline(w_gmem.at[batch, head], q_gmem.at[batch, head], kt_gmem.at[batch, head],
                         a_gmem.at[batch, head], decay_gmem.at[batch, head],
-                        d_o_gmem.at[batch, head, :, :, columns])
+                        d_o_columns)
 
     d_initial_state_t = pl.run_scoped(
         recur, swizzled_smem(state_shape[::-1], OPERAND_DTYPE),
@@ -176,7 +191,9 @@ def run_reversed_recurrence(operands: RecurrenceOperands, d_o, d_final_state,
 
     Args:
       operands: the forward's `RecurrenceOperands` [B, HV, N, ...] (U may be None).
-      d_o: [B, HV, N, C, V], the cotangent of the chunk outputs.
+      d_o: [B, HV, N, C, V], the cotangent of the chunk outputs, or the same token-major,
+        [B, N C, HV, V] (as `run_recurrence(..., token_major=True)` writes o): the kernel reads
+        each chunk's tile from its token rows.
       d_final_state: [B, HV, K, V], the cotangent of the final state.
       d_v_new_dtype: float32, or bf16 where every consumer of dV_new rounds it to bf16 (a float32
         dV_new comes out of the kernel value-major and is swapped here).
@@ -186,6 +203,10 @@ def run_reversed_recurrence(operands: RecurrenceOperands, d_o, d_final_state,
     """
     batch, heads, num_chunks, chunk, key_dim = operands.W.shape
     value_dim = d_o.shape[-1]
+    chunk_major_shape = (batch, heads, num_chunks, chunk, value_dim)
+    if d_o.shape not in (chunk_major_shape, (batch, num_chunks * chunk, heads, value_dim)):
+        raise ValueError(f"d_o must be [B, HV, N, C, V] = {chunk_major_shape} or token-major, "
+                         f"[B, N C, HV, V]; got {d_o.shape}")
     value_major = jnp.dtype(d_v_new_dtype).itemsize != 2  # transposed stores take 16 bits only
     chunked = lambda *tail: (batch, heads, num_chunks, *tail)  # noqa: E731
     run = plgpu.kernel(

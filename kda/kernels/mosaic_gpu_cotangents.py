@@ -39,7 +39,10 @@ KiB at K = 64, V = 128; at K = 128, V = 64, 88 KiB, or 112 KiB in float32.
 
 dO and dV_new given in float32 are rounded to bf16 by XLA before the launch, a pass of its own
 (the kernel path hands dV_new over in bf16 with `ROUNDED_COTANGENTS`; dO it hands over as the
-reversed recurrence reads it).
+reversed recurrence reads it). dO may come chunk-major, [B, HV, N, C, V], or token-major,
+[B, N C, HV, V], the layout in which the forward kernel writes o on the kernel path: TMA then
+reads the chunk's tile from its 64 token rows (a strided view), and no transpose of dO runs in
+XLA.
 """
 
 import dataclasses
@@ -67,13 +70,18 @@ def _cotangents_kernel(states_gmem, d_states_gmem, v_new_gmem, d_o_gmem, d_v_new
                        d_w_gmem, d_q_gmem, d_kt_gmem, d_aqk_gmem, d_decay_gmem):
     """The body of one (batch row, value head, chunk) program; see the module docstring.
 
-    GMEM inputs (bf16): states, d_states [B, HV, N, K, V]; v_new, d_o, d_v_new [B, HV, N, C, V].
+    GMEM inputs (bf16): states, d_states [B, HV, N, K, V]; v_new, d_v_new [B, HV, N, C, V];
+    d_o [B, HV, N, C, V] or token-major, [B, N C, HV, V].
     Outputs: d_w, d_q, d_kt [B, HV, N, C, K], d_aqk [B, HV, N, C, C] (each bf16 or float32, as
     declared) and d_decay [B, HV, N, K] (float32).
     """
     key_dim, value_dim = states_gmem.shape[-2:]
     chunk_index = tuple(lax.axis_index(axis) for axis in ("batch", "heads", "chunks"))
+    batch, head, chunk = chunk_index
     keys_shape = (CHUNK, key_dim)
+    # Token-major, the chunk's dO is a strided [C, V] view of its token rows.
+    d_o_tile = (d_o_gmem.at[batch, pl.ds(chunk * CHUNK, CHUNK), head] if d_o_gmem.ndim == 4
+                else d_o_gmem.at[chunk_index])
 
     def body(s_union, ds_union, v_union, dv_union, barriers):
         s_smem, d_w_smem = s_union
@@ -81,10 +89,11 @@ def _cotangents_kernel(states_gmem, d_states_gmem, v_new_gmem, d_o_gmem, d_v_new
         v_smem, d_aqk_smem, d_decay_smem = v_union
         (dv_smem, do_smem), d_q_smem = dv_union
         # In the order they are read: dD first, then the products of dS and V_new.
-        inputs = ((states_gmem, s_smem), (d_states_gmem, ds_smem), (v_new_gmem, v_smem),
-                  (d_o_gmem, do_smem), (d_v_new_gmem, dv_smem))
+        inputs = ((states_gmem.at[chunk_index], s_smem), (d_states_gmem.at[chunk_index], ds_smem),
+                  (v_new_gmem.at[chunk_index], v_smem), (d_o_tile, do_smem),
+                  (d_v_new_gmem.at[chunk_index], dv_smem))
         for index, (source, target) in enumerate(inputs):
-            plgpu.copy_gmem_to_smem(source.at[chunk_index], target, barriers.at[index])
+            plgpu.copy_gmem_to_smem(source, target, barriers.at[index])
 
         plgpu.barrier_wait(barriers.at[0])
         plgpu.barrier_wait(barriers.at[1])
@@ -175,8 +184,9 @@ def chunk_cotangents(residuals: RecurrenceResiduals, d_o, d_states, d_v_new,
 
     Args:
       residuals: the forward's S_n [B, HV, N, K, V] and V_new_n [B, HV, N, C, V] (bf16).
-      d_o: [B, HV, N, C, V]; d_states: dS_{n+1} [B, HV, N, K, V]; d_v_new: [B, HV, N, C, V];
-        K and V each in {64, 128}, C = 64.
+      d_o: [B, HV, N, C, V], or the same token-major, [B, N C, HV, V] (as the forward kernel
+        writes o: read from its token rows, no transpose); d_states: dS_{n+1} [B, HV, N, K, V];
+        d_v_new: [B, HV, N, C, V]; K and V each in {64, 128}, C = 64.
       rounded: the `ChunkedInputs` fields whose cotangents the consumer rounds to bf16 anyway:
         given in bf16.
     Returns:
@@ -191,6 +201,10 @@ def chunk_cotangents(residuals: RecurrenceResiduals, d_o, d_states, d_v_new,
         raise ValueError(f"residuals.states: V must be one of {SUPPORTED_DIMS}, got {value_dim}")
     if v_new.shape[-2] != CHUNK:
         raise ValueError(f"residuals.v_new: chunks must have {CHUNK} rows, got {v_new.shape}")
+    batch, heads, num_chunks = v_new.shape[:3]
+    if d_o.shape not in (v_new.shape, (batch, num_chunks * CHUNK, heads, value_dim)):
+        raise ValueError(f"d_o must be [B, HV, N, C, V] = {v_new.shape} or token-major, "
+                         f"[B, N C, HV, V]; got {d_o.shape}")
     dtype = cotangent_dtypes(rounded)
     as_operand = lambda x: x.astype(OPERAND_DTYPE)  # noqa: E731
     d_w, d_q, d_kt, d_aqk, d_decay = _run_kernel(

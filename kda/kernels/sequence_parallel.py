@@ -353,7 +353,10 @@ def sequence_parallel_reversed_recurrence(operands: RecurrenceOperands, d_o, d_f
 
     Args:
       operands: the forward's `RecurrenceOperands` [B, HV, N, 64, ...] (U may be None).
-      d_o: [B, HV, N, 64, V]; d_final_state: [B, HV, K, V].
+      d_o: [B, HV, N, 64, V], or token-major, [B, N 64, HV, V] (as `sequence_parallel_recurrence`
+        writes o with `token_major`): read so by the kernel when P = 1, transposed to chunk-major
+        before the split otherwise.
+      d_final_state: [B, HV, K, V].
       num_segments: P in [1, N]; None chooses it as the forward does. P = 1 is the plain kernel.
       d_v_new_dtype: float32, or bf16 where every consumer of dV_new rounds it to bf16 (written
         so by the kernel at P = 1, rounded after the float32 corrections at P > 1).
@@ -364,6 +367,9 @@ def sequence_parallel_reversed_recurrence(operands: RecurrenceOperands, d_o, d_f
     num_segments = _segment_count(num_segments, operands, d_o.shape[-1])
     if num_segments == 1:
         return run_reversed_recurrence(operands, d_o, d_final_state, d_v_new_dtype)
+    if d_o.ndim == 4:  # the split cuts the chunk axis (rare: B * HV <= 4 or so, module docstring)
+        batch, heads, num_chunks, chunk, _ = operands.W.shape
+        d_o = jnp.moveaxis(d_o.reshape(batch, num_chunks, chunk, heads, -1), 3, 1)
     # As forward: the kernel rounds dS to bf16 where it multiplies it; TF32 here is finer.
     d_states, d_v_new, d_initial_state = reversed_recurrence_in_segments(
         run_reversed_recurrence, operands, d_o, d_final_state, num_segments=num_segments,
