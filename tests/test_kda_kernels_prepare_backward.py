@@ -100,6 +100,8 @@ def assert_vjp_matches_plain_jax(args, options, cotangents):
     # K = 128: kernel 1 takes its right-hand sides in two 64-column halves, each of the score
     # kernel's warpgroups two slabs.
     (150, (1, 2), 128, True, True, False),
+    # One value head per q/k head with the norm: its backward by `l2_norm_vjp_kernel`.
+    (150, (2, 2), 64, True, True, False),
 ])
 def test_interpreted_vjp_matches_plain_jax(length, heads, dim, segments, use_qk_l2norm,
                                            saturated):
@@ -113,9 +115,11 @@ def test_interpreted_vjp_matches_plain_jax(length, heads, dim, segments, use_qk_
 @pytest.mark.parametrize("dim", [64, 128])
 def test_interpreted_forward_with_saving_and_kernel_1_have_no_races(monkeypatch, dim):
     # Interpret mode keeps the race record of the last kernel launched only: in the tests above the
-    # score kernel runs last, after the forward and kernel 1. Here the forward (saving its
-    # residuals) runs alone, then the VJP with the score kernel replaced by zeros, so kernel 1 is
-    # the last kernel launched. Three chunks: kernel 1's steps refill their input slots.
+    # score kernel runs last, after the forward and kernel 1 (or, with the norm and one value head
+    # per q/k head, `l2_norm_vjp_kernel`, whose own tests check it for races). Here the forward
+    # (saving its residuals) runs alone, then the VJP with the score kernel replaced by zeros, so
+    # kernel 1 is the last kernel launched. Three chunks: kernel 1's steps refill their input
+    # slots.
     args, options, cotangents = preparation_case(14, 1, 192, (1, 2), dim, segments=True,
                                                  use_qk_l2norm=True)
     with interpreted_on_simulated_hopper():

@@ -43,9 +43,11 @@ Two kernels, like peers' "WY" and "intra" backward kernels:
    orientation (anchored at the summed token's tile, so no product is transposed), the direct
    terms, dG and its reverse cumulative sum (see its docstring). It reads the forward's G too.
 
-Around the kernels, plain JAX computes the q/k inverse norms, and applies the VJP of
-`kda.common.prepare_qk` (`prepare_qk_vjp`: the scale, the L2 norm's backward and the sum over the
-value heads of a group), crops the padded tail and casts.
+Around the kernels, plain JAX computes the q/k inverse norms, crops the padded tail and casts.
+The VJP of `kda.common.prepare_qk` (the scale, the L2 norm's backward and the sum over the value
+heads of a group) follows: with the norm, one value head per q/k head and bf16 q and k, by
+`kda.kernels.mosaic_gpu_l2_norm.l2_norm_vjp_kernel`, one pass over each of dq and dk where XLA
+takes two (its docstring has the numbers); otherwise by `prepare_qk_vjp` in XLA.
 
 Numerics: matmul operands bf16, accumulation and everything elementwise float32. T (the forward's)
 is used as a hi/lo bf16 pair where it produces dv and dk directly; dT, dN and the score cotangents
@@ -79,6 +81,7 @@ from kda.chunked import ChunkedInputs
 from kda.common import L2_NORM_EPS, prepare_qk_vjp
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, SUPPORTED_DIMS, PreparationResiduals,
                                            kernel_body, lowered_once, swizzled_smem)
+from kda.kernels.mosaic_gpu_l2_norm import l2_norm_vjp_kernel
 from kda.kernels.mosaic_gpu_score_backward import score_backward
 from kda.kernels.mosaic_gpu_tiles import (CHUNK, COMPILER_PARAMS, ROW_VECTOR, WGMMA,
                                           documents_in_chunk, iota, load_plain, matmul,
@@ -304,8 +307,8 @@ def _inverse_norms(x, use_qk_l2norm, padded_length):
 def prepare_chunks_vjp_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm,
                               gate_lower_bound, residuals: PreparationResiduals,
                               cotangents: ChunkedInputs):
-    """The VJP of `kda.chunked.prepare_chunks` (chunk 64, bounded gates) by kernel 1 and
-    `score_backward`.
+    """The VJP of `kda.chunked.prepare_chunks` (chunk 64, bounded gates) by kernel 1,
+    `score_backward` and, for the L2 norm of q and k without grouped heads, `l2_norm_vjp_kernel`.
 
     Args:
       q, k: [B, T, H, K]; v: [B, T, HV, V] (K = V in {64, 128}); g: [B, T, HV, K], every
@@ -362,8 +365,15 @@ def prepare_chunks_vjp_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2
     dq, dk, dg = score_backward(q_bf16, k_bf16, residuals.G, document, q_factor, k_factor, dakk,
                                 dk_wy, cotangents, lower_bound=lower_bound, group=group)
 
-    # The scale, the L2 norm's backward and the sum over each group's value heads.
-    dq, dk = prepare_qk_vjp(q, k, dq[:, :length], dk[:, :length], scale=scale,
-                            use_qk_l2norm=use_qk_l2norm)
+    # The scale and the L2 norm's backward: one pass each by the kernel, which reads the padded
+    # cotangents as they are. Grouped value heads need the sum over each group's value heads
+    # first (a reduction of its own), without the norm only the scale and casts remain, and the
+    # kernel reads x in bf16 only: `prepare_qk_vjp` does those in XLA.
+    if use_qk_l2norm and group == 1 and q.dtype == k.dtype == OPERAND_DTYPE:
+        dq = l2_norm_vjp_kernel(q, dq, scale=scale)
+        dk = l2_norm_vjp_kernel(k, dk, scale=1.0)
+    else:
+        dq, dk = prepare_qk_vjp(q, k, dq[:, :length], dk[:, :length], scale=scale,
+                                use_qk_l2norm=use_qk_l2norm)
     return (dq, dk, dv[:, :length].astype(v.dtype), dg[:, :length].astype(g.dtype),
             jnp.moveaxis(dbeta, 1, 2)[:, :length].astype(beta.dtype))
