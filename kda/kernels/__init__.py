@@ -10,6 +10,8 @@
 * `kda.kernels.mosaic_gpu_backward`: the reversed recurrence (backward of the recurrence).
 * `kda.kernels.mosaic_gpu_cotangents`: the recurrence's per-chunk cotangents in one pass.
 * `kda.kernels.mosaic_gpu_prepare_backward`: backward of the chunk preparation.
+* `kda.kernels.mosaic_gpu_l2_norm`: backward of the q/k L2 norm (the preparation backward's
+  last step).
 * `kda.kernels.mosaic_gpu_tiles`: the in-kernel building blocks of both preparation kernels
   (chunk cumsum, causal anchors and score tiles, document masks, `(I + N)^-1`, split matmuls).
 * `kda.kernels.path`: what every kernel path does around its kernels (head-size check, bounded
