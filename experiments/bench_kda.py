@@ -4,13 +4,17 @@
     python -m experiments.bench_kda --gpu        # H200 shapes: our ops and kernels, fla, jla, cuDNN
     python -m experiments.bench_kda --gpu --profile   # also the top device ops at the first shape
     python -m experiments.bench_kda --gpu --device-time   # also each call's summed device time
+    python -m experiments.bench_kda --gpu --resume        # after a cut-short run: the other shapes
 
 Every contender gets the same inputs (bf16 q/k/v on GPU, float32 on CPU; lower-bound gates in
 [-5, 0); L2-normalised q and k); forward and forward+backward are timed after a warm-up, all
 contenders of a shape in turns (`time_contenders`: a drift of the GPU's clocks falls on all), the
 outputs are compared with our chunked op (or, in a run without it, with the first other KDA
 contender's, `error_anchor`), and peak memory is recorded. Peers that are not
-installed are skipped with a note. The table goes to `benchmarks/kda_<backend>.md`.
+installed are skipped with a note. The table goes to `benchmarks/kda_<backend>.md`, and each
+shape's results, once timed, to the JSON file beside it (`OUT.json`), from which `--resume` takes
+them instead of timing those shapes again (a run cut short, or shapes spread over several jobs:
+all contenders of a shape are always timed in one process).
 """
 
 import argparse
@@ -19,6 +23,7 @@ import dataclasses
 import datetime
 import functools
 import importlib.metadata
+import json
 import platform
 import statistics
 import sys
@@ -366,13 +371,21 @@ def contenders(gpu: bool, impls: list[str], peers=PEERS, parts=True,
 
 
 def run(shapes: list[Shape], table: dict[str, Callable], dtype, repeats: int,
-        on_progress: Callable[[dict], None]):
+        on_progress: Callable[[dict], None], timed: dict[str, dict[str, Timing]] | None = None,
+        on_shape_timed: Callable[[str, dict[str, Timing]], None] = lambda shape, rows: None):
     """Times every contender on every shape (all of a shape's in turns, `time_contenders`), and
     measures each KDA output's error against `error_anchor`'s; calls `on_progress(results)` after
-    each contender is ready and after each shape is timed."""
+    each contender is ready and after each shape is timed, and `on_shape_timed(shape, {name:
+    Timing})` after each shape is timed. Shapes in `timed` (shape -> {name: Timing}, from a run
+    being resumed) are not timed again: their rows are taken as they are."""
     anchor = error_anchor(list(table))
     results: dict[tuple[str, str], Timing] = {}
     for shape in shapes:
+        if str(shape) in (timed or {}):
+            results.update({(str(shape), name): timing
+                            for name, timing in timed[str(shape)].items()})
+            print(f"{shape}: kept from the run being resumed", flush=True)
+            continue
         inputs = make_inputs(shape, dtype)
         ready: dict[str, Contender] = {}
         for name, bench in table.items():
@@ -400,7 +413,25 @@ def run(shapes: list[Shape], table: dict[str, Callable], dtype, repeats: int,
             print(f"{shape} {name}: fwd {cell(contender.timing.forward_ms, '.2f')} ms, fwd+bwd "
                   f"{cell(contender.timing.forward_backward_ms, '.2f')} ms", flush=True)
         on_progress(results)
+        on_shape_timed(str(shape), {name: timing for (row_shape, name), timing in results.items()
+                                    if row_shape == str(shape)})
     return results
+
+
+def load_timed_shapes(path: Path) -> dict[str, dict[str, Timing]]:
+    """What `save_timed_shapes` wrote to `path` (shape -> {name: Timing}); {} if it is absent."""
+    if not path.exists():
+        return {}
+    return {shape: {name: Timing(**fields) for name, fields in rows.items()}
+            for shape, rows in json.loads(path.read_text()).items()}
+
+
+def save_timed_shapes(path: Path, timed: dict[str, dict[str, Timing]]):
+    """Writes the rows of the shapes timed so far (shape -> {name: Timing}) as JSON."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({shape: {name: dataclasses.asdict(timing)
+                                        for name, timing in rows.items()}
+                                for shape, rows in timed.items()}, indent=1) + "\n")
 
 
 def profile_markdown(shape: Shape, dtype, impls: list[str], peers) -> list[str]:
@@ -575,6 +606,9 @@ def main(argv=None):
                              "from a profiler trace (one more compile each)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, help="markdown file (default benchmarks/kda_<backend>.md)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the shapes that an earlier run with the same --out timed (in "
+                             "OUT.json, beside the table) and time only the others")
     args = parser.parse_args(argv)
     backend = jax.default_backend()
     if args.gpu and backend != "gpu":
@@ -598,8 +632,15 @@ def main(argv=None):
     out = args.out or Path("benchmarks") / f"kda_{'h200' if args.gpu else backend}.md"
     command = command_line("experiments.bench_kda", argv)
     dtype = jnp.bfloat16 if args.gpu else np.float32
+    timed_path = out.with_suffix(".json")
+    timed = load_timed_shapes(timed_path) if args.resume else {}
+
+    def shape_timed(shape, rows):
+        timed[shape] = rows
+        save_timed_shapes(timed_path, timed)
+
     run(shapes, table, dtype, args.repeats, lambda results: write_table(
-        out, results, shapes, names, baseline, command, args.gpu))
+        out, results, shapes, names, baseline, command, args.gpu), timed, shape_timed)
     if args.profile:
         peers = args.peers if args.gpu else ()
         with out.open("a") as table_file:

@@ -77,6 +77,30 @@ def test_contenders_are_timed_in_turns(monkeypatch):
     assert contenders["b"].timing.forward_backward_ms is None
 
 
+def test_a_resumed_run_times_only_the_shapes_not_yet_timed(tmp_path, monkeypatch):
+    """--resume keeps the rows of the shapes an earlier run with the same --out timed (its JSON
+    beside the table) and times the others; a run without it times every shape again."""
+    out = tmp_path / "kda.md"
+    common = ["--impls", "chunked", "--repeats", "1", "--out", str(out)]
+
+    def rows(shape):
+        return [line for line in out.read_text().splitlines() if line.startswith(f"| {shape} ")]
+
+    bench_kda.main(["--shapes", "1x80x2x16", *common])
+    first = rows("1x80x2x16")
+    made = []
+    make_inputs = bench_kda.make_inputs
+    monkeypatch.setattr(bench_kda, "make_inputs",
+                        lambda shape, *args: made.append(str(shape)) or make_inputs(shape, *args))
+    bench_kda.main(["--shapes", "1x80x2x16", "1x96x2x16", "--resume", *common])
+    assert made == ["1x96x2x16"]
+    assert rows("1x80x2x16") == first
+    [row] = rows("1x96x2x16")
+    assert float(row.split("|")[3]) > 0  # timed
+    bench_kda.main(["--shapes", "1x80x2x16", *common])
+    assert made == ["1x96x2x16", "1x80x2x16"]
+
+
 def test_malformed_shapes_are_refused(capsys):
     with pytest.raises(SystemExit):
         bench_kda.main(["--shapes", "1x80x2"])
