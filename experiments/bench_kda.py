@@ -163,10 +163,14 @@ def compiled_peak_mib(compiled: jax.stages.Compiled) -> float:
     return total / 2**20
 
 
+def _operands(inputs) -> list[jax.Array]:
+    """[q, k, v, g, beta] on the device."""
+    return [jnp.asarray(inputs[name]) for name in ("q", "k", "v", "g", "beta")]
+
+
 def _arrays(inputs) -> tuple[list[jax.Array], jax.Array]:
     """([q, k, v, g, beta], d_o) on the device."""
-    return [jnp.asarray(inputs[name]) for name in ("q", "k", "v", "g", "beta")], jnp.asarray(
-        inputs["do"])
+    return _operands(inputs), jnp.asarray(inputs["do"])
 
 
 def gradient(attention: Callable) -> Callable:
@@ -229,7 +233,7 @@ def bench_preparation(prepare: Callable, inputs) -> Contender:
 
     `prepare(q, k, v, g, beta)` returns the recurrence kernel's operands.
     """
-    args = [jnp.asarray(inputs[name]) for name in ("q", "k", "v", "g", "beta")]
+    args = _operands(inputs)
     forward = compiled_once(prepare, *args)
     timing = Timing(peak_mib=compiled_peak_mib(forward),
                     note="chunk preparation alone (forward); memory of the forward")
@@ -242,7 +246,7 @@ def bench_recurrence(recurrence: Callable, inputs) -> Contender:
     `recurrence` has the contract of `kda.chunked.chunk_recurrence`; the backward is timed on the
     gradient of `sum(o) + sum(final_state)` with respect to the prepared chunks and state.
     """
-    args = [jnp.asarray(inputs[name]) for name in ("q", "k", "v", "g", "beta")]
+    args = _operands(inputs)
     chunks = jax.jit(lambda q, k, v, g, beta: prepare_chunks(
         q, k, v, g, beta, scale=q.shape[-1] ** -0.5, chunk_size=CHUNK_SIZE,
         **PREPARATION_OPTIONS))(*args)

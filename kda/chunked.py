@@ -43,6 +43,19 @@ CHUNK_SIZE = 64
 TILE_SIZE = 16
 
 
+def tokens_to_chunks(x, chunk_size):
+    """[B, N C, HV, ...] -> [B, HV, N, C, ...]: the model's token-major layout cut into chunks."""
+    batch, length = x.shape[:2]
+    x = x.reshape(batch, length // chunk_size, chunk_size, *x.shape[2:])
+    return jnp.moveaxis(x, 3, 1)
+
+
+def chunks_to_tokens(x):
+    """[B, HV, N, C, V] -> [B, N C, HV, V]: chunk outputs back in the model's token-major layout."""
+    batch, heads, num_chunks, chunk, value_dim = x.shape
+    return jnp.moveaxis(x, 1, 3).reshape(batch, num_chunks * chunk, heads, value_dim)
+
+
 def _tiles(x):
     """[..., C, K] -> [..., C/16, 16, K]."""
     return x.reshape(*x.shape[:-2], x.shape[-2] // TILE_SIZE, TILE_SIZE, x.shape[-1])
@@ -230,8 +243,7 @@ def prepare_chunks(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm, gate_
     def to_chunks(x):
         """[B, T, HV, ...] -> [B, HV, N, C, ...] in the compute dtype."""
         x = jnp.pad(x.astype(dtype), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        x = x.reshape(batch, num_chunks, chunk_size, *x.shape[2:])
-        return jnp.moveaxis(x, 3, 1)
+        return tokens_to_chunks(x, chunk_size)
 
     q, k, v, g = map(to_chunks, (q, k, v, g))
     beta = to_chunks(beta)[..., None]  # [B, HV, N, C, 1]
@@ -324,8 +336,7 @@ def chunk_kda_with_recurrence(
     if initial_state is None:
         initial_state = jnp.zeros((batch, num_value_heads, key_dim, value_dim), dtype)
     o, final_state = recurrence(chunks, initial_state.astype(dtype), v.dtype)
-    o = jnp.moveaxis(o, 1, 3).reshape(batch, -1, num_value_heads, value_dim)
-    return o[:, :length], (final_state if output_final_state else None)
+    return chunks_to_tokens(o)[:, :length], (final_state if output_final_state else None)
 
 
 def chunk_kda(

@@ -13,12 +13,6 @@ def relative_error(actual, expected) -> float:
     return float(jnp.linalg.norm(actual - expected) / jnp.linalg.norm(expected))
 
 
-def token_major(x):
-    """[B, HV, N, C, V] -> [B, N C, HV, V], the layout the forward kernel writes o in."""
-    batch, heads, num_chunks, chunk, value_dim = x.shape
-    return jnp.moveaxis(x, 1, 3).reshape(batch, num_chunks * chunk, heads, value_dim)
-
-
 def make_gate(key, shape, form):
     """Log-decay of the given form from a raw projection ~ N(0, 1), [B, T, HV, K] float32."""
     k_raw, k_rate, k_bias = jax.random.split(key, 3)

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 
-from kda.chunked import CHUNK_SIZE, ChunkedInputs
+from kda.chunked import CHUNK_SIZE, ChunkedInputs, chunks_to_tokens
 from kda.kernels.mosaic_gpu_backward import recurrence_cotangents
 from kda.kernels.mosaic_gpu_common import RecurrenceResiduals
 from kda.kernels.mosaic_gpu_cotangents import chunk_cotangents
 from kda.kernels.mosaic_gpu_prepare_backward import ROUNDED_COTANGENTS
-from kda_inputs import relative_error, token_major
+from kda_inputs import relative_error
 from test_kda_kernels import HOPPER, TWO_PROGRAMS_PER_SM, interpreted_on_simulated_hopper
 
 # float32 sums of the same bf16 products in another order (observed on CPU: below 1e-7).
@@ -113,8 +113,8 @@ def test_interpreted_kernel_reads_token_major_d_o_as_the_chunk_major_one(key_dim
         expected = jax.block_until_ready(
             chunk_cotangents(residuals, d_o, d_states, d_v_new, ROUNDED_COTANGENTS))
     with interpreted_on_simulated_hopper():
-        actual = jax.block_until_ready(
-            chunk_cotangents(residuals, token_major(d_o), d_states, d_v_new, ROUNDED_COTANGENTS))
+        actual = jax.block_until_ready(chunk_cotangents(
+            residuals, chunks_to_tokens(d_o), d_states, d_v_new, ROUNDED_COTANGENTS))
     for name, got, want in zip(ChunkedInputs._fields, actual, expected):
         assert got.shape == want.shape and got.dtype == want.dtype, name
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32),

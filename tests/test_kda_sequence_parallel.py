@@ -23,7 +23,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kda.chunked import CHUNK_SIZE, ChunkedInputs, chunk_recurrence, prepare_chunks
+from kda.chunked import (CHUNK_SIZE, ChunkedInputs, chunk_recurrence, chunks_to_tokens,
+                         prepare_chunks)
 from kda.common import einsum
 from kda.kernels.mosaic_gpu_common import RecurrenceOperands, recurrence_operands
 from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
@@ -34,7 +35,7 @@ from kda.kernels.sequence_parallel import (choose_num_segments, combine_segments
                                            sequence_parallel_recurrence,
                                            sequence_parallel_reversed_recurrence,
                                            split_into_segments)
-from kda_inputs import make_inputs, relative_error, token_major
+from kda_inputs import make_inputs, relative_error
 from test_kda_kernels import HOPPER, interpreted_on_simulated_hopper
 from test_kda_kernels_backward import (GRADIENT_TOLERANCE, jitted_vjp, kernel_recurrence,
                                        plain_recurrence)
@@ -314,7 +315,7 @@ def test_interpreted_token_major_output_is_the_chunk_output_transposed(num_segme
     batch, heads, num_chunks, chunk, value_dim = o.shape
     assert o_token_major.shape == (batch, num_chunks * chunk, heads, value_dim)
     np.testing.assert_array_equal(np.asarray(o_token_major, np.float32),
-                                  np.asarray(token_major(o), np.float32))
+                                  np.asarray(chunks_to_tokens(o), np.float32))
     np.testing.assert_array_equal(final_state_token_major, final_state)
 
 
@@ -334,7 +335,7 @@ def test_interpreted_reversed_kernel_reads_token_major_d_o_as_the_chunk_major_on
                 ops, d_o, d_s, num_segments=num_segments, d_v_new_dtype=jnp.bfloat16))(
                     operands, d_o, d_final_state)
 
-    expected, actual = kernel(d_o), kernel(token_major(d_o))
+    expected, actual = kernel(d_o), kernel(chunks_to_tokens(d_o))
     for name, x, want in zip(("d_states", "d_v_new", "d_initial"), actual, expected):
         assert x.shape == want.shape and x.dtype == want.dtype, name
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(want, np.float32),

@@ -66,8 +66,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.chunked import ChunkedInputs
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands, RecurrenceResiduals,
-                                           kernel_body, load_state_tile, lowered_once, swizzled,
-                                           swizzled_smem)
+                                           check_output_cotangent, kernel_body, load_state_tile,
+                                           lowered_once, swizzled, swizzled_smem)
 from kda.kernels.mosaic_gpu_tiles import COLUMN_VECTOR, per_column
 
 # The backward's own V tile, chosen as the forward's: dS^T [64, K] float32 is 64 registers a
@@ -203,10 +203,7 @@ def run_reversed_recurrence(operands: RecurrenceOperands, d_o, d_final_state,
     """
     batch, heads, num_chunks, chunk, key_dim = operands.W.shape
     value_dim = d_o.shape[-1]
-    chunk_major_shape = (batch, heads, num_chunks, chunk, value_dim)
-    if d_o.shape not in (chunk_major_shape, (batch, num_chunks * chunk, heads, value_dim)):
-        raise ValueError(f"d_o must be [B, HV, N, C, V] = {chunk_major_shape} or token-major, "
-                         f"[B, N C, HV, V]; got {d_o.shape}")
+    check_output_cotangent(d_o, (batch, heads, num_chunks, chunk, value_dim))
     value_major = jnp.dtype(d_v_new_dtype).itemsize != 2  # transposed stores take 16 bits only
     chunked = lambda *tail: (batch, heads, num_chunks, *tail)  # noqa: E731
     run = plgpu.kernel(

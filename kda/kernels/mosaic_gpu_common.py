@@ -33,6 +33,16 @@ def kernel_body(body, **static):
     return functools.update_wrapper(functools.partial(body, **static), body)
 
 
+def check_output_cotangent(d_o, chunk_major_shape):
+    """Refuses a cotangent of o that is neither [B, HV, N, C, V] = `chunk_major_shape` nor the
+    same token-major, [B, N C, HV, V] (as the forward kernel writes o): the two layouts the
+    backward's kernels read."""
+    batch, heads, num_chunks, chunk, value_dim = chunk_major_shape
+    if d_o.shape not in (tuple(chunk_major_shape), (batch, num_chunks * chunk, heads, value_dim)):
+        raise ValueError(f"d_o must be [B, HV, N, C, V] = {tuple(chunk_major_shape)} or "
+                         f"token-major, [B, N C, HV, V]; got {d_o.shape}")
+
+
 def swizzled(shape, dtype):
     """The (tiling, swizzle) transforms wgmma and TMA want for a [rows, cols] SMEM tile."""
     itemsize = jnp.dtype(dtype).itemsize

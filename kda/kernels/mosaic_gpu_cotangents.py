@@ -56,7 +56,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kda.chunked import ChunkedInputs
 from kda.kernels.mosaic_gpu_backward import cotangent_dtypes
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, SUPPORTED_DIMS, RecurrenceResiduals,
-                                           lowered_once, swizzled_smem)
+                                           check_output_cotangent, lowered_once, swizzled_smem)
 from kda.kernels.mosaic_gpu_tiles import CHUNK, COMPILER_PARAMS, WGMMA
 
 # The only sum is along rows (within a warp), so the 2 KiB of cross-warp scratch would be waste:
@@ -201,10 +201,7 @@ def chunk_cotangents(residuals: RecurrenceResiduals, d_o, d_states, d_v_new,
         raise ValueError(f"residuals.states: V must be one of {SUPPORTED_DIMS}, got {value_dim}")
     if v_new.shape[-2] != CHUNK:
         raise ValueError(f"residuals.v_new: chunks must have {CHUNK} rows, got {v_new.shape}")
-    batch, heads, num_chunks = v_new.shape[:3]
-    if d_o.shape not in (v_new.shape, (batch, num_chunks * CHUNK, heads, value_dim)):
-        raise ValueError(f"d_o must be [B, HV, N, C, V] = {v_new.shape} or token-major, "
-                         f"[B, N C, HV, V]; got {d_o.shape}")
+    check_output_cotangent(d_o, v_new.shape)
     dtype = cotangent_dtypes(rounded)
     as_operand = lambda x: x.astype(OPERAND_DTYPE)  # noqa: E731
     d_w, d_q, d_kt, d_aqk, d_decay = _run_kernel(

@@ -68,7 +68,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kda.chunked import CHUNK_SIZE
+from kda.chunked import CHUNK_SIZE, chunks_to_tokens, tokens_to_chunks
 from kda.common import einsum
 from kda.kernels.mosaic_gpu_backward import run_reversed_recurrence
 from kda.kernels.mosaic_gpu_recurrence import BLOCK_V, run_recurrence
@@ -340,10 +340,7 @@ def sequence_parallel_recurrence(operands: RecurrenceOperands, initial_state, ou
     o, *rest = recurrence_in_segments(
         run_recurrence, operands, initial_state, out_dtype, num_segments=num_segments,
         precision=lax.Precision.DEFAULT, save_for_backward=save_for_backward)
-    if token_major:
-        batch, heads, num_chunks, chunk, value_dim = o.shape
-        o = jnp.moveaxis(o, 1, 3).reshape(batch, num_chunks * chunk, heads, value_dim)
-    return o, *rest
+    return (chunks_to_tokens(o) if token_major else o), *rest
 
 
 def sequence_parallel_reversed_recurrence(operands: RecurrenceOperands, d_o, d_final_state, *,
@@ -368,8 +365,7 @@ def sequence_parallel_reversed_recurrence(operands: RecurrenceOperands, d_o, d_f
     if num_segments == 1:
         return run_reversed_recurrence(operands, d_o, d_final_state, d_v_new_dtype)
     if d_o.ndim == 4:  # the split cuts the chunk axis (rare: B * HV <= 4 or so, module docstring)
-        batch, heads, num_chunks, chunk, _ = operands.W.shape
-        d_o = jnp.moveaxis(d_o.reshape(batch, num_chunks, chunk, heads, -1), 3, 1)
+        d_o = tokens_to_chunks(d_o, CHUNK_SIZE)
     # As forward: the kernel rounds dS to bf16 where it multiplies it; TF32 here is finer.
     d_states, d_v_new, d_initial_state = reversed_recurrence_in_segments(
         run_reversed_recurrence, operands, d_o, d_final_state, num_segments=num_segments,

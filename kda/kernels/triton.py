@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from kda.api import KDACall, register_kernel
-from kda.chunked import CHUNK_SIZE, TILE_SIZE, ChunkedInputs, chunk_kda, chunk_recurrence
+from kda.chunked import (CHUNK_SIZE, TILE_SIZE, ChunkedInputs, chunk_kda, chunk_recurrence,
+                         chunks_to_tokens)
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands,
                                            recurrence_operands)
 from kda.kernels.path import BoundedOptions, KernelPath, kernel_kda
@@ -194,12 +195,10 @@ kernel_recurrence.defvjp(_kernel_recurrence_fwd, _kernel_recurrence_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _bounded_kda(q, k, v, g, beta, initial_state, segment_ids, options: BoundedOptions):
     """Both kernels, preparation then recurrence: (o [B, T, HV, V], final_state [B, HV, K, V])."""
-    batch, length, num_value_heads, value_dim = v.shape
     operands = prepare_chunks_kernel(q, k, v, g, beta, segment_ids=segment_ids,
                                      **options._asdict())
     o, final_state = run_recurrence(operands, initial_state, v.dtype)
-    o = jnp.moveaxis(o, 1, 3).reshape(batch, -1, num_value_heads, value_dim)
-    return o[:, :length], final_state
+    return chunks_to_tokens(o)[:, :v.shape[1]], final_state
 
 
 def _bounded_kda_fwd(q, k, v, g, beta, initial_state, segment_ids, options):
