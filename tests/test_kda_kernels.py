@@ -197,6 +197,35 @@ def test_interpreted_preparation_matches_plain_jax(dim, batch, length, heads, us
         assert_preparation_matches_plain_jax(inputs, dim, prepare_kernel)
 
 
+@pytest.mark.slow
+def test_interpreted_preparation_without_segment_ids_is_that_of_one_document_a_row():
+    """Without segment ids the kernel reads no document index and its masks are constants: every
+    output and residual as with segment ids that never change (no document starts)."""
+    inputs = bf16_inputs(4, 2, 200, 1, 2, 64, segments=False)
+    args = [inputs[name] for name in ("q", "k", "v", "g", "beta")]
+    options = preparation_options(inputs, 64)
+
+    def prepared(segment_ids):
+        return jax.tree.leaves(jax.jit(lambda *xs: prepare_chunks_kernel(
+            *xs, **{**options, "segment_ids": segment_ids}, save_for_backward=True))(*args))
+
+    with interpreted_on_simulated_hopper():
+        without, one_document = prepared(None), prepared(jnp.zeros((2, 200), jnp.int32))
+    for got, want in zip(without, one_document):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("save_for_backward", [False, True])
+def test_preparation_without_segment_ids_lowers_for_hopper(save_for_backward):
+    inputs = bf16_inputs(2, 1, 128, 1, 1, 128, segments=False)
+    args = [inputs[name] for name in ("q", "k", "v", "g", "beta")]
+    preparation = jax.jit(lambda *xs: prepare_chunks_kernel(
+        *xs, save_for_backward=save_for_backward, **preparation_options(inputs, 128)))
+    with jax.sharding.use_abstract_mesh(HOPPER):
+        lowered = preparation.trace(*args).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("gate_lower_bound", [None, -5.0])
 def test_kernel_lowers_for_hopper(dim, gate_lower_bound):

@@ -16,9 +16,11 @@ import kda
 from kda.chunked import CHUNK_SIZE, ChunkedInputs, chunk_recurrence, prepare_chunks
 from kda.kernels import mosaic_gpu
 from kda.kernels.mosaic_gpu_backward import recurrence_cotangents, run_reversed_recurrence
-from kda.kernels.mosaic_gpu_common import RecurrenceResiduals, recurrence_operands
+from kda.kernels.mosaic_gpu_common import (RecurrenceOperands, RecurrenceResiduals,
+                                           recurrence_operands)
 from kda.kernels.mosaic_gpu_prepare_backward import ROUNDED_COTANGENTS
-from kda.kernels.mosaic_gpu_recurrence import run_recurrence
+from kda.kernels.mosaic_gpu_recurrence import (BLOCK_V, NARROW_BLOCK_V, choose_block_v,
+                                              run_recurrence)
 from kda.kernels.sequence_parallel import sequence_parallel_reversed_recurrence
 from kda_inputs import relative_error
 from test_kda_kernels import (  # noqa: F401 (kernel_on_any_backend: a fixture, used by name)
@@ -104,6 +106,58 @@ def test_interpreted_forward_saves_what_it_used(length, value_heads, segments):
     expected_states, expected_v_new = entering_states_and_v_new(chunks)
     assert relative_error(states, expected_states) <= BF16_TOLERANCE["state"]
     assert relative_error(v_new, expected_v_new) <= BF16_TOLERANCE["o"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("save_for_backward,token_major", [(False, True), (True, False)])
+def test_interpreted_narrow_state_tiles_give_what_the_wide_ones_give(save_for_backward,
+                                                                     token_major):
+    """32 state columns a program (`NARROW_BLOCK_V`, 64-byte swizzles): every output, saved
+    residual included, as with 64 columns; the columns do not mix."""
+    chunks, initial_state, _ = prepared_chunks(9, 1, 256, 1, 2, 64, segments=True)
+    operands = recurrence_operands(chunks)
+
+    def results(block_v):
+        return jax.tree.leaves(run_recurrence(
+            operands, initial_state, jnp.bfloat16, save_for_backward=save_for_backward,
+            token_major=token_major, block_v=block_v))
+
+    with interpreted_on_simulated_hopper():
+        wide, narrow = results(BLOCK_V), results(NARROW_BLOCK_V)
+    assert len(narrow) == (4 if save_for_backward else 2)
+    for x, want in zip(narrow, wide):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(want, np.float32))
+
+
+def test_narrow_state_tiles_lower_for_hopper():
+    """At K = V = 128 the 64-byte swizzles of W, q_from_state, k_to_state^T and Aqk pair with the
+    [K, 32] state's and V_new's in wgmma, with and without the saved residuals."""
+    batch, heads, num_chunks, dim = 1, 2, 4, 128
+    shapes = dict(W=(CHUNK_SIZE, dim), U=(CHUNK_SIZE, dim), q_from_state=(CHUNK_SIZE, dim),
+                  k_to_state_t=(dim, CHUNK_SIZE), Aqk=(CHUNK_SIZE, CHUNK_SIZE), chunk_decay=(dim,))
+    operands = RecurrenceOperands(**{
+        name: jax.ShapeDtypeStruct((batch, heads, num_chunks, *shape),
+                                   jnp.float32 if name in ("U", "chunk_decay") else jnp.bfloat16)
+        for name, shape in shapes.items()})
+    state = jax.ShapeDtypeStruct((batch, heads, dim, dim), jnp.float32)
+    for save_for_backward in (False, True):
+        recurrence = jax.jit(lambda ops, s: run_recurrence(
+            ops, s, jnp.bfloat16, save_for_backward=save_for_backward, token_major=True,
+            block_v=NARROW_BLOCK_V))
+        with jax.sharding.use_abstract_mesh(HOPPER):
+            lowered = recurrence.trace(operands, state).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("batch_heads,value_dim,expected", [
+    (16, 128, NARROW_BLOCK_V),  # 1x32768x16: 32 programs of 64 columns on 132 SMs
+    (32, 128, NARROW_BLOCK_V),  # 2x8192x16: 64 programs; 128 of 32 columns still one wave
+    (128, 128, BLOCK_V),  # 8x2048x16: 256 programs already
+    (33, 128, NARROW_BLOCK_V), (34, 128, BLOCK_V),  # 132 SMs: 132 and 136 programs of 32
+])
+def test_narrow_state_tiles_where_twice_the_programs_fit_one_wave(batch_heads, value_dim,
+                                                                    expected):
+    assert choose_block_v(batch_heads, value_dim, num_sms=132) == expected
 
 
 @pytest.mark.slow

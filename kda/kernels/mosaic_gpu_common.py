@@ -43,15 +43,17 @@ def check_output_cotangent(d_o, chunk_major_shape):
                          f"token-major, [B, N C, HV, V]; got {d_o.shape}")
 
 
-def swizzled(shape, dtype):
-    """The (tiling, swizzle) transforms wgmma and TMA want for a [rows, cols] SMEM tile."""
+def swizzled(shape, dtype, max_swizzle=128):
+    """The (tiling, swizzle) transforms wgmma and TMA want for a [rows, cols] SMEM tile: the
+    widest swizzle its rows allow, up to `max_swizzle` bytes (wgmma's two operands from SMEM must
+    share one: a narrower right operand caps its left one)."""
     itemsize = jnp.dtype(dtype).itemsize
-    swizzle = plgpu.find_swizzle(shape[-1] * itemsize * 8)
+    swizzle = plgpu.find_swizzle(min(shape[-1] * itemsize, max_swizzle) * 8)
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def swizzled_smem(shape, dtype):
-    return plgpu.SMEM(shape, dtype, transforms=swizzled(shape[-2:], dtype))
+def swizzled_smem(shape, dtype, max_swizzle=128):
+    return plgpu.SMEM(shape, dtype, transforms=swizzled(shape[-2:], dtype, max_swizzle))
 
 
 def load_state_tile(gmem_tile, shape):

@@ -4,8 +4,9 @@ It replaces `kda.chunked.prepare_chunks` when `gate_lower_bound = L` is set and 
 recurrence kernel (`kda.kernels.mosaic_gpu_recurrence`) reads: W, U, q_from_state,
 k_to_state^T, chunk_decay and Aqk (`RecurrenceOperands`). One program per (batch row, value
 head, chunk of C = 64 tokens) reads the chunk's q, k (its q/k head: grouped value heads), v, g,
-beta and document index by TMA and, in one warpgroup, computes with wgmma (bf16 operands, float32
-accumulators), from the building blocks of `kda.kernels.mosaic_gpu_tiles` (named below):
+beta (and, for packed documents, their index) by TMA and, in one warpgroup, computes with wgmma
+(bf16 operands, float32 accumulators), from the building blocks of `kda.kernels.mosaic_gpu_tiles`
+(named below):
 
 1. L2 norm and scale of q and k (in float32 registers).
 2. `G = cumsum(g)`, float32-accurate: at K = 128 a compensated scan, each thread adding up one
@@ -79,20 +80,22 @@ from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, COMPILER_PARAMS,
                                           documents_in_chunk, iota, load_plain,
                                           matmul_of_splits, pad_to_chunks, per_column, per_row,
                                           row_anchors, same_document, scanned_cumulative_sum,
-                                          state_masks, store_lower_ones, store_split,
+                                          StateMasks, state_masks, store_lower_ones, store_split,
                                           transposed_scores, unit_lower_inverse)
 
 
-def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
-                    w_gmem, u_gmem, q_state_gmem, k_state_t_gmem, aqk_gmem, decay_gmem,
-                    *residual_gmems, scale, use_qk_l2norm, lower_bound, group):
+def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, *gmems, scale, use_qk_l2norm,
+                    lower_bound, group, packed_documents):
     """The body of one (batch row, value head, chunk) program; see the module docstring.
 
     GMEM inputs: q, k [B, T, H, K] and v [B, T, HV, V] in bf16; g [B, T, HV, K], beta [B, HV, T]
-    and document [B, T] (`documents_in_chunk`) in float32; T is a multiple of 64 and K = V.
-    Outputs: the fields of `RecurrenceOperands`, [B, HV, N, ...], then, when a backward will run,
-    those of `PreparationResiduals` (their presence is the static flag).
+    and, with `packed_documents`, document [B, T] (`documents_in_chunk`) in float32; T is a
+    multiple of 64 and K = V. Outputs: the fields of `RecurrenceOperands`, [B, HV, N, ...], then,
+    when a backward will run, those of `PreparationResiduals` (their presence is the static flag).
     """
+    document_gmem = gmems[0] if packed_documents else None
+    (w_gmem, u_gmem, q_state_gmem, k_state_t_gmem, aqk_gmem, decay_gmem,
+     *residual_gmems) = gmems[packed_documents:]
     key_dim, value_dim = q_gmem.shape[-1], v_gmem.shape[-1]
     batch, head, chunk = (lax.axis_index(axis) for axis in ("batch", "heads", "chunks"))
     tokens = pl.ds(chunk * CHUNK, CHUNK)
@@ -112,8 +115,9 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
         inputs = ((g_gmem.at[batch, tokens, head], g_smem),
                   (q_gmem.at[batch, tokens, head // group], q_smem),
                   (k_gmem.at[batch, tokens, head // group], k_smem),
-                  (beta_gmem.at[batch, head, tokens], beta_smem),
-                  (document_gmem.at[batch, tokens], document_smem))
+                  (beta_gmem.at[batch, head, tokens], beta_smem))
+        if packed_documents:
+            inputs += ((document_gmem.at[batch, tokens], document_smem),)
         for index, (source, target) in enumerate(inputs):
             plgpu.copy_gmem_to_smem(source, target, barriers.at[index])
 
@@ -138,7 +142,10 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
             plgpu.commit_smem()
         for index in range(1, len(inputs)):
             plgpu.barrier_wait(barriers.at[index])
-        masks = state_masks(document_smem, keys_shape)
+        # One document a row: every row reads and writes the state, no score crosses documents
+        # (the factors 1.0 and True compile away).
+        masks = (state_masks(document_smem, keys_shape) if packed_documents
+                 else StateMasks(reads_state=1.0, writes_state=1.0, keeps_state=1.0))
         if residuals:  # read by TMA before step 5 overwrites it (the wait in 3b)
             plgpu.copy_smem_to_gmem(g_smem, residuals.G.at[out])
         last_G = plgpu.load(g_smem.at[CHUNK - 1], layout=COLUMN_VECTOR)
@@ -171,7 +178,7 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, document_gmem,
         for index, (source, target) in enumerate(reloads, start=len(inputs)):
             plgpu.copy_gmem_to_smem(source, target, barriers.at[index])
         rows, columns = iota(scores_shape, 0), iota(scores_shape, 1)
-        in_document = same_document(document_smem)
+        in_document = same_document(document_smem) if packed_documents else True
         aqk.transpose((1, 0))[...] = jnp.where((columns >= rows) & in_document, qk_t,
                                                0.0).astype(OPERAND_DTYPE)
         akk_t = jnp.where((columns > rows) & in_document, kk_t, 0.0)  # strictly lower
@@ -274,15 +281,19 @@ def prepare_chunks_kernel(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm
         inverse=chunked(OPERAND_DTYPE, 2, CHUNK, CHUNK)) if save_for_backward else ()
     run = plgpu.kernel(
         kernel_body(_prepare_kernel, scale=float(scale), use_qk_l2norm=use_qk_l2norm,
-                    lower_bound=float(gate_lower_bound), group=num_value_heads // q.shape[2]),
+                    lower_bound=float(gate_lower_bound), group=num_value_heads // q.shape[2],
+                    packed_documents=segment_ids is not None),
         out_type=(*operands_type, *residuals_type),
         grid=(batch, num_value_heads, num_chunks),
         grid_names=("batch", "heads", "chunks"),
         compiler_params=COMPILER_PARAMS,
     )
+    # Without segment ids the kernel reads no document index: its masks are constants.
+    documents = (() if segment_ids is None
+                 else (documents_in_chunk(segment_ids, batch, padded_length),))
     outputs = run(padded(q, OPERAND_DTYPE), padded(k, OPERAND_DTYPE), padded(v, OPERAND_DTYPE),
                   padded(g, jnp.float32), jnp.moveaxis(padded(beta, jnp.float32), 1, 2),
-                  documents_in_chunk(segment_ids, batch, padded_length))
+                  *documents)
     operands = RecurrenceOperands(*outputs[:len(operands_type)])
     if save_for_backward:
         return operands, PreparationResiduals(*outputs[len(operands_type):])

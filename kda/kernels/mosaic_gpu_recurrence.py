@@ -8,6 +8,11 @@ chunks and, per chunk of C = 64 tokens, computes with wgmma (M = 64 = C, or K fo
     O     = q_from_state S + Aqk V_new           [C, K] x [K, 64]  +  [C, C] x [C, 64]
     S     = chunk_decay * S + k_to_state^T V_new [K, C] x [C, 64]
 
+Where even twice as many programs fit one wave (one an SM: B HV V / 32 <= the SM count, as at
+2x8192x16 or 1x32768x16), each takes 32 columns instead (`choose_block_v`), so that twice the SMs
+walk the chunks, each with half the wgmma work a step; the results are the same (the columns do
+not mix). Not yet timed on a GPU.
+
 Numerics: matmul operands are bfloat16 (W, q_from_state, k_to_state and Aqk are rounded once
 when they are handed to the kernel; S and V_new each time they are written to shared memory for
 the next wgmma), accumulation and the carried state are float32, U and chunk_decay are read in
@@ -33,24 +38,34 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands, RecurrenceResiduals,
-                                           load_state_tile, lowered_once, swizzled,
+                                           kernel_body, load_state_tile, lowered_once, swizzled,
                                            swizzled_smem)
 
-# State columns per program: S [K, 64] float32 is 64 registers a thread at K = 128. 32 would halve
-# that, but the 64-byte swizzle of a [K, 32] bf16 operand cannot pair with W's 128-byte one.
+# State columns per program: S [K, 64] float32 is 64 registers a thread at K = 128.
 BLOCK_V = 64
+# Where few programs run (`choose_block_v`), 32 columns a program: twice the programs, each with
+# half the wgmma work a chunk step. A [K, 32] bf16 operand's rows take a 64-byte swizzle, and
+# wgmma's operands from SMEM must share one, so W, q_from_state, k_to_state^T and Aqk then take
+# 64-byte swizzles too.
+NARROW_BLOCK_V = 32
 PIPELINE_STAGES = 2
 
 
-def _chunk_block(shape, dtype):
+def choose_block_v(batch_heads: int, value_dim: int, num_sms: int) -> int:
+    """NARROW_BLOCK_V where even twice the programs of BLOCK_V columns fit one wave of
+    `num_sms` (one program an SM), else BLOCK_V."""
+    return NARROW_BLOCK_V if 2 * batch_heads * value_dim // BLOCK_V <= num_sms else BLOCK_V
+
+
+def _chunk_block(shape, dtype, max_swizzle):
     """One chunk's tile of a [N, *shape] array, fetched into swizzled SMEM at pipeline step n."""
-    transforms = swizzled(shape, dtype) if len(shape) == 2 else ()
+    transforms = swizzled(shape, dtype, max_swizzle) if len(shape) == 2 else ()
     return plgpu.BlockSpec((None, *shape), lambda n: (n,) + (0,) * len(shape),
                            transforms=transforms)
 
 
 def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, s0_gmem,
-                       o_gmem, s_final_gmem, *saved_gmem):
+                       o_gmem, s_final_gmem, *saved_gmem, block_v):
     """The body of one (batch row, value head, V tile) program; see the module docstring.
 
     GMEM operands: w, q [B, HV, N, C, K], kt [B, HV, N, K, C] and a [B, HV, N, C, C] in bfloat16;
@@ -62,7 +77,9 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, s0_g
     """
     num_chunks, chunk, key_dim = w_gmem.shape[2:]
     batch, head, v_tile = (lax.axis_index(axis) for axis in ("batch", "heads", "v_tiles"))
-    columns = pl.ds(v_tile * BLOCK_V, BLOCK_V)
+    columns = pl.ds(v_tile * block_v, block_v)
+    # The swizzle of a [., block_v] bf16 operand, which every wgmma operand from SMEM shares.
+    max_swizzle = block_v * jnp.dtype(OPERAND_DTYPE).itemsize
     token_major = o_gmem.ndim == 4
 
     def output_tile(n):
@@ -71,7 +88,7 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, s0_g
             return o_gmem.at[batch, pl.ds(n * chunk, chunk), head, columns]
         return o_gmem.at[batch, head, n, :, columns]
 
-    state_shape = (key_dim, BLOCK_V)
+    state_shape = (key_dim, block_v)
     saves = bool(saved_gmem)
     # Copies to GMEM a step issues, in order: [entering state, V_new,] output. Waiting until at
     # most m copies are pending frees the buffer of every copy issued before the last m.
@@ -111,7 +128,7 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, s0_g
                 return o_acc[...], update_acc[...]
 
             o, update = pl.run_scoped(
-                reads_of_state, plgpu.ACC((chunk, BLOCK_V)), plgpu.ACC((chunk, BLOCK_V)),
+                reads_of_state, plgpu.ACC((chunk, block_v)), plgpu.ACC((chunk, block_v)),
                 plgpu.ACC(state_shape))
             slot = o_smem.at[lax.rem(n, 2)]
             # This slot's previous copy (two steps ago) is out.
@@ -125,12 +142,12 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, s0_g
             chunk_step,
             grid=(num_chunks,),
             in_specs=[
-                _chunk_block((chunk, key_dim), OPERAND_DTYPE),  # W
-                _chunk_block((chunk, BLOCK_V), jnp.float32),  # U
-                _chunk_block((chunk, key_dim), OPERAND_DTYPE),  # q_from_state
-                _chunk_block((key_dim, chunk), OPERAND_DTYPE),  # k_to_state^T
-                _chunk_block((chunk, chunk), OPERAND_DTYPE),  # Aqk
-                _chunk_block((key_dim,), jnp.float32),  # chunk_decay
+                _chunk_block((chunk, key_dim), OPERAND_DTYPE, max_swizzle),  # W
+                _chunk_block((chunk, block_v), jnp.float32, max_swizzle),  # U
+                _chunk_block((chunk, key_dim), OPERAND_DTYPE, max_swizzle),  # q_from_state
+                _chunk_block((key_dim, chunk), OPERAND_DTYPE, max_swizzle),  # k_to_state^T
+                _chunk_block((chunk, chunk), OPERAND_DTYPE, max_swizzle),  # Aqk
+                _chunk_block((key_dim,), jnp.float32, max_swizzle),  # chunk_decay
             ],
             max_concurrent_steps=PIPELINE_STAGES,
             init_carry=initial_state,
@@ -141,8 +158,8 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, s0_g
 
     final_state = pl.run_scoped(
         recur, swizzled_smem(state_shape, OPERAND_DTYPE),
-        swizzled_smem((chunk, BLOCK_V), OPERAND_DTYPE),
-        swizzled_smem((2, chunk, BLOCK_V), o_gmem.dtype))
+        swizzled_smem((chunk, block_v), OPERAND_DTYPE),
+        swizzled_smem((2, chunk, block_v), o_gmem.dtype))
 
     def store_final_state(state_smem):
         plgpu.wait_smem_to_gmem(0)  # the last outputs are out
@@ -154,16 +171,19 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, s0_g
     pl.run_scoped(store_final_state, swizzled_smem(state_shape, jnp.float32))
 
 
-@lowered_once("out_dtype", "save_for_backward", "token_major")
+@lowered_once("out_dtype", "save_for_backward", "token_major", "block_v")
 def run_recurrence(operands: RecurrenceOperands, initial_state, out_dtype, *,
-                   save_for_backward=False, token_major=False):
+                   save_for_backward=False, token_major=False, block_v=BLOCK_V):
     """Runs the kernel: (o [B, HV, N, C, V] in out_dtype, final_state float32 [B, HV, K, V]).
 
     With `save_for_backward`, also returns the `RecurrenceResiduals` the backward reads (the
     entering states and V_new, which the kernel then writes as it goes) as a third result. With
     `token_major`, o is [B, N C, HV, V], the layout of the model's v: the kernel stores each
-    chunk's tile into its token rows, and no transpose follows.
+    chunk's tile into its token rows, and no transpose follows. `block_v`: the state columns of a
+    program, BLOCK_V or NARROW_BLOCK_V (`choose_block_v`); the results do not depend on it.
     """
+    if block_v not in (BLOCK_V, NARROW_BLOCK_V):
+        raise ValueError(f"block_v must be {BLOCK_V} or {NARROW_BLOCK_V}, got {block_v}")
     batch, heads, num_chunks, chunk, key_dim = operands.W.shape
     value_dim = operands.U.shape[-1]
     chunked = lambda *tail: (batch, heads, num_chunks, *tail)  # noqa: E731
@@ -176,9 +196,9 @@ def run_recurrence(operands: RecurrenceOperands, initial_state, out_dtype, *,
             states=jax.ShapeDtypeStruct(chunked(key_dim, value_dim), OPERAND_DTYPE),
             v_new=jax.ShapeDtypeStruct(chunked(chunk, value_dim), OPERAND_DTYPE))
     run = plgpu.kernel(
-        _recurrence_kernel,
+        kernel_body(_recurrence_kernel, block_v=block_v),
         out_type=out_type,
-        grid=(batch, heads, value_dim // BLOCK_V),
+        grid=(batch, heads, value_dim // block_v),
         grid_names=("batch", "heads", "v_tiles"),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

@@ -140,17 +140,32 @@ def cumulative_sum(x, parts, ones, *, reverse=False):
     return pl.run_scoped(product, plgpu.ACC(x.shape))
 
 
+SCAN_SEGMENTS = 4  # independent chains of `scanned_cumulative_sum`
+
+
+def two_sum(a, b):
+    """`(s, e)` with `s = fl(a + b)` and `s + e = a + b` exactly (Knuth's two-sum)."""
+    s = a + b
+    b_part = s - a
+    return s, (a - (s - b_part)) + (b - b_part)
+
+
 def scanned_cumulative_sum(x_smem):
     """`cumsum(x)` down the rows of x, in place, by a scan: thread t adds up column t row by row.
 
-    Compensated (each addition's rounding error, exact by Knuth's two-sum, is carried and added
-    back), so every sum is float32-accurate, without splits or products. Thread t reads and writes
-    only column t, so the rows need no barrier between them.
+    Compensated (each addition's rounding error, exact by `two_sum`, is carried and added back),
+    so every sum is float32-accurate, without splits or products. Thread t reads and writes only
+    column t, so the rows need no barrier between them.
 
-    A rolled loop, not 63 unrolled steps: the preparation kernel's straight-line code was bound
-    by fetching its instructions (an in-kernel trace on the H200: about 16 cycles an
-    instruction). Rolling this loop alone took that kernel from 0.75 to 0.44 ms at
-    8x2048x16x128 (`benchmarks/kda_h200.md`).
+    The 64 rows are cut into SCAN_SEGMENTS segments whose chains of additions are independent, so
+    that they can overlap: a first pass sums each segment, the segments' sums give each one its
+    starting (sum, carried error) pair, and a second pass scans every segment from that pair. The
+    dependent chain is 2 x 16 additions instead of 63, for twice the loads.
+
+    Rolled loops, not unrolled steps: the preparation kernel's straight-line code was bound by
+    fetching its instructions (an in-kernel trace on the H200: about 16 cycles an instruction).
+    Rolling the scan alone took that kernel from 0.75 to 0.44 ms at 8x2048x16x128
+    (`benchmarks/kda_h200.md`).
 
     Args:
       x_smem: float32 [C, 128] plain SMEM: x, then its cumulative sum (committed).
@@ -161,20 +176,36 @@ def scanned_cumulative_sum(x_smem):
         raise ValueError(f"x_smem must be [{CHUNK}, {WARPGROUP_THREADS}] (a column a thread), got "
                          f"{x_smem.shape}; use cumulative_sum for other widths")
     row_layout = plgpu.Layout.WG_STRIDED((1, WARPGROUP_THREADS), 1)  # thread t: column t
+    segment_rows = CHUNK // SCAN_SEGMENTS
 
-    def add_row(row, sums):
-        total, carried = sums
-        x = plgpu.load(x_smem.at[pl.ds(row, 1)], layout=row_layout)
-        new_total = total + x
-        x_part = new_total - total
-        error = (total - (new_total - x_part)) + (x - x_part)  # total + x - new_total, exactly
-        carried = carried + error
-        x_smem[pl.ds(row, 1)] = new_total + carried
-        return new_total, carried
+    def load(row):
+        return plgpu.load(x_smem.at[pl.ds(row, 1)], layout=row_layout)
 
-    first = plgpu.load(x_smem.at[pl.ds(0, 1)], layout=row_layout)
-    # One row an iteration: seven (their loads issued together) took the same time on the H200.
-    lax.fori_loop(1, CHUNK, add_row, (first, first - first))  # (x - x: zeros in x's layout)
+    def add(pair, x):
+        """(sum, carried error) + x."""
+        total, carried = pair
+        total, error = two_sum(total, x)
+        return total, carried + error
+
+    def add_rows(store):
+        def step(row, pairs):
+            pairs = tuple(add(pair, load(segment * segment_rows + row))
+                          for segment, pair in enumerate(pairs))
+            if store:
+                for segment, (total, carried) in enumerate(pairs):
+                    x_smem[pl.ds(segment * segment_rows + row, 1)] = total + carried
+            return pairs
+        return step
+
+    zero = load(0) * 0.0  # (zeros in the rows' layout)
+    # The last segment's sum starts nothing: the first pass leaves it out.
+    zeros = tuple((zero, zero) for _ in range(SCAN_SEGMENTS - 1))
+    segment_sums = lax.fori_loop(0, segment_rows, add_rows(store=False), zeros)
+    starts = [(zero, zero)]
+    for segment_sum in segment_sums:
+        total, error = two_sum(starts[-1][0], segment_sum[0])
+        starts.append((total, starts[-1][1] + segment_sum[1] + error))
+    lax.fori_loop(0, segment_rows, add_rows(store=True), tuple(starts))
     plgpu.commit_smem()
     return load_plain(x_smem)
 

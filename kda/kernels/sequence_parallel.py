@@ -71,7 +71,7 @@ from jax import lax
 from kda.chunked import CHUNK_SIZE, chunks_to_tokens, tokens_to_chunks
 from kda.common import einsum
 from kda.kernels.mosaic_gpu_backward import run_reversed_recurrence
-from kda.kernels.mosaic_gpu_recurrence import BLOCK_V, run_recurrence
+from kda.kernels.mosaic_gpu_recurrence import BLOCK_V, choose_block_v, run_recurrence
 from kda.kernels.mosaic_gpu_common import RecurrenceOperands
 
 HOPPER_SM_COUNT = 132  # H100 SXM and H200: the count assumed where no GPU is attached
@@ -334,8 +334,11 @@ def sequence_parallel_recurrence(operands: RecurrenceOperands, initial_state, ou
     """
     num_segments = _segment_count(num_segments, operands, operands.U.shape[-1])
     if num_segments == 1:
+        batch, heads, _, _, _ = operands.W.shape
+        block_v = choose_block_v(batch * heads, operands.U.shape[-1], _multiprocessor_count())
         return run_recurrence(operands, initial_state, out_dtype,
-                              save_for_backward=save_for_backward, token_major=token_major)
+                              save_for_backward=save_for_backward, token_major=token_major,
+                              block_v=block_v)
     # The kernel already rounds the state to bf16 where it multiplies it; TF32 here is finer.
     o, *rest = recurrence_in_segments(
         run_recurrence, operands, initial_state, out_dtype, num_segments=num_segments,
