@@ -355,6 +355,18 @@ def test_gpu_kernel_matches_reference(impl, gate, lower_bound):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gate,lower_bound", [("lower_bound", -5.0), ("softplus", None)])
+def test_gpu_forward_of_many_heads_matches_reference(gate, lower_bound):
+    """The forward alone (no residuals saved) at 8x2048x16x128, where the recurrence's programs
+    of 64 columns take two waves, with an initial state."""
+    inputs = bf16_inputs(7, 8, 2048, 16, 16, 128, gate=gate, initial_state=True)
+    o_ref, state_ref = run("reference", inputs)
+    o, state = run(mosaic_gpu.NAME, inputs, gate_lower_bound=lower_bound)
+    assert relative_error(o, o_ref) <= BF16_TOLERANCE["o"]
+    assert relative_error(state, state_ref) <= BF16_TOLERANCE["state"]
+
+
+@pytest.mark.gpu
 @every_kernel
 @pytest.mark.parametrize("gate,lower_bound", [("lower_bound", -5.0), ("softplus", None)])
 def test_gpu_kernel_packed_documents_and_grouped_heads(impl, gate, lower_bound):

@@ -160,7 +160,9 @@ def scanned_cumulative_sum(x_smem):
     The 64 rows are cut into SCAN_SEGMENTS segments whose chains of additions are independent, so
     that they can overlap: a first pass sums each segment, the segments' sums give each one its
     starting (sum, carried error) pair, and a second pass scans every segment from that pair. The
-    dependent chain is 2 x 16 additions instead of 63, for twice the loads.
+    dependent chain is 2 x 16 additions instead of 63, for twice the loads. On the H200 the
+    preparation kernel took 0.450 against 0.456 ms at 8x2048x16x128 with it (device time): the
+    chain mostly overlapped the other program's work already.
 
     Rolled loops, not unrolled steps: the preparation kernel's straight-line code was bound by
     fetching its instructions (an in-kernel trace on the H200: about 16 cycles an instruction).
