@@ -129,17 +129,22 @@ def test_interpreted_narrow_state_tiles_give_what_the_wide_ones_give(save_for_ba
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(want, np.float32))
 
 
-def test_narrow_state_tiles_lower_for_hopper():
-    """At K = V = 128 the 64-byte swizzles of W, q_from_state, k_to_state^T and Aqk pair with the
-    [K, 32] state's and V_new's in wgmma, with and without the saved residuals."""
-    batch, heads, num_chunks, dim = 1, 2, 4, 128
+def abstract_operands(batch, heads, num_chunks, dim):
+    """(`RecurrenceOperands`, initial state) as `jax.ShapeDtypeStruct`s, K = V = dim: what
+    lowering a recurrence kernel for Hopper needs."""
     shapes = dict(W=(CHUNK_SIZE, dim), U=(CHUNK_SIZE, dim), q_from_state=(CHUNK_SIZE, dim),
                   k_to_state_t=(dim, CHUNK_SIZE), Aqk=(CHUNK_SIZE, CHUNK_SIZE), chunk_decay=(dim,))
     operands = RecurrenceOperands(**{
         name: jax.ShapeDtypeStruct((batch, heads, num_chunks, *shape),
                                    jnp.float32 if name in ("U", "chunk_decay") else jnp.bfloat16)
         for name, shape in shapes.items()})
-    state = jax.ShapeDtypeStruct((batch, heads, dim, dim), jnp.float32)
+    return operands, jax.ShapeDtypeStruct((batch, heads, dim, dim), jnp.float32)
+
+
+def test_narrow_state_tiles_lower_for_hopper():
+    """At K = V = 128 the 64-byte swizzles of W, q_from_state, k_to_state^T and Aqk pair with the
+    [K, 32] state's and V_new's in wgmma, with and without the saved residuals."""
+    operands, state = abstract_operands(batch=1, heads=2, num_chunks=4, dim=128)
     for save_for_backward in (False, True):
         recurrence = jax.jit(lambda ops, s: run_recurrence(
             ops, s, jnp.bfloat16, save_for_backward=save_for_backward, token_major=True,

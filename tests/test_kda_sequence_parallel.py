@@ -37,8 +37,8 @@ from kda.kernels.sequence_parallel import (choose_num_segments, combine_segments
                                            split_into_segments)
 from kda_inputs import make_inputs, relative_error
 from test_kda_kernels import HOPPER, interpreted_on_simulated_hopper
-from test_kda_kernels_backward import (GRADIENT_TOLERANCE, jitted_vjp, kernel_recurrence,
-                                       plain_recurrence)
+from test_kda_kernels_backward import (GRADIENT_TOLERANCE, abstract_operands, jitted_vjp,
+                                       kernel_recurrence, plain_recurrence)
 from test_kda_ops import BF16_TOLERANCE, F32_TOLERANCE, run
 
 SLOW_GATE_FACTOR = 0.01
@@ -245,14 +245,7 @@ def test_segment_counts_outside_one_to_n_are_refused():
 
 def test_sequence_parallel_kernel_lowers_for_hopper():
     """Float32 outputs and V + K = 256 value columns pass Mosaic GPU's checks at K = V = 128."""
-    batch, heads, num_chunks, dim = 1, 2, 4, 128
-    shapes = dict(W=(CHUNK_SIZE, dim), U=(CHUNK_SIZE, dim), q_from_state=(CHUNK_SIZE, dim),
-                  k_to_state_t=(dim, CHUNK_SIZE), Aqk=(CHUNK_SIZE, CHUNK_SIZE), chunk_decay=(dim,))
-    operands = RecurrenceOperands(**{
-        name: jax.ShapeDtypeStruct((batch, heads, num_chunks, *shape),
-                                   jnp.float32 if name in ("U", "chunk_decay") else jnp.bfloat16)
-        for name, shape in shapes.items()})
-    state = jax.ShapeDtypeStruct((batch, heads, dim, dim), jnp.float32)
+    operands, state = abstract_operands(batch=1, heads=2, num_chunks=4, dim=128)
     recurrence = jax.jit(lambda ops, s: sequence_parallel_recurrence(ops, s, jnp.bfloat16,
                                                                      num_segments=2))
     with jax.sharding.use_abstract_mesh(HOPPER):
