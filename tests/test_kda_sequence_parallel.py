@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from kda.chunked import (CHUNK_SIZE, ChunkedInputs, chunk_recurrence, chunks_to_tokens,
                          prepare_chunks)
 from kda.common import einsum
-from kda.kernels.mosaic_gpu_common import RecurrenceOperands, recurrence_operands
+from kda.kernels.mosaic_gpu_common import recurrence_operands
 from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
 from kda.kernels import sequence_parallel
 from kda.kernels.sequence_parallel import (choose_num_segments, combine_segments,
@@ -340,16 +340,11 @@ def test_sequence_parallel_reversed_kernel_lowers_for_hopper(num_segments, d_o_t
     """V + K = 256 cotangent columns (P = 2), and the kernel's reads of a token-major d_o (P = 1),
     pass Mosaic GPU's checks at K = V = 128."""
     batch, heads, num_chunks, dim = 1, 2, 4, 128
-    shapes = dict(W=(CHUNK_SIZE, dim), q_from_state=(CHUNK_SIZE, dim),
-                  k_to_state_t=(dim, CHUNK_SIZE), Aqk=(CHUNK_SIZE, CHUNK_SIZE), chunk_decay=(dim,))
-    operands = RecurrenceOperands(U=None, **{
-        name: jax.ShapeDtypeStruct((batch, heads, num_chunks, *shape),
-                                   jnp.float32 if name == "chunk_decay" else jnp.bfloat16)
-        for name, shape in shapes.items()})
+    operands, d_final_state = abstract_operands(batch, heads, num_chunks, dim)
+    operands = operands._replace(U=None)
     d_o = jax.ShapeDtypeStruct(
         (batch, num_chunks * CHUNK_SIZE, heads, dim) if d_o_token_major
         else (batch, heads, num_chunks, CHUNK_SIZE, dim), jnp.bfloat16)
-    d_final_state = jax.ShapeDtypeStruct((batch, heads, dim, dim), jnp.float32)
     reversed_recurrence = jax.jit(lambda ops, d_o, d_s: sequence_parallel_reversed_recurrence(
         ops, d_o, d_s, num_segments=num_segments))
     with jax.sharding.use_abstract_mesh(HOPPER):

@@ -34,8 +34,9 @@ import jax.numpy as jnp
 from kda.api import KDACall, register_kernel
 from kda.chunked import CHUNK_SIZE, ChunkedInputs
 from kda.kernels.mosaic_gpu_cotangents import chunk_cotangents
-from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, SUPPORTED_DIMS, RecurrenceOperands,
-                                           RecurrenceResiduals, recurrence_operands)
+from kda.kernels.mosaic_gpu_common import (SUPPORTED_DIMS, RecurrenceOperands,
+                                           RecurrenceResiduals, cotangent_dtypes,
+                                           recurrence_operands)
 from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
 from kda.kernels.mosaic_gpu_prepare_backward import ROUNDED_COTANGENTS, prepare_chunks_vjp_kernel
 from kda.kernels.path import BoundedOptions, KernelPath, kernel_kda
@@ -66,7 +67,7 @@ def recurrence_vjp(operands: RecurrenceOperands, residuals: RecurrenceResiduals,
     """
     d_states, d_v_new, d_initial_state = sequence_parallel_reversed_recurrence(
         operands, d_o, d_final_state,
-        d_v_new_dtype=OPERAND_DTYPE if "U" in rounded else jnp.float32)
+        d_v_new_dtype=cotangent_dtypes(rounded)["U"])
     return (chunk_cotangents(residuals, d_o, d_states, d_v_new, rounded),
             d_initial_state)
 

@@ -66,8 +66,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.chunked import ChunkedInputs
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands, RecurrenceResiduals,
-                                           check_output_cotangent, kernel_body, load_state_tile,
-                                           lowered_once, swizzled, swizzled_smem)
+                                           check_output_cotangent, cotangent_dtypes, kernel_body,
+                                           load_state_tile, lowered_once, swizzled,
+                                           swizzled_smem)
 from kda.kernels.mosaic_gpu_tiles import COLUMN_VECTOR, per_column
 
 # The backward's own V tile, chosen as the forward's: dS^T [64, K] float32 is 64 registers a
@@ -231,13 +232,6 @@ def _products(subscripts, x, y, dtype):
     result in dtype (float32, or bf16: rounded once from the float32 sums)."""
     return jnp.einsum(subscripts, x.astype(OPERAND_DTYPE), y.astype(OPERAND_DTYPE),
                       preferred_element_type=dtype)
-
-
-def cotangent_dtypes(rounded) -> dict:
-    """The dtype of each `ChunkedInputs` cotangent: bf16 where `rounded` names it, else float32
-    (module docstring)."""
-    return {name: OPERAND_DTYPE if name in rounded else jnp.float32
-            for name in ChunkedInputs._fields}
 
 
 def recurrence_cotangents(residuals: RecurrenceResiduals, d_o, d_states, d_v_new,

@@ -43,6 +43,13 @@ def check_output_cotangent(d_o, chunk_major_shape):
                          f"token-major, [B, N C, HV, V]; got {d_o.shape}")
 
 
+def cotangent_dtypes(rounded) -> dict:
+    """The dtype of each `ChunkedInputs` cotangent: bf16 where `rounded` names it (the consumer
+    rounds it so anyway: the same gradients, half the bytes), else float32."""
+    return {name: OPERAND_DTYPE if name in rounded else jnp.float32
+            for name in ChunkedInputs._fields}
+
+
 def swizzled(shape, dtype, max_swizzle=128):
     """The (tiling, swizzle) transforms wgmma and TMA want for a [rows, cols] SMEM tile: the
     widest swizzle its rows allow, up to `max_swizzle` bytes (wgmma's two operands from SMEM must

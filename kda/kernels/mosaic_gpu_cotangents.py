@@ -45,8 +45,6 @@ reads the chunk's tile from its 64 token rows (a strided view), and no transpose
 XLA.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -54,14 +52,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.chunked import ChunkedInputs
-from kda.kernels.mosaic_gpu_backward import cotangent_dtypes
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, SUPPORTED_DIMS, RecurrenceResiduals,
-                                           check_output_cotangent, lowered_once, swizzled_smem)
-from kda.kernels.mosaic_gpu_tiles import CHUNK, COMPILER_PARAMS, WGMMA
+                                           check_output_cotangent, cotangent_dtypes,
+                                           lowered_once, swizzled_smem)
+from kda.kernels.mosaic_gpu_tiles import CHUNK, ROW_SUMS_COMPILER_PARAMS, WGMMA
 
-# The only sum is along rows (within a warp), so the 2 KiB of cross-warp scratch would be waste:
-# without it two programs fit an SM at K = V = 128.
-_COMPILER_PARAMS = dataclasses.replace(COMPILER_PARAMS, reduction_scratch_bytes=0)
 # dD is summed over 64-row blocks of S and dS: two float32 [64, V] tiles live at once.
 _ROWS = 64
 
@@ -173,7 +168,8 @@ def _run_kernel(states, d_states, v_new, d_o, d_v_new, w_dtype, q_dtype, kt_dtyp
                   jax.ShapeDtypeStruct((batch, heads, num_chunks, key_dim), jnp.float32)),
         grid=(batch, heads, num_chunks),
         grid_names=("batch", "heads", "chunks"),
-        compiler_params=_COMPILER_PARAMS,
+        # Without the cross-warp scratch two programs fit an SM at K = V = 128.
+        compiler_params=ROW_SUMS_COMPILER_PARAMS,
     )
     return run(states, d_states, v_new, d_o, d_v_new)
 

@@ -31,7 +31,7 @@ Numerics: as `prepare_qk_vjp`, in float32 with one rounding of dx: dy scaled fir
 by 1.0 is exact, for k), both sums of float32 products, the same expression for dx. The sums run
 in another order than XLA's, so dx can differ from `prepare_qk_vjp`'s by a bf16 ulp where the
 float32 value lies near a rounding boundary (and more only where the two terms cancel beyond the
-float32 sums' rounding); rsqrt is approximate on the GPU (`COMPILER_PARAMS`, a few float32 ulp).
+float32 sums' rounding); rsqrt is approximate on the GPU (`ROW_SUMS_COMPILER_PARAMS`, a few float32 ulp).
 
 Shared memory per program: x's buffer (bf16 [64, K], then dx) and dy's (float32 [64, K]) and two
 barriers, 49168 bytes at K = 128 and 24592 at 64 as Mosaic GPU allocates them (no reduction
@@ -40,7 +40,6 @@ a program) and one's loads overlap another's math and stores. Registers may allo
 in float32 are 128 registers a thread at K = 128, four programs' budget (not measured).
 """
 
-import dataclasses
 import math
 
 import jax
@@ -52,10 +51,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kda.common import L2_NORM_EPS
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, SUPPORTED_DIMS, kernel_body,
                                            lowered_once, swizzled_smem)
-from kda.kernels.mosaic_gpu_tiles import COMPILER_PARAMS, WGMMA, per_row
+from kda.kernels.mosaic_gpu_tiles import ROW_SUMS_COMPILER_PARAMS, WGMMA, per_row
 
-# The only sums are along rows (within a warp): the 2 KiB of cross-warp scratch would be waste.
-_COMPILER_PARAMS = dataclasses.replace(COMPILER_PARAMS, reduction_scratch_bytes=0)
 BLOCK = 64  # rows a program: float32 [64, 128] is 64 registers a thread
 ROW_TILE = 8  # the swizzled tiles' rows: TMA needs an array's rows in whole tiles
 
@@ -124,7 +121,7 @@ def l2_norm_vjp_kernel(x, d_y, *, scale):
         out_type=jax.ShapeDtypeStruct(rows_x.shape, x.dtype),
         grid=(batch, -(-num_rows // BLOCK)),
         grid_names=("batch", "blocks"),
-        compiler_params=_COMPILER_PARAMS,
+        compiler_params=ROW_SUMS_COMPILER_PARAMS,
     )
     d_x = run(rows_x, d_y.reshape(batch, -1, key_dim))
     return d_x.reshape(batch, -1, num_heads, key_dim)[:, :length]

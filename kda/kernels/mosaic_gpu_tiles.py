@@ -22,6 +22,7 @@ operands bf16 in SMEM. Shapes use C = 64 (the chunk) and n (key columns: K in th
 * Plain JAX around the kernels: `documents_in_chunk`, `pad_to_chunks`.
 """
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -45,6 +46,9 @@ COLUMN_VECTOR = WGMMA.reduce(0)  # a [columns] vector of a WGMMA-layout matrix
 # exp and rsqrt on the MUFU unit (a few float32 ulp), fine ahead of bf16 operands.
 COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True,
                                        lowering_semantics=plgpu.LoweringSemantics.Lane)
+# For kernels whose only sums are along rows (within a warp): the 2 KiB of cross-warp reduction
+# scratch would be waste.
+ROW_SUMS_COMPILER_PARAMS = dataclasses.replace(COMPILER_PARAMS, reduction_scratch_bytes=0)
 
 
 def per_row(vector, shape):
