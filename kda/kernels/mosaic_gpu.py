@@ -121,7 +121,8 @@ def _bounded_forward(q, k, v, g, beta, initial_state, segment_ids, options, save
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _bounded_kda(q, k, v, g, beta, initial_state, segment_ids, options: BoundedOptions):
-    """Both kernels, preparation then recurrence: (o [B, T, HV, V], final_state [B, HV, K, V])."""
+    """Both kernels, preparation then recurrence: (o [B, T, HV, V], final_state [B, HV, K, V]).
+    initial_state: float32 [B, HV, K, V], or None for zeros (the recurrence kernel reads none)."""
     outputs, _ = _bounded_forward(q, k, v, g, beta, initial_state, segment_ids, options,
                                   save_for_backward=False)
     return outputs
@@ -133,13 +134,14 @@ def _bounded_kda_fwd(q, k, v, g, beta, initial_state, segment_ids, options):
     # Its residuals cost both, and are written only here.
     outputs, (operands, preparation_residuals, recurrence_residuals) = _bounded_forward(
         q, k, v, g, beta, initial_state, segment_ids, options, save_for_backward=True)
-    return outputs, ((q, k, v, g, beta), segment_ids, operands._replace(U=None),
-                     preparation_residuals, recurrence_residuals)
+    return outputs, ((q, k, v, g, beta), segment_ids, initial_state is not None,
+                     operands._replace(U=None), preparation_residuals, recurrence_residuals)
 
 
 def _bounded_kda_bwd(options, saved, cotangents):
     """The recurrence's VJP by kernels, then the preparation's VJP by kernels."""
-    inputs, segment_ids, operands, preparation_residuals, recurrence_residuals = saved
+    (inputs, segment_ids, has_initial_state, operands, preparation_residuals,
+     recurrence_residuals) = saved
     d_o, d_final_state = cotangents
     # The kernels read d_o token-major, as the forward wrote o; the padding the forward cut off
     # gets zeros (a pass only where T is not a multiple of 64).
@@ -151,7 +153,7 @@ def _bounded_kda_bwd(options, saved, cotangents):
     d_inputs = prepare_chunks_vjp_kernel(*inputs, segment_ids=segment_ids,
                                          residuals=preparation_residuals, cotangents=d_chunks,
                                          **options._asdict())
-    return (*d_inputs, d_initial_state, None)
+    return (*d_inputs, d_initial_state if has_initial_state else None, None)
 
 
 _bounded_kda.defvjp(_bounded_kda_fwd, _bounded_kda_bwd)

@@ -24,7 +24,10 @@ against 0.891 at 16x4096x32x128).
 Numerics: matmul operands are bfloat16 (W, q_from_state, k_to_state and Aqk are rounded once
 when they are handed to the kernel; S and V_new each time they are written to shared memory for
 the next wgmma), accumulation and the carried state are float32, U and chunk_decay are read in
-float32. Inputs of the next chunk stream in by TMA while the current chunk computes
+float32 (tried: U in bf16, 16 of the 88.5 KiB the kernel reads a chunk at K = V = 128; the
+whole forward's device time on the H200 moved by under 1%, so the bytes are not what bounds it).
+Without an initial state the state starts as zeros in registers: nothing is read for it, and no
+zeros are written. Inputs of the next chunk stream in by TMA while the current chunk computes
 (`plgpu.emit_pipeline`, two stages); outputs leave through a double buffer in shared memory.
 
 For training the kernel also writes what the backward (`kda.kernels.mosaic_gpu_backward`) reads
@@ -72,17 +75,20 @@ def _chunk_block(shape, dtype, max_swizzle):
                            transforms=transforms)
 
 
-def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, s0_gmem,
-                       o_gmem, s_final_gmem, *saved_gmem, block_v):
+def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, *gmems, block_v,
+                       has_initial_state):
     """The body of one (batch row, value head, V tile) program; see the module docstring.
 
     GMEM operands: w, q [B, HV, N, C, K], kt [B, HV, N, K, C] and a [B, HV, N, C, C] in bfloat16;
-    u [B, HV, N, C, V], decay [B, HV, N, K] and s0 [B, HV, K, V] in float32.
+    u [B, HV, N, C, V], decay [B, HV, N, K] and, with `has_initial_state`, s0 [B, HV, K, V] in
+    float32.
     Outputs: o [B, HV, N, C, V] (or token-major, [B, N C, HV, V]: `run_recurrence`'s
     `token_major`) and s_final [B, HV, K, V] (float32), and when the backward needs
     them (`saved_gmem`, `RecurrenceResiduals`) the entering states [B, HV, N, K, V] and V_new
     [B, HV, N, C, V], both as the bf16 wgmma operands the forward used.
     """
+    s0_gmem = gmems[0] if has_initial_state else None
+    o_gmem, s_final_gmem, *saved_gmem = gmems[has_initial_state:]
     num_chunks, chunk, key_dim = w_gmem.shape[2:]
     batch, head, v_tile = (lax.axis_index(axis) for axis in ("batch", "heads", "v_tiles"))
     columns = pl.ds(v_tile * block_v, block_v)
@@ -102,7 +108,11 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, s0_g
     # most m copies are pending frees the buffer of every copy issued before the last m.
     copies_per_step = 3 if saves else 1
 
-    initial_state = load_state_tile(s0_gmem.at[batch, head, :, columns], state_shape)
+    if has_initial_state:
+        initial_state = load_state_tile(s0_gmem.at[batch, head, :, columns], state_shape)
+    else:
+        initial_state = plgpu.layout_cast(jnp.zeros(state_shape, jnp.float32),
+                                          plgpu.Layout.WGMMA)
 
     def save(smem, gmem, n):
         """Writes a bf16 operand of chunk n out for the backward."""
@@ -184,6 +194,8 @@ def run_recurrence(operands: RecurrenceOperands, initial_state, out_dtype, *,
                    save_for_backward=False, token_major=False, block_v=BLOCK_V):
     """Runs the kernel: (o [B, HV, N, C, V] in out_dtype, final_state float32 [B, HV, K, V]).
 
+    `initial_state` is [B, HV, K, V], or None for zeros (then nothing is read for it).
+
     With `save_for_backward`, also returns the `RecurrenceResiduals` the backward reads (the
     entering states and V_new, which the kernel then writes as it goes) as a third result. With
     `token_major`, o is [B, N C, HV, V], the layout of the model's v: the kernel stores each
@@ -204,14 +216,16 @@ def run_recurrence(operands: RecurrenceOperands, initial_state, out_dtype, *,
             states=jax.ShapeDtypeStruct(chunked(key_dim, value_dim), OPERAND_DTYPE),
             v_new=jax.ShapeDtypeStruct(chunked(chunk, value_dim), OPERAND_DTYPE))
     run = plgpu.kernel(
-        kernel_body(_recurrence_kernel, block_v=block_v),
+        kernel_body(_recurrence_kernel, block_v=block_v,
+                    has_initial_state=initial_state is not None),
         out_type=out_type,
         grid=(batch, heads, value_dim // block_v),
         grid_names=("batch", "heads", "v_tiles"),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    o, final_state, *saved = run(*operands, initial_state.astype(jnp.float32))
+    initial_states = () if initial_state is None else (initial_state.astype(jnp.float32),)
+    o, final_state, *saved = run(*operands, *initial_states)
     if save_for_backward:
         return o, final_state, RecurrenceResiduals(*saved)
     return o, final_state

@@ -23,8 +23,9 @@ class KernelPath(NamedTuple):
     supported_dims: the head sizes K and V the kernels take.
     recurrence: `(ChunkedInputs, initial_state, out_dtype) -> (o, final_state)`, differentiable,
       used with the plain-JAX preparation when the gates are unbounded.
-    bounded_kda: `(q, k, v, g, beta, initial_state float32, segment_ids, BoundedOptions) ->
-      (o, final_state)`, the whole op with bounded gates.
+    bounded_kda: `(q, k, v, g, beta, initial_state, segment_ids, BoundedOptions) ->
+      (o, final_state)`, the whole op with bounded gates; initial_state is float32, or None for
+      zeros (which a kernel then need not read).
     bounded_needs_equal_dims: the bounded path only for K = V (else the recurrence path).
     """
 
@@ -50,10 +51,9 @@ def kernel_kda(path: KernelPath, q, k, v, g, beta, *, scale, initial_state, outp
             output_final_state=output_final_state, segment_ids=segment_ids,
             use_qk_l2norm=use_qk_l2norm, gate_lower_bound=gate_lower_bound,
             chunk_size=CHUNK_SIZE)
-    batch, _, num_value_heads, _ = v.shape
-    if initial_state is None:
-        initial_state = jnp.zeros((batch, num_value_heads, key_dim, value_dim), jnp.float32)
+    if initial_state is not None:
+        initial_state = initial_state.astype(jnp.float32)
     o, final_state = path.bounded_kda(
-        q, k, v, g, beta, initial_state.astype(jnp.float32), segment_ids,
+        q, k, v, g, beta, initial_state, segment_ids,
         BoundedOptions(float(scale), bool(use_qk_l2norm), float(gate_lower_bound)))
     return o, (final_state if output_final_state else None)

@@ -210,12 +210,12 @@ def recurrence_in_segments(recurrence: Callable, operands, initial_state, out_dt
       num_segments: P >= 1.
       precision: of the corrections `R_n S_p` (the combine is always at full precision).
     Returns:
-      (o [B, HV, N, C, V] in out_dtype, final_state [B, HV, K, V] in U's dtype, *residuals
+      (o [B, HV, N, C, V] in out_dtype, final_state float32 [B, HV, K, V], *residuals
       [B, HV, N, rows, V]).
     """
     batch, heads, num_chunks, _, key_dim = operands.W.shape
     value_dim = operands.U.shape[-1]
-    dtype = operands.U.dtype
+    dtype = jnp.float32  # the segments' outputs and ends: R_n still multiplies a state
     o, ends, *residuals = recurrence(
         split_into_segments(operands, num_segments),
         segment_starts(batch, heads * num_segments, key_dim, value_dim, dtype), dtype,
@@ -319,7 +319,7 @@ def sequence_parallel_recurrence(operands: RecurrenceOperands, initial_state, ou
 
     Args:
       operands: `RecurrenceOperands` [B, HV, N, 64, ...], K and V in {64, 128}.
-      initial_state: [B, HV, K, V].
+      initial_state: [B, HV, K, V], or None for zeros.
       out_dtype: dtype of the chunk outputs.
       num_segments: P in [1, N]; None chooses it from the grid and the SM count
         (`choose_num_segments`). P = 1 is the plain kernel.
@@ -339,6 +339,9 @@ def sequence_parallel_recurrence(operands: RecurrenceOperands, initial_state, ou
         return run_recurrence(operands, initial_state, out_dtype,
                               save_for_backward=save_for_backward, token_major=token_major,
                               block_v=block_v)
+    if initial_state is None:  # the combine starts from it
+        batch, heads, _, _, key_dim = operands.W.shape
+        initial_state = jnp.zeros((batch, heads, key_dim, operands.U.shape[-1]), jnp.float32)
     # The kernel already rounds the state to bf16 where it multiplies it; TF32 here is finer.
     o, *rest = recurrence_in_segments(
         run_recurrence, operands, initial_state, out_dtype, num_segments=num_segments,

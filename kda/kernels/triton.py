@@ -134,9 +134,12 @@ def preparation_launches(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm,
 
 def recurrence_launch(operands: RecurrenceOperands, initial_state, out_dtype) -> KernelLaunch:
     """The recurrence kernel's call: outputs (o [B, HV, N, C, V] in out_dtype, final_state
-    float32 [B, HV, K, V]) from `RecurrenceOperands` [B, HV, N, ...] and initial_state."""
+    float32 [B, HV, K, V]) from `RecurrenceOperands` [B, HV, N, ...] and initial_state (None:
+    zeros)."""
     batch, heads, num_chunks, chunk, key_dim = operands.W.shape
     value_dim = operands.U.shape[-1]
+    if initial_state is None:  # this kernel always reads one
+        initial_state = jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32)
     return KernelLaunch(
         kernel="recurrence_kernel",
         inputs=(*operands, initial_state.astype(jnp.float32)),
