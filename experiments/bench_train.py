@@ -407,14 +407,15 @@ def opaque_stand_in(fwd_rule: Callable) -> Callable:
         return out, jax.tree.unflatten(residual_tree, residuals)
 
     def backward(avals, residuals, cotangent):
-        floating = [jnp.issubdtype(dtype, jnp.floating) for _, dtype in avals]
-        grads = iter(_opaque([jax.ShapeDtypeStruct(shape, dtype)
-                              for (shape, dtype), f in zip(avals, floating) if f],
+        floating = [aval is not None and jnp.issubdtype(aval[1], jnp.floating) for aval in avals]
+        grads = iter(_opaque([jax.ShapeDtypeStruct(*aval) for aval, f in zip(avals, floating) if f],
                              residuals, cotangent))
         return tuple(next(grads) if f else None for f in floating)
 
     stand_in.defvjp(forward, backward)
-    return lambda *operands: stand_in(tuple((x.shape, x.dtype) for x in operands), *operands)
+    # An absent operand (None: no initial state, no segment ids) has no aval and no cotangent.
+    return lambda *operands: stand_in(
+        tuple(None if x is None else (x.shape, x.dtype) for x in operands), *operands)
 
 
 def _cudnn_attention_fwd(q, k, v, bias):
