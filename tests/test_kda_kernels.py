@@ -359,11 +359,13 @@ def test_gpu_kernel_matches_reference(impl, gate, lower_bound):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("initial_state", [True, False])
 @pytest.mark.parametrize("gate,lower_bound", [("lower_bound", -5.0), ("softplus", None)])
-def test_gpu_forward_of_many_heads_matches_reference(gate, lower_bound):
+def test_gpu_forward_of_many_heads_matches_reference(gate, lower_bound, initial_state):
     """The forward alone (no residuals saved) at 8x2048x16x128, where the recurrence's programs
-    of 64 columns take two waves, with an initial state."""
-    inputs = bf16_inputs(7, 8, 2048, 16, 16, 128, gate=gate, initial_state=True)
+    of 64 columns take two waves; without an initial state the recurrence starts from zeros in
+    registers (none is written or read)."""
+    inputs = bf16_inputs(7, 8, 2048, 16, 16, 128, gate=gate, initial_state=initial_state)
     o_ref, state_ref = run("reference", inputs)
     o, state = run(mosaic_gpu.NAME, inputs, gate_lower_bound=lower_bound)
     assert relative_error(o, o_ref) <= BF16_TOLERANCE["o"]
@@ -380,6 +382,20 @@ def test_gpu_kernel_packed_documents_and_grouped_heads(impl, gate, lower_bound):
     actual = _loss_and_grads(impl, inputs, lower_bound)
     for name, tolerance in BF16_TOLERANCE.items():
         assert relative_error(actual[name], expected[name]) <= tolerance, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate,lower_bound", [("lower_bound", -5.0), ("softplus", None)])
+def test_gpu_gradients_without_an_initial_state(gate, lower_bound):
+    """No initial state: the recurrence starts from zeros in registers and the state gets no
+    cotangent (packed documents and grouped heads, as the model calls it)."""
+    case = (12, 2, 2048, 8, 16, 128)
+    inputs = bf16_inputs(*case, gate=gate, segments=True)
+    expected = _loss_and_grads("reference", inputs, None)
+    actual = _loss_and_grads(mosaic_gpu.NAME, inputs, lower_bound)
+    assert set(actual) == set(expected) and "initial_state" not in actual
+    for name in expected:
+        assert relative_error(actual[name], expected[name]) <= BF16_TOLERANCE[name], name
 
 
 @pytest.mark.gpu
