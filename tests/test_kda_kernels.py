@@ -36,7 +36,7 @@ from kda.kernels.mosaic_gpu_common import recurrence_operands
 from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
 from kda.kernels.mosaic_gpu_tiles import COMPILER_PARAMS, scanned_cumulative_sum
 from kda_inputs import make_inputs, relative_error
-from test_kda_ops import BF16_TOLERANCE, _loss_and_grads, run
+from test_kda_ops import BF16_TOLERANCE, _loss_and_grads, assert_within_bf16_tolerances, run
 
 HOPPER = AbstractMesh((), (), abstract_device=AbstractDevice(
     device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
@@ -149,9 +149,7 @@ def test_interpreted_kernel_gradients_match_reference(kernel_on_any_backend, ini
     expected = _loss_and_grads("reference", inputs, None)
     with interpreted_on_simulated_hopper():
         actual = _loss_and_grads(mosaic_gpu.NAME, inputs, -5.0)
-    assert actual.keys() == expected.keys()
-    for name in expected:
-        assert relative_error(actual[name], expected[name]) <= BF16_TOLERANCE[name], name
+    assert_within_bf16_tolerances(actual, expected)
 
 
 def preparation_options(inputs, dim, lower_bound=-5.0):
@@ -354,8 +352,7 @@ def test_gpu_kernel_matches_reference(impl, gate, lower_bound):
     inputs = bf16_inputs(*case, gate=gate, initial_state=True)
     expected = reference_loss_and_grads(*case, gate=gate, initial_state=True)
     actual = _loss_and_grads(impl, inputs, lower_bound)
-    for name, tolerance in BF16_TOLERANCE.items():
-        assert relative_error(actual[name], expected[name]) <= tolerance, name
+    assert_within_bf16_tolerances(actual, expected)
 
 
 @pytest.mark.gpu
@@ -380,8 +377,7 @@ def test_gpu_kernel_packed_documents_and_grouped_heads(impl, gate, lower_bound):
     inputs = bf16_inputs(*case, gate=gate, initial_state=True, segments=True)
     expected = reference_loss_and_grads(*case, gate=gate, initial_state=True, segments=True)
     actual = _loss_and_grads(impl, inputs, lower_bound)
-    for name, tolerance in BF16_TOLERANCE.items():
-        assert relative_error(actual[name], expected[name]) <= tolerance, name
+    assert_within_bf16_tolerances(actual, expected)
 
 
 @pytest.mark.gpu
@@ -393,9 +389,8 @@ def test_gpu_gradients_without_an_initial_state(gate, lower_bound):
     inputs = bf16_inputs(*case, gate=gate, segments=True)
     expected = _loss_and_grads("reference", inputs, None)
     actual = _loss_and_grads(mosaic_gpu.NAME, inputs, lower_bound)
-    assert set(actual) == set(expected) and "initial_state" not in actual
-    for name in expected:
-        assert relative_error(actual[name], expected[name]) <= BF16_TOLERANCE[name], name
+    assert "initial_state" not in actual
+    assert_within_bf16_tolerances(actual, expected)
 
 
 @pytest.mark.gpu

@@ -25,7 +25,7 @@ from kda.kernels.sequence_parallel import sequence_parallel_reversed_recurrence
 from kda_inputs import relative_error
 from test_kda_kernels import (  # noqa: F401 (kernel_on_any_backend: a fixture, used by name)
     HOPPER, bf16_inputs, interpreted_on_simulated_hopper, kernel_on_any_backend)
-from test_kda_ops import BF16_TOLERANCE, _loss_and_grads
+from test_kda_ops import BF16_TOLERANCE, _loss_and_grads, assert_within_bf16_tolerances
 
 # fla's bar for first-order gradients in bf16 (dq, dk, dv, dh0), for every recurrence cotangent.
 GRADIENT_TOLERANCE = BF16_TOLERANCE["q"]
@@ -271,8 +271,7 @@ def test_interpreted_gradients_match_reference(kernel_on_any_backend, gate, lowe
     expected = _loss_and_grads("reference", inputs, None)
     with interpreted_on_simulated_hopper():
         actual = _loss_and_grads(mosaic_gpu.NAME, inputs, lower_bound)
-    for name, tolerance in BF16_TOLERANCE.items():
-        assert relative_error(actual[name], expected[name]) <= tolerance, name
+    assert_within_bf16_tolerances(actual, expected)
 
 
 def _gradient_lowered_for_hopper(gate_lower_bound, layers=1) -> str:
@@ -365,8 +364,7 @@ def test_gpu_gradients_long_sequence(dim):
     inputs = bf16_inputs(7, 1, 65536, 2, 2, dim, initial_state=True, segments=True)
     expected = _loss_and_grads("chunked", inputs, None)
     actual = _loss_and_grads(mosaic_gpu.NAME, inputs, -5.0)
-    for name, tolerance in BF16_TOLERANCE.items():
-        assert relative_error(actual[name], expected[name]) <= tolerance, name
+    assert_within_bf16_tolerances(actual, expected)
 
 
 @pytest.mark.gpu
