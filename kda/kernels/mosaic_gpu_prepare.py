@@ -26,25 +26,26 @@ beta (and, for packed documents, their index) by TMA and, in one warpgroup, comp
    `(I + N)^-1` by recursive doubling on the diagonal blocks (`unit_lower_inverse`): every
    intermediate is a block of the true inverse, so nothing grows the way powers of N would (a
    Neumann-series product is not stable here).
-5. `W = (I + N)^-1 (beta k exp(G))` and `U = (I + N)^-1 (beta v)` (`matmul_of_splits`), and the
-   state factors.
+5. `W = T (k exp(G))` and `U = T v` with `T = (I + N)^-1 diag(beta)` (`matmul_of_splits`): beta
+   joins the left factor, which both products share, so that v is U's right-hand side as TMA
+   loaded it, exact in bf16 (the hi/lo parts of `beta v` took one more product and a split).
 
 When a backward will run (`save_for_backward`, a static flag: a forward alone writes none of it),
 the kernel also writes what its backward's kernels would otherwise recompute
 (`PreparationResiduals`; the UT/WY kernel reads all three, the score-tile kernel G): G (float32
 [C, K], stored from g's buffer once step 2 is done), Akk (bf16 [C, C], masked, without beta: one
-more buffer, written beside N) and `(I + N)^-1` as the bf16 hi/lo pair step 5 multiplies with
-(stored from its operand buffers), 4 C K + 6 C^2 bytes a chunk: 56 KiB at K = 128 (its other
-outputs are 88.5 KiB) and 40 KiB at 64.
+more buffer, written beside N) and `(I + N)^-1` as a bf16 hi/lo pair (without beta, from the
+buffers of N and the inverse's scratch; step 5's factor T then takes two others), 4 C K + 6 C^2
+bytes a chunk: 56 KiB at K = 128 (its other outputs are 88.5 KiB) and 40 KiB at 64.
 
 Numerics: matmul operands are bfloat16, accumulators and everything elementwise float32 (exp and
 rsqrt approximate, to a few float32 ulp); U and chunk_decay are written in float32, the other
-outputs in bf16 (what the recurrence kernel reads). W and U come from hi/lo bf16 splits of both
-factors; the scores and the inverse use plain bf16 operands. Against the oracle, both kernels
-give o within 3.2e-3 and the final state within 2.0e-3 relative error (interpret mode, K = 64
-and 128), against fla's bars of 5e-3. (Tried: U in bf16, as fla and jla keep it. With it the
-forward took 0.2-0.8% less device time on the H200, with the smaller changes that were kept, and
-o's error rose to 3.3e-3: U stays float32.)
+outputs in bf16 (what the recurrence kernel reads). W comes from hi/lo bf16 splits of both factors,
+U from those of T and v itself; the scores and the inverse use plain bf16 operands. Against the
+oracle, both kernels give o within 3.2e-3 and the final state within 2.0e-3 relative error
+(interpret mode, K = 64 and 128), against fla's bars of 5e-3. (Tried: U in bf16, as fla and jla keep
+it. With it the forward took 0.2-0.8% less device time on the H200, with the smaller changes that
+were kept, and o's error rose to 3.3e-3: U stays float32.)
 
 Shared memory: 101 KiB a program at K = V = 128 (was 205; 109 with `save_for_backward`) and 69 KiB
 at 64 (was 125; 77), as Mosaic GPU allocates it (with its 2 KiB reduction scratch and 1 KiB
@@ -53,13 +54,14 @@ alignment), so two programs share an SM at K = 128 (an SM has 228 KiB and reserv
 thread, three at 64 without `save_for_backward` (with it, 77 KiB exceeds their 75): one program's
 TMA traffic and waits overlap another's math. Buffers whose lifetimes do not overlap share memory
 (`plgpu.RefUnion`, whose groups are used one after another): q's tile holds q_from_state, a column
-factor, k again, (beta v)_lo and W; k's holds k_to_state^T, the other column factor, v and (beta
-v)_hi; g's float32 tile holds two bf16 parts of g (K = 64), then G, then the parts of beta k exp(G),
-then U; a fourth region holds g's third part and the triangle (K = 64), then the scaled score rows,
-then Aqk, N, the inverse's buffers and Akk (when saved). So k is read from GMEM twice (its second
-TMA load and v's run during the inverse), an output's buffer is reused only after its TMA store has
-read it, and a buffer read into registers in one layout is overwritten in another only after a
-warpgroup barrier (`commit_smem`).
+factor, k again and W; k's holds k_to_state^T, the other column factor and v; g's float32 tile holds
+two bf16 parts of g (K = 64), then G, then the parts of k exp(G), then U; a fourth region holds g's
+third part and the triangle (K = 64), then the scaled score rows, then Aqk, N, the inverse's
+buffers, Akk (when saved) and T's parts. So k is read from GMEM twice (its second TMA load and v's
+run during the inverse: keeping W's right-hand side from step 3 instead, in G's buffer, was 1%
+slower on the H200, with more registers live through the scores), an output's buffer is reused only
+after its TMA store has read it, and a buffer read into registers in one layout is overwritten in
+another only after a warpgroup barrier (`commit_smem`).
 
 Its backward is `kda.kernels.mosaic_gpu_prepare_backward`; `kda.kernels.mosaic_gpu` composes the
 two under a `jax.custom_vjp`.
@@ -126,11 +128,11 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, *gmems, scale, us
         def loaded(smem):
             return plgpu.load(smem, layout=WGMMA).astype(jnp.float32)
 
-        def inverse_norms(x):
-            """[C, K] -> each row's 1 / |x_r| (broadcast over its columns), or 1."""
+        def inverse_norms(x, times=1.0):
+            """[C, K] -> each row's `times / |x_r|` (broadcast over its columns), or `times`."""
             if not use_qk_l2norm:
-                return 1.0
-            return per_row(lax.rsqrt(jnp.sum(x * x, axis=1) + L2_NORM_EPS), x.shape)
+                return times
+            return per_row(lax.rsqrt(jnp.sum(x * x, axis=1) + L2_NORM_EPS) * times, x.shape)
 
         # 1-2. G in g's place (for row reads): a scan at K = 128, else tril(1) @ (hi + mid + lo).
         scanned = key_dim == WARPGROUP_THREADS
@@ -159,7 +161,7 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, *gmems, scale, us
         # 3a. Row factors exp(G_r - b_tile(r)), and the outputs that need q and k once.
         row_factor = jnp.exp(G - row_anchors(g_smem, keys_shape, lower_bound))
         q = loaded(q_smem)
-        q = q * inverse_norms(q) * scale
+        q = q * inverse_norms(q, scale)  # the scale joins the norms: one product, not two
         q_rows[...] = (q * row_factor).astype(OPERAND_DTYPE)
         q_smem[...] = (q * jnp.exp(G) * masks.reads_state).astype(OPERAND_DTYPE)  # q_from_state
         k = loaded(k_smem)
@@ -204,27 +206,31 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, *gmems, scale, us
         inverse = unit_lower_inverse(unit_lower, (unit_lower, product, inverse_smem))  # N's
         # buffer serves as the link: the inverse reads N into registers before writing a link.
 
-        # 5. W = (I + N)^-1 (beta k exp(G) reads), U = (I + N)^-1 (beta v), each from the bf16
-        # hi and lo parts of both factors: U is read in float32, and W is rounded only once.
-        inverse_parts = (inverse_smem, unit_lower)
-        store_split(inverse_parts, inverse)
-        beta = per_row(plgpu.load(beta_smem, layout=ROW_VECTOR), keys_shape)
+        # 5. W = T (k exp(G) reads) and U = T v with T = (I + N)^-1 diag(beta): beta moves into
+        # the left factor, whose bf16 hi/lo parts both products share, so that v (exact in bf16)
+        # is U's right-hand side as TMA loaded it. k exp(G) takes hi and lo parts too: U is read
+        # in float32, and W is rounded only once.
+        beta_of_column = plgpu.load(beta_smem, layout=COLUMN_VECTOR)
+        if residuals:  # the backward reads (I + N)^-1 itself, in N's buffer and the scratch
+            store_split((inverse_smem, unit_lower), inverse)
+            plgpu.commit_smem()
+            for index, part in enumerate((inverse_smem, unit_lower)):
+                plgpu.copy_smem_to_gmem(part, residuals.inverse.at[(*out, index)])
+            plgpu.wait_smem_to_gmem(3, wait_read_only=True)  # Aqk's buffer has been read
+            factor_parts = (product, aqk)
+        else:
+            factor_parts = (inverse_smem, unit_lower)
+        store_split(factor_parts, inverse * per_column(beta_of_column, scores_shape))
         for index in range(len(inputs), len(inputs) + len(reloads)):
             plgpu.barrier_wait(barriers.at[index])
         # k (loaded again) and G are read again rather than kept in registers through the solve.
-        k_rhs = loaded(q_smem) * k_norms * jnp.exp(load_plain(g_smem)) * beta * masks.reads_state
-        v_rhs = loaded(v_smem) * beta
+        k_rhs = loaded(q_smem) * k_norms * jnp.exp(load_plain(g_smem)) * masks.reads_state
         plgpu.commit_smem()  # every thread has read G before the parts overwrite it
-        if residuals:  # the parts are only read from here on
-            for index, part in enumerate(inverse_parts):
-                plgpu.copy_smem_to_gmem(part, residuals.inverse.at[(*out, index)])
-        k_rhs_parts, v_rhs_parts = g_parts, (v_smem, q_smem)
-        store_split(k_rhs_parts, k_rhs)
-        store_split(v_rhs_parts, v_rhs)
+        store_split(g_parts, k_rhs)
         plgpu.commit_smem()
-        w = matmul_of_splits(inverse_parts, k_rhs_parts, keys_shape).astype(OPERAND_DTYPE)
-        u = matmul_of_splits(inverse_parts, v_rhs_parts, (CHUNK, value_dim))
-        q_smem[...] = w  # over (beta v)_lo, and U over the parts: both products are done
+        w = matmul_of_splits(factor_parts, g_parts, keys_shape).astype(OPERAND_DTYPE)
+        u = matmul_of_splits(factor_parts, (v_smem,), (CHUNK, value_dim))
+        q_smem[...] = w  # over k's reload, and U over the parts: both products are done
         g_smem[...] = u
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, w_gmem.at[out])

@@ -283,9 +283,12 @@ def exponent_from_tile(G, G_smem, tile, lower_bound):
 def transposed_scores(k, G, G_smem, scaled_rows, column_buffers, lower_bound):
     """Score matrices `A[r, s] = sum_c x_r[c] k_s[c] exp(G_r[c] - G_s[c])`, transposed, by tiles.
 
-    Column tile i of `A^T` (the rows r of row tile i) is `k exp(b_i - G)` on rows s < 16 (i + 1)
-    times `(x exp(G - b_i))[tile i]^T`: wgmma's M = 64 runs over s and N = 16 over the tile, so no
-    product is wasted.
+    Column tile i of `A^T` (the rows r of row tile i) is `k exp(b_i - G)` times
+    `(x exp(G - b_i))[tile i]^T`: wgmma's M = 64 runs over s and N = 16 over the tile, so no
+    product is wasted. The column factor is not masked to the keys s < 16 (i + 1) that the tile
+    sees: beyond them `exp(b_i - G_s)` may overflow, but only into entries s > r, which the
+    caller's causal mask selects away (a select, not a product, so inf and NaN do not leak). The
+    mask would cost a compare and a select per element and tile.
 
     Args:
       k: float32 [C, n], the (normalised) keys.
@@ -294,8 +297,8 @@ def transposed_scores(k, G, G_smem, scaled_rows, column_buffers, lower_bound):
       column_buffers: two bf16 [C, n] SMEM operands (overwritten), alternated between tiles.
       lower_bound: L.
     Returns:
-      One float32 [C, C] `A^T[s, r]` per scaled_rows, zero where s >= 16 (r // 16 + 1); the
-      entries s > r inside the diagonal tiles are not masked (the caller masks).
+      One float32 [C, C] `A^T[s, r]` per scaled_rows; the entries s > r are not meaningful (inf
+      or NaN beyond the diagonal tiles): the caller must mask them with a select.
     """
 
     def scores(*accs):
@@ -303,8 +306,8 @@ def transposed_scores(k, G, G_smem, scaled_rows, column_buffers, lower_bound):
             if i >= 2:  # the products of tile i - 2 read this buffer: let them finish
                 plgpu.wgmma_wait(len(accs))
             column_factor = column_buffers[i % 2]
-            column_factor[...] = (k * jnp.exp(exponent_up_to_tile(G, G_smem, i, lower_bound))
-                                  ).astype(OPERAND_DTYPE)
+            column_factor[...] = (k * jnp.exp(per_column(anchor(G_smem, i, lower_bound), G.shape)
+                                              - G)).astype(OPERAND_DTYPE)
             plgpu.commit_smem()
             tile_rows = slice(TILE_SIZE * i, TILE_SIZE * (i + 1))
             for acc, x in zip(accs, scaled_rows):
@@ -366,19 +369,19 @@ def unit_lower_inverse(N_smem, scratch):
     N = plgpu.load(N_smem, layout=WGMMA).astype(jnp.float32)
     link, product, inverse_smem = scratch
     rows, columns = iota(N.shape, 0), iota(N.shape, 1)
-    distance = rows ^ columns  # b <= distance < 2b: neighbouring b-blocks of one 2b-block
+    # Entries with 2^e <= r ^ c < 2^(e + 1) link neighbouring 2^e-blocks of one 2^(e + 1)-block:
+    # e = 31 - clz(r ^ c) (-1 on the diagonal), so that each round's mask is one comparison.
+    level = 31 - lax.clz(rows ^ columns)
 
     def double(exponent, inverse):
-        block = lax.shift_left(1, exponent)
-        link[...] = jnp.where((distance >= block) & (distance < 2 * block), N,
-                              0.0).astype(OPERAND_DTYPE)
+        link[...] = jnp.where(level == exponent, N, 0.0).astype(OPERAND_DTYPE)
         inverse_smem[...] = inverse.astype(OPERAND_DTYPE)
         plgpu.commit_smem()
         product[...] = matmul(inverse_smem, link, N.shape).astype(OPERAND_DTYPE)
         plgpu.commit_smem()
         return inverse - matmul(product, inverse_smem, N.shape)
 
-    inverse = jnp.where(rows == columns, 1.0, 0.0) - jnp.where(distance < 2, N, 0.0)
+    inverse = jnp.where(rows == columns, 1.0, 0.0) - jnp.where(level < 1, N, 0.0)
     return lax.fori_loop(1, int(math.log2(CHUNK)), double, inverse)
 
 
