@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 
 from kda.chunked import CHUNK_SIZE, ChunkedInputs, chunks_to_tokens
 from kda.kernels.mosaic_gpu_backward import recurrence_cotangents
@@ -21,7 +20,8 @@ from kda.kernels.mosaic_gpu_common import RecurrenceResiduals
 from kda.kernels.mosaic_gpu_cotangents import chunk_cotangents
 from kda.kernels.mosaic_gpu_prepare_backward import ROUNDED_COTANGENTS
 from kda_inputs import relative_error
-from test_kda_kernels import HOPPER, TWO_PROGRAMS_PER_SM, interpreted_on_simulated_hopper
+from test_kda_kernels import (TWO_PROGRAMS_PER_SM, interpreted_on_simulated_hopper,
+                              lowering_for_hopper_within)
 
 # float32 sums of the same bf16 products in another order (observed on CPU: below 1e-7).
 FLOAT32_TOLERANCE = 1e-6
@@ -135,8 +135,7 @@ def test_kernel_lowers_for_hopper_two_programs_per_sm(key_dim, value_dim, rounde
     if d_o_token_major:
         d_o = jax.ShapeDtypeStruct((2, 5 * CHUNK_SIZE, 3, value_dim), d_o.dtype)
     kernel = jax.jit(chunk_cotangents, static_argnums=4)
-    with (jax.sharding.use_abstract_mesh(HOPPER),
-          mosaic_gpu_core.artificial_shared_memory_limit(TWO_PROGRAMS_PER_SM)):
+    with lowering_for_hopper_within(TWO_PROGRAMS_PER_SM):
         lowered = kernel.trace(residuals, d_o, d_states, d_v_new, rounded).lower(
             lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()

@@ -252,6 +252,19 @@ def test_kernel_lowers_for_hopper(dim, gate_lower_bound):
 TWO_PROGRAMS_PER_SM = 113 * 1024
 
 
+@contextlib.contextmanager
+def lowering_for_hopper_within(shared_memory_bytes):
+    """Lowers Mosaic GPU kernels for Hopper, failing any kernel over `shared_memory_bytes`.
+
+    Mosaic GPU checks the limit as it lowers a kernel, and jit caches a lowered kernel without
+    the limit in its key, so the caches are cleared first: a kernel another test had lowered
+    would otherwise pass unchecked."""
+    jax.clear_caches()
+    with (jax.sharding.use_abstract_mesh(HOPPER),
+          mosaic_gpu_core.artificial_shared_memory_limit(shared_memory_bytes)):
+        yield
+
+
 @pytest.mark.parametrize("save_for_backward", [False, True])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_preparation_kernel_fits_two_programs_per_sm(dim, save_for_backward):
@@ -262,8 +275,7 @@ def test_preparation_kernel_fits_two_programs_per_sm(dim, save_for_backward):
     options = preparation_options(inputs, dim)
     preparation = jax.jit(lambda *xs: prepare_chunks_kernel(
         *xs, save_for_backward=save_for_backward, **options))
-    with (jax.sharding.use_abstract_mesh(HOPPER),
-          mosaic_gpu_core.artificial_shared_memory_limit(TWO_PROGRAMS_PER_SM)):
+    with lowering_for_hopper_within(TWO_PROGRAMS_PER_SM):
         preparation.trace(*args).lower(lowering_platforms=("cuda",))
 
 

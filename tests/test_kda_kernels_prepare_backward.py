@@ -10,7 +10,6 @@ residuals the backward reads are the preparation kernel's (`save_for_backward`).
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 
 from kda.chunked import CHUNK_SIZE, ChunkedInputs, prepare_chunks
 from kda.common import l2_normalize
@@ -19,8 +18,8 @@ from kda.kernels import mosaic_gpu_prepare_backward
 from kda.kernels.mosaic_gpu_prepare_backward import prepare_chunks_vjp_kernel
 from kda.kernels.mosaic_gpu_tiles import pad_to_chunks
 from kda_inputs import relative_error
-from test_kda_kernels import (HOPPER, TWO_PROGRAMS_PER_SM, bf16_inputs,
-                               interpreted_on_simulated_hopper)
+from test_kda_kernels import (TWO_PROGRAMS_PER_SM, bf16_inputs, interpreted_on_simulated_hopper,
+                              lowering_for_hopper_within)
 from test_kda_ops import BF16_TOLERANCE
 
 LOWER_BOUND = -5.0
@@ -148,8 +147,7 @@ def test_vjp_lowers_for_hopper_two_programs_per_sm(dim):
                                                                  **options)[1], *args)
     vjp = jax.jit(lambda r, c, *xs: prepare_chunks_vjp_kernel(*xs, residuals=r, cotangents=c,
                                                               **options))
-    with (jax.sharding.use_abstract_mesh(HOPPER),
-          mosaic_gpu_core.artificial_shared_memory_limit(TWO_PROGRAMS_PER_SM)):
+    with lowering_for_hopper_within(TWO_PROGRAMS_PER_SM):
         lowered = vjp.trace(residuals, cotangents, *args).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("mosaic_gpu") >= 2
 

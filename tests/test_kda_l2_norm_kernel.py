@@ -16,12 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 
 from kda.common import prepare_qk_vjp
 from kda.kernels.mosaic_gpu_l2_norm import l2_norm_vjp_kernel
 from test_kda_cotangents import bf16_ulp
-from test_kda_kernels import HOPPER, interpreted_on_simulated_hopper
+from test_kda_kernels import interpreted_on_simulated_hopper, lowering_for_hopper_within
 
 # An H100/H200 SM has 228 KiB of shared memory and reserves 1 KiB a program.
 FOUR_PROGRAMS_PER_SM = 56 * 1024
@@ -100,8 +99,7 @@ def test_kernel_lowers_for_hopper_four_programs_per_sm(key_dim):
     x = jax.ShapeDtypeStruct((2, 150, 4, key_dim), jnp.bfloat16)
     d_y = jax.ShapeDtypeStruct((2, 192, 4, key_dim), jnp.float32)
     kernel = jax.jit(lambda *xs: l2_norm_vjp_kernel(*xs, scale=key_dim**-0.5))
-    with (jax.sharding.use_abstract_mesh(HOPPER),
-          mosaic_gpu_core.artificial_shared_memory_limit(FOUR_PROGRAMS_PER_SM)):
+    with lowering_for_hopper_within(FOUR_PROGRAMS_PER_SM):
         lowered = kernel.trace(x, d_y).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 

@@ -12,7 +12,6 @@ import contextlib
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.extend import core as jax_core
 
@@ -20,7 +19,8 @@ from kda.kernels.mosaic_gpu_prepare_backward import _inverse_norms
 from kda.kernels.mosaic_gpu_score_backward import score_backward
 from kda.kernels.mosaic_gpu_tiles import CHUNK, documents_in_chunk, pad_to_chunks
 from kda_inputs import relative_error
-from test_kda_kernels import HOPPER, TWO_PROGRAMS_PER_SM, interpreted_on_simulated_hopper
+from test_kda_kernels import (TWO_PROGRAMS_PER_SM, interpreted_on_simulated_hopper,
+                              lowering_for_hopper_within)
 from test_kda_kernels_prepare_backward import (LOWER_BOUND, assert_vjp_matches_plain_jax,
                                                chunk_cumulative_sum, preparation_case)
 
@@ -109,8 +109,7 @@ def test_kernel_lowers_for_hopper(dim, warpgroups, shared_memory):
     args, options = score_kernel_inputs(23, 2, 192, (2, 4), dim)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
     kernel = jax.jit(lambda *xs: score_backward(*xs, warpgroups=warpgroups, **options))
-    with (jax.sharding.use_abstract_mesh(HOPPER),
-          mosaic_gpu_core.artificial_shared_memory_limit(shared_memory)):
+    with lowering_for_hopper_within(shared_memory):
         lowered = kernel.trace(*shapes).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 
