@@ -206,17 +206,17 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, *gmems, scale, us
         inverse = unit_lower_inverse(unit_lower, (unit_lower, product, inverse_smem))  # N's
         # buffer serves as the link: the inverse reads N into registers before writing a link.
 
-        # 5. W = T (k exp(G) reads) and U = T v with T = (I + N)^-1 diag(beta): beta moves into
-        # the left factor, whose bf16 hi/lo parts both products share, so that v (exact in bf16)
-        # is U's right-hand side as TMA loaded it. k exp(G) takes hi and lo parts too: U is read
-        # in float32, and W is rounded only once.
+        # 5. W = T (k exp(G) reads) and U = T v with T = (I + N)^-1 diag(beta) (module
+        # docstring), T and k exp(G) as hi/lo parts: W is rounded only once. beta is read again
+        # rather than kept in registers through the inverse.
         beta_of_column = plgpu.load(beta_smem, layout=COLUMN_VECTOR)
         if residuals:  # the backward reads (I + N)^-1 itself, in N's buffer and the scratch
             store_split((inverse_smem, unit_lower), inverse)
             plgpu.commit_smem()
             for index, part in enumerate((inverse_smem, unit_lower)):
                 plgpu.copy_smem_to_gmem(part, residuals.inverse.at[(*out, index)])
-            plgpu.wait_smem_to_gmem(3, wait_read_only=True)  # Aqk's buffer has been read
+            # Only Akk's copy and the two parts' may still be reading: Aqk's buffer is free.
+            plgpu.wait_smem_to_gmem(3, wait_read_only=True)
             factor_parts = (product, aqk)
         else:
             factor_parts = (inverse_smem, unit_lower)
