@@ -47,21 +47,26 @@ oracle, both kernels give o within 3.2e-3 and the final state within 2.0e-3 rela
 it. With it the forward took 0.2-0.8% less device time on the H200, with the smaller changes that
 were kept, and o's error rose to 3.3e-3: U stays float32.)
 
-Shared memory: 101 KiB a program at K = V = 128 (was 205; 109 with `save_for_backward`) and 69 KiB
-at 64 (was 125; 77), as Mosaic GPU allocates it (with its 2 KiB reduction scratch and 1 KiB
-alignment), so two programs share an SM at K = 128 (an SM has 228 KiB and reserves 1 KiB a program;
-64K registers allow two warpgroups at up to 255 registers a thread) and, if at most 168 registers a
-thread, three at 64 without `save_for_backward` (with it, 77 KiB exceeds their 75): one program's
-TMA traffic and waits overlap another's math. Buffers whose lifetimes do not overlap share memory
-(`plgpu.RefUnion`, whose groups are used one after another): q's tile holds q_from_state, a column
-factor, k again and W; k's holds k_to_state^T, the other column factor and v; g's float32 tile holds
-two bf16 parts of g (K = 64), then G, then the parts of k exp(G), then U; a fourth region holds g's
-third part and the triangle (K = 64), then the scaled score rows, then Aqk, N, the inverse's
-buffers, Akk (when saved) and T's parts. So k is read from GMEM twice (its second TMA load and v's
-run during the inverse: keeping W's right-hand side from step 3 instead, in G's buffer, was 1%
-slower on the H200, with more registers live through the scores), an output's buffer is reused only
-after its TMA store has read it, and a buffer read into registers in one layout is overwritten in
-another only after a warpgroup barrier (`commit_smem`).
+The left operands of wgmma that the kernel computes in registers stay there: the score tiles'
+column factors, the first factor of each of the inverse's products, and T's parts; only right
+operands pass through SMEM. That saves a store and a barrier for each: on the H200 the kernel took
+8-9% less time than with all of them staged in SMEM (0.367 against 0.401 ms at 8x2048x16x128, 2.82
+against 3.10 at 16x4096x32x128).
+
+Shared memory: 101 KiB a program at K = V = 128 (was 205), with or without `save_for_backward`, and
+61 KiB at 64 (was 125; 69 with `save_for_backward`), as Mosaic GPU allocates it (with its 2 KiB
+reduction scratch and 1 KiB alignment), so two programs share an SM at K = 128 (an SM has 228 KiB
+and reserves 1 KiB a program; 64K registers allow two warpgroups at up to 255 registers a thread)
+and, if at most 168 registers a thread, three at 64: one program's TMA traffic and waits overlap
+another's math. Buffers whose lifetimes do not overlap share memory (`plgpu.RefUnion`, whose groups
+are used one after another): q's tile holds q_from_state, k again and W; k's holds k_to_state^T and
+v; g's float32 tile holds two bf16 parts of g (K = 64), then G, then the parts of k exp(G), then U;
+a fourth region holds g's third part and the triangle (K = 64), then the scaled score rows, then
+Aqk, N, the inverse's buffers (then its parts, when saved) and Akk (when saved). So k is read from
+GMEM twice (its second TMA load and v's run during the inverse: keeping W's right-hand side from
+step 3 instead, in G's buffer, was 1% slower on the H200, with more registers live through the
+scores), an output's buffer is reused only after its TMA store has read it, and a buffer read into
+registers in one layout is overwritten in another only after a warpgroup barrier (`commit_smem`).
 
 Its backward is `kda.kernels.mosaic_gpu_prepare_backward`; `kda.kernels.mosaic_gpu` composes the
 two under a `jax.custom_vjp`.
@@ -84,8 +89,8 @@ from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, COMPILER_PARAMS,
                                           documents_in_chunk, iota, load_plain,
                                           matmul_of_splits, pad_to_chunks, per_column, per_row,
                                           row_anchors, same_document, scanned_cumulative_sum,
-                                          StateMasks, state_masks, store_lower_ones, store_split,
-                                          transposed_scores, unit_lower_inverse)
+                                          split_bf16, StateMasks, state_masks, store_lower_ones,
+                                          store_split, transposed_scores, unit_lower_inverse)
 
 
 def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, *gmems, scale, use_qk_l2norm,
@@ -113,8 +118,8 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, *gmems, scale, us
         k_smem, k_state_t_smem, v_smem = k_union
         g_smem, g_parts = g_union
         (g_part, ones), (q_rows, k_rows), score_tiles = rows_union
-        aqk, unit_lower, product, inverse_smem = score_tiles[:4]
-        akk_smem = score_tiles[4] if residuals else None
+        aqk, unit_lower, inverse_smem = score_tiles[:3]
+        akk_smem = score_tiles[3] if residuals else None
         # g first: the cumulative sum runs while the other inputs arrive.
         inputs = ((g_gmem.at[batch, tokens, head], g_smem),
                   (q_gmem.at[batch, tokens, head // group], q_smem),
@@ -177,12 +182,11 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, *gmems, scale, us
         plgpu.copy_smem_to_gmem(decay_smem, decay_gmem.at[out])
 
         # 3b. Transposed scores ([s, r] layout: the column index is the row r of A), then masked.
-        # The column factors reuse q's and k's buffers once their stores have read them.
-        # All but chunk_decay's, issued last (G's, if any, was issued first).
+        qk_t, kk_t = transposed_scores(k, G, g_smem, (q_rows, k_rows), lower_bound)
+        # k again and v, for step 5, load into q's and k's buffers while the inverse is computed,
+        # once the stores above have read them: all but chunk_decay's, issued last (G's, if any,
+        # was issued first). The scores gave them that time.
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        qk_t, kk_t = transposed_scores(k, G, g_smem, (q_rows, k_rows), (q_smem, k_smem),
-                                       lower_bound)
-        # k again and v, for step 5, load into the free buffers while the inverse is computed.
         reloads = ((k_gmem.at[batch, tokens, head // group], q_smem),
                    (v_gmem.at[batch, tokens, head], v_smem))
         for index, (source, target) in enumerate(reloads, start=len(inputs)):
@@ -203,24 +207,20 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, *gmems, scale, us
             plgpu.copy_smem_to_gmem(akk_smem, residuals.Akk.at[out])
 
         # 4. (I + N)^-1 by recursive doubling of the inverted diagonal blocks.
-        inverse = unit_lower_inverse(unit_lower, (unit_lower, product, inverse_smem))  # N's
+        inverse = unit_lower_inverse(unit_lower, (unit_lower, inverse_smem))  # N's
         # buffer serves as the link: the inverse reads N into registers before writing a link.
 
         # 5. W = T (k exp(G) reads) and U = T v with T = (I + N)^-1 diag(beta) (module
-        # docstring), T and k exp(G) as hi/lo parts: W is rounded only once. beta is read again
-        # rather than kept in registers through the inverse.
-        beta_of_column = plgpu.load(beta_smem, layout=COLUMN_VECTOR)
+        # docstring), T and k exp(G) as hi/lo parts: W is rounded only once. T's parts stay in
+        # registers, wgmma's left operands. beta is read again rather than kept in registers
+        # through the inverse.
         if residuals:  # the backward reads (I + N)^-1 itself, in N's buffer and the scratch
             store_split((inverse_smem, unit_lower), inverse)
             plgpu.commit_smem()
             for index, part in enumerate((inverse_smem, unit_lower)):
                 plgpu.copy_smem_to_gmem(part, residuals.inverse.at[(*out, index)])
-            # Only Akk's copy and the two parts' may still be reading: Aqk's buffer is free.
-            plgpu.wait_smem_to_gmem(3, wait_read_only=True)
-            factor_parts = (product, aqk)
-        else:
-            factor_parts = (inverse_smem, unit_lower)
-        store_split(factor_parts, inverse * per_column(beta_of_column, scores_shape))
+        beta_of_column = plgpu.load(beta_smem, layout=COLUMN_VECTOR)
+        factor_parts = split_bf16(inverse * per_column(beta_of_column, scores_shape), 2)
         for index in range(len(inputs), len(inputs) + len(reloads)):
             plgpu.barrier_wait(barriers.at[index])
         # k (loaded again) and G are read again rather than kept in registers through the solve.
@@ -240,20 +240,20 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, *gmems, scale, us
     operand = lambda shape: swizzled_smem(shape, OPERAND_DTYPE)  # noqa: E731
     pl.run_scoped(
         body,
-        # q, then q_from_state, a column factor, k again, (beta v)_lo and W.
+        # q, then q_from_state, k again and W.
         operand(keys_shape),
-        # k, then k_to_state^T, a column factor, v and (beta v)_hi.
+        # k, then k_to_state^T and v.
         plgpu.RefUnion(operand(keys_shape), operand((key_dim, CHUNK)),
                        operand((CHUNK, value_dim))),
         # g, then G, then U (plain rows: read one by one); the float32 bits hold two bf16
-        # operands in between: parts of g, then of beta k exp(G).
+        # operands in between: parts of g, then of k exp(G).
         plgpu.RefUnion(plgpu.SMEM(keys_shape, jnp.float32),
                        (operand(keys_shape), operand(keys_shape))),
         # The cumulative sum's third part and its triangle, then the scores' scaled rows, then
-        # Aqk, N, the inverse's scratch and parts, and Akk when a backward will run.
+        # Aqk, N and the inverse's scratch (then its parts), and Akk when a backward will run.
         plgpu.RefUnion((operand(keys_shape), operand(scores_shape)),
                        (operand(keys_shape), operand(keys_shape)),
-                       tuple(operand(scores_shape) for _ in range(5 if residuals else 4))),
+                       tuple(operand(scores_shape) for _ in range(4 if residuals else 3))),
         plgpu.SMEM((CHUNK,), jnp.float32),  # beta
         plgpu.SMEM((CHUNK,), jnp.float32),  # document
         plgpu.SMEM((key_dim,), jnp.float32),  # chunk_decay

@@ -124,8 +124,8 @@ def _wy_backward_kernel(k_gmem, v_gmem, beta_gmem, document_gmem, k_factor_gmem,
 
     def body(vectors, G_smem, akk, inverse_smem, x_buffers, cotangent_buffers, products,
              barriers):
-        # products: dT (then dAkk) and a step's bf16 right-hand side (then T^T dT), then a
-        # step's float32 output.
+        # products: dT (then dAkk) and a step's bf16 right-hand side, then a step's float32
+        # output.
         (dT_smem, rhs), out_staging = products
         inverse_t = tuple(inverse_smem.at[part].transpose((1, 0)) for part in range(2))  # T^T
         beta_smem, document_smem, k_factor_smem, dbeta_smem = (
@@ -260,11 +260,10 @@ def _wy_backward_kernel(k_gmem, v_gmem, beta_gmem, document_gmem, k_factor_gmem,
 
         # dN = -T^T dT T^T on the entries N has (strict lower, same document); dAkk = beta dN.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's output is read
-        product = rhs
         dT_smem[...] = dT.astype(OPERAND_DTYPE)
         plgpu.commit_smem()
-        product[...] = matmul(inverse_t[0], dT_smem, scores_shape).astype(OPERAND_DTYPE)
-        plgpu.commit_smem()
+        # The first product is the second's left operand in registers (no store, no barrier).
+        product = matmul(inverse_t[0], dT_smem, scores_shape).astype(OPERAND_DTYPE)
         dN = -matmul(product, inverse_t[0], scores_shape)
         rows, columns = iota(scores_shape, 0), iota(scores_shape, 1)
         dN = jnp.where((columns < rows) & same_document(document_smem), dN, 0.0)
