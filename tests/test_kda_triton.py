@@ -30,7 +30,7 @@ def test_import_kda_needs_neither_triton_nor_jax_triton():
     assert "triton" not in sys.modules and "jax_triton" not in sys.modules
 
 
-def test_auto_never_chooses_triton_until_its_gpu_tests_have_run(monkeypatch):
+def test_auto_never_chooses_triton(monkeypatch):
     monkeypatch.setattr(triton_path, "_on_ampere_or_later", lambda: True)
     monkeypatch.setattr(triton_path, "_jax_triton_importable", lambda: True)
     assert triton_path.supports(SUPPORTED_CALL)

@@ -21,7 +21,7 @@
   used by `kda.layer.conv_silu_parts` where `KDAConfig.conv_kernels` (on by default) allows.
 * `kda.kernels.triton`: the forward kernels in Triton through jax-triton (NVIDIA GPUs from Ampere
   on; `kda.kernels.triton_kernels` holds the kernels), the `impl="triton"` path (by name only:
-  `impl="auto"` does not choose it until its GPU tests have all passed).
+  its GPU tests have passed on the H200 alone, where `impl="auto"` takes `mosaic_gpu`).
 """
 
 from kda.kernels import mosaic_gpu, triton

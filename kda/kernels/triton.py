@@ -24,7 +24,7 @@ inputs, so gradients equal the chunked op's: the VJP of `chunk_recurrence` with 
 (JAX differentiates the plain-JAX preparation), of the whole chunked op with bounded gates.
 `jax_triton` and `triton` are imported only when a kernel launches, so `import kda` works without
 them. Importing this module registers `impl="triton"` with `kda.api`, for calls that ask for it by name:
-`impl="auto"` does not choose it until its GPU tests have all passed (see the registration).
+`impl="auto"` does not choose it (see the registration).
 """
 
 import functools
@@ -278,6 +278,6 @@ def supports(call: KDACall) -> bool:
             and _jax_triton_importable())
 
 
-# Opt-in (impl="triton") until the whole path has passed its GPU tests: on the H200 only the
-# preparation kernels have (against plain JAX at K = 64 and 128), and no non-Hopper GPU was run.
+# Opt-in (impl="triton"): its GPU tests have all passed, but only on the H200, where `auto` takes
+# the faster mosaic_gpu path; the GPUs this path is for (Ampere, Ada) have not run them.
 register_kernel(NAME, triton_kda, supports, auto=False)
