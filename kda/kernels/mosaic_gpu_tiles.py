@@ -4,8 +4,9 @@
 `kda.kernels.mosaic_gpu_score_backward` build their kernel bodies from these. Everything but the
 last two functions runs inside a kernel body: one warpgroup under `COMPILER_PARAMS` (Lane
 semantics), register values float32 in the WGMMA layout (rows r = tokens of the chunk), wgmma
-operands bf16 in SMEM. Shapes use C = 64 (the chunk) and n (key columns: K in the forward, a
-32-column slab in the backward's score kernel).
+operands bf16: right ones in SMEM, left ones in SMEM or, where computed in registers, there.
+Shapes use C = 64 (the chunk) and n (key columns: K in the forward, a 32-column slab in the
+backward's score kernel).
 
 * Layout helpers: `per_row`, `per_column`, `iota`, `load_plain`.
 * Exact bf16 splits and the products of their parts: `split_bf16`, `store_split`, `matmul`,
