@@ -84,7 +84,7 @@ from kda.common import L2_NORM_EPS
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, PreparationResiduals,
                                            RecurrenceOperands, kernel_body, lowered_once,
                                            swizzled_smem)
-from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, COMPILER_PARAMS, ROW_VECTOR,
+from kda.kernels.mosaic_gpu_tiles import (CHUNK, COLUMN_VECTOR, COMPILER_PARAMS,
                                           WARPGROUP_THREADS, WGMMA, cumulative_sum,
                                           documents_in_chunk, iota, load_plain,
                                           matmul_of_splits, pad_to_chunks, per_column, per_row,
@@ -211,10 +211,9 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, *gmems, scale, us
         # buffer serves as the link: the inverse reads N into registers before writing a link.
 
         # 5. W = T (k exp(G) reads) and U = T v with T = (I + N)^-1 diag(beta) (module
-        # docstring), T and k exp(G) as hi/lo parts: W is rounded only once. T's parts stay in
-        # registers, wgmma's left operands. beta is read again rather than kept in registers
-        # through the inverse.
-        if residuals:  # the backward reads (I + N)^-1 itself, in N's buffer and the scratch
+        # docstring), T and k exp(G) as hi/lo parts: W is rounded only once. beta is read again
+        # rather than kept in registers through the inverse.
+        if residuals:  # the backward reads (I + N)^-1 itself, in N's buffer and the inverse's
             store_split((inverse_smem, unit_lower), inverse)
             plgpu.commit_smem()
             for index, part in enumerate((inverse_smem, unit_lower)):
