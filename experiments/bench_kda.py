@@ -127,7 +127,9 @@ def _calls(contender: Contender) -> list[tuple[str, Callable[[], object]]]:
 def time_contenders(contenders: dict[str, Contender], repeats: int, rounds: int = ROUNDS):
     """Sets each contender's forward_ms and forward_backward_ms to the median wall time of
     `repeats` calls (each waited for), taken in `rounds` turns over all contenders (one untimed
-    call first in each turn), after `WARMUP_SECONDS` of calls of all of them."""
+    call first in each turn), after `WARMUP_SECONDS` of calls of all of them. Each turn starts
+    one contender further down the list, so that what the first calls after a switch pay (after a
+    long call of another contender, say) does not fall on one contender alone."""
     started = time.perf_counter()
     while True:
         for contender in contenders.values():
@@ -137,9 +139,12 @@ def time_contenders(contenders: dict[str, Contender], repeats: int, rounds: int 
             break
     samples = collections.defaultdict(list)
     rounds = max(1, min(rounds, repeats))
+    names = list(contenders)
     for turn in range(rounds):
         per_turn = repeats // rounds + (turn < repeats % rounds)
-        for name, contender in contenders.items():
+        first = turn % len(names)
+        for name in names[first:] + names[:first]:
+            contender = contenders[name]
             for field, call in _calls(contender):
                 contender.sync(call())
                 for _ in range(per_turn):

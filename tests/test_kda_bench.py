@@ -56,7 +56,8 @@ def test_a_run_without_the_chunked_op_still_checks_that_outputs_agree():
 
 def test_contenders_are_timed_in_turns(monkeypatch):
     """Each contender's calls are timed in `rounds` turns over all of them, each turn after one
-    untimed call, and the medians come from those timed calls alone."""
+    untimed call and starting one contender further on, and the medians come from those timed
+    calls alone."""
     clock = iter(range(10**6))
     monkeypatch.setattr(bench_kda.time, "perf_counter", lambda: float(next(clock)))
     monkeypatch.setattr(bench_kda, "WARMUP_SECONDS", 0.0)
@@ -70,8 +71,9 @@ def test_contenders_are_timed_in_turns(monkeypatch):
     contenders = {"a": contender("a", True), "b": contender("b", False)}
     bench_kda.time_contenders(contenders, repeats=4, rounds=2)
     warm_up = [("a", "forward"), ("a", "backward"), ("b", "forward")]
-    turn = [("a", "forward")] * 3 + [("a", "backward")] * 3 + [("b", "forward")] * 3
-    assert calls == warm_up + turn + turn
+    a_turn = [("a", "forward")] * 3 + [("a", "backward")] * 3
+    b_turn = [("b", "forward")] * 3
+    assert calls == warm_up + a_turn + b_turn + b_turn + a_turn
     # A fake clock that ticks once a reading: every timed call reads it twice, 1 tick apart.
     assert contenders["a"].timing.forward_ms == contenders["b"].timing.forward_ms == 1e3
     assert contenders["b"].timing.forward_backward_ms is None
