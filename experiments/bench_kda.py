@@ -557,8 +557,8 @@ def write_table(path: Path, results, shapes, names, baseline: str, command: str,
         f"- Inputs: {'bf16' if gpu else 'float32'} q/k/v, lower-bound gates in [-5, 0), "
         "use_qk_l2norm, no initial state. Shapes are BxTxHxD (K = V = D, HV = H).",
         "- Times are medians of repeated calls, each waited for, taken in "
-        f"{ROUNDS} turns over all contenders of a shape after at least {WARMUP_SECONDS} s of "
-        "warm-up calls, in milliseconds. "
+        f"{ROUNDS} turns over all contenders of a shape (each turn starting one contender "
+        f"further on) after at least {WARMUP_SECONDS} s of warm-up calls, in milliseconds. "
         f"'vs {baseline}' = {baseline}'s time / this row's time (above 1: this row is faster).",
         f"- Error: relative L2 error of the output against {anchor_words(error_anchor(names))}. "
         "Memory: arguments, "
