@@ -35,7 +35,7 @@ the kernel also writes what its backward's kernels would otherwise recompute
 (`PreparationResiduals`; the UT/WY kernel reads all three, the score-tile kernel G): G (float32
 [C, K], stored from g's buffer once step 2 is done), Akk (bf16 [C, C], masked, without beta: one
 more buffer, written beside N) and `(I + N)^-1` as a bf16 hi/lo pair (without beta, from the
-buffers of N and the inverse's scratch; step 5's factor T then takes two others), 4 C K + 6 C^2
+buffers of N and the inverse; step 5's factor T stays in registers), 4 C K + 6 C^2
 bytes a chunk: 56 KiB at K = 128 (its other outputs are 88.5 KiB) and 40 KiB at 64.
 
 Numerics: matmul operands are bfloat16, accumulators and everything elementwise float32 (exp and
@@ -62,11 +62,12 @@ another's math. Buffers whose lifetimes do not overlap share memory (`plgpu.RefU
 are used one after another): q's tile holds q_from_state, k again and W; k's holds k_to_state^T and
 v; g's float32 tile holds two bf16 parts of g (K = 64), then G, then the parts of k exp(G), then U;
 a fourth region holds g's third part and the triangle (K = 64), then the scaled score rows, then
-Aqk, N, the inverse's buffers (then its parts, when saved) and Akk (when saved). So k is read from
-GMEM twice (its second TMA load and v's run during the inverse: keeping W's right-hand side from
-step 3 instead, in G's buffer, was 1% slower on the H200, with more registers live through the
-scores), an output's buffer is reused only after its TMA store has read it, and a buffer read into
-registers in one layout is overwritten in another only after a warpgroup barrier (`commit_smem`).
+Aqk, N, the inverse's buffer (N's and it then hold its parts, when saved) and Akk (when saved).
+So k is read from GMEM twice (its second TMA load and v's run during the inverse: keeping W's
+right-hand side from step 3 instead, in G's buffer, was 1% slower on the H200, with more
+registers live through the scores), an output's buffer is reused only after its TMA store has
+read it, and a buffer read into registers in one layout is overwritten in another only after a
+warpgroup barrier (`commit_smem`).
 
 Its backward is `kda.kernels.mosaic_gpu_prepare_backward`; `kda.kernels.mosaic_gpu` composes the
 two under a `jax.custom_vjp`.
@@ -249,7 +250,7 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, *gmems, scale, us
         plgpu.RefUnion(plgpu.SMEM(keys_shape, jnp.float32),
                        (operand(keys_shape), operand(keys_shape))),
         # The cumulative sum's third part and its triangle, then the scores' scaled rows, then
-        # Aqk, N and the inverse's scratch (then its parts), and Akk when a backward will run.
+        # Aqk, N and the inverse's buffer (then its parts), and Akk when a backward will run.
         plgpu.RefUnion((operand(keys_shape), operand(scores_shape)),
                        (operand(keys_shape), operand(keys_shape)),
                        tuple(operand(scores_shape) for _ in range(4 if residuals else 3))),
