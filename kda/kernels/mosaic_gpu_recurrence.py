@@ -28,7 +28,15 @@ float32 (tried: U in bf16, 16 of the 88.5 KiB the kernel reads a chunk at K = V 
 whole forward's device time on the H200 moved by under 1%, so the bytes are not what bounds it).
 Without an initial state the state starts as zeros in registers: nothing is read for it, and no
 zeros are written. Inputs of the next chunk stream in by TMA while the current chunk computes
-(`plgpu.emit_pipeline`, two stages); outputs leave through a double buffer in shared memory.
+(two stages); outputs leave through a double buffer in shared memory.
+
+The loads are warp-specialized (`plgpu.emit_pipeline_warp_specialized`): a second warpgroup of
+40 registers a thread issues them, so the computing one only waits on their barrier. With one
+warpgroup (`plgpu.emit_pipeline`) an in-kernel trace at 1x8192x16x128 (32 columns) gave a chunk
+step of 2446 cycles: the body 1479, issuing the six loads for two steps ahead 426 and 448 more
+before the next step's barrier wait (69). On the H200 (device time) the split took the
+recurrence from 0.692 to 0.578 ms at 1x32768x16x128 and from 0.179 to 0.170 at 2x8192x16x128,
+0.880 to 0.859 at 16x4096x32x128, and left 8x2048x16x128 as it was (0.118 against 0.117).
 
 For training the kernel also writes what the backward (`kda.kernels.mosaic_gpu_backward`) reads
 (`save_for_backward`): the state entering each chunk and V_new, the bf16 wgmma operands it used
@@ -49,8 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands, RecurrenceResiduals,
-                                           kernel_body, load_state_tile, lowered_once, swizzled,
-                                           swizzled_smem)
+                                           kernel_body, lowered_once, swizzled, swizzled_smem)
 
 # State columns per program: S [K, 64] float32 is 64 registers a thread at K = 128.
 BLOCK_V = 64
@@ -60,6 +67,8 @@ BLOCK_V = 64
 # 64-byte swizzles too.
 NARROW_BLOCK_V = 32
 PIPELINE_STAGES = 2
+# Registers a thread of the warp-specialized kernel's TMA warpgroup.
+MEMORY_REGISTERS = 40
 
 
 def choose_block_v(batch_heads: int, value_dim: int, num_sms: int) -> int:
@@ -105,20 +114,18 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, *gme
     state_shape = (key_dim, block_v)
     saves = bool(saved_gmem)
     # Copies to GMEM a step issues, in order: [entering state, V_new,] output. Waiting until at
-    # most m copies are pending frees the buffer of every copy issued before the last m.
+    # most m copies are pending frees the buffer of every copy issued before the last m. (The
+    # pipeline commits a group of its own after each step, empty here: where empty groups
+    # count, the waits are only stricter.)
     copies_per_step = 3 if saves else 1
-
-    if has_initial_state:
-        initial_state = load_state_tile(s0_gmem.at[batch, head, :, columns], state_shape)
-    else:
-        initial_state = plgpu.layout_cast(jnp.zeros(state_shape, jnp.float32),
-                                          plgpu.Layout.WGMMA)
 
     def save(smem, gmem, n):
         """Writes a bf16 operand of chunk n out for the backward."""
         plgpu.copy_smem_to_gmem(smem, gmem.at[batch, head, n, :, columns])
 
-    def recur(state_smem, v_new_smem, o_smem):
+    def recur(buffers, state_barrier):
+        (state_smem, v_new_smem, o_smem), state_f32_smem = buffers
+
         def chunk_step(indices, w, u, q, kt, a, decay, state):
             (n,) = indices
             if saves:  # the previous step's state copy is out
@@ -156,37 +163,55 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, *gme
             plgpu.copy_smem_to_gmem(slot, output_tile(n))
             return decayed_state + update
 
-        pipeline = plgpu.emit_pipeline(
-            chunk_step,
-            grid=(num_chunks,),
-            in_specs=[
-                _chunk_block((chunk, key_dim), OPERAND_DTYPE, max_swizzle),  # W
-                _chunk_block((chunk, block_v), jnp.float32, max_swizzle),  # U
-                _chunk_block((chunk, key_dim), OPERAND_DTYPE, max_swizzle),  # q_from_state
-                _chunk_block((key_dim, chunk), OPERAND_DTYPE, max_swizzle),  # k_to_state^T
-                _chunk_block((chunk, chunk), OPERAND_DTYPE, max_swizzle),  # Aqk
-                _chunk_block((key_dim,), jnp.float32, max_swizzle),  # chunk_decay
-            ],
-            max_concurrent_steps=PIPELINE_STAGES,
-            init_carry=initial_state,
-        )
-        return pipeline(w_gmem.at[batch, head], u_gmem.at[batch, head, :, :, columns],
+        def initial_state():
+            """S_0 [K, block_v] float32 in registers (the compute warpgroup's, as below)."""
+            if not has_initial_state:
+                return plgpu.layout_cast(jnp.zeros(state_shape, jnp.float32),
+                                         plgpu.Layout.WGMMA)
+            plgpu.copy_gmem_to_smem(s0_gmem.at[batch, head, :, columns], state_f32_smem,
+                                    state_barrier)
+            plgpu.barrier_wait(state_barrier)
+            tile = plgpu.load(state_f32_smem, layout=plgpu.Layout.WGMMA)
+            plgpu.commit_smem()  # the load is done before the buffer takes the final state
+            return tile
+
+        def store_final_state(final_state):
+            """Writes the state the last chunk leaves [K, block_v] to s_final."""
+            plgpu.wait_smem_to_gmem(0)  # the last outputs are out
+            state_f32_smem[...] = final_state
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(state_f32_smem, s_final_gmem.at[batch, head, :, columns])
+            plgpu.wait_smem_to_gmem(0)
+
+        in_specs = [
+            _chunk_block((chunk, key_dim), OPERAND_DTYPE, max_swizzle),  # W
+            _chunk_block((chunk, block_v), jnp.float32, max_swizzle),  # U
+            _chunk_block((chunk, key_dim), OPERAND_DTYPE, max_swizzle),  # q_from_state
+            _chunk_block((key_dim, chunk), OPERAND_DTYPE, max_swizzle),  # k_to_state^T
+            _chunk_block((chunk, chunk), OPERAND_DTYPE, max_swizzle),  # Aqk
+            _chunk_block((key_dim,), jnp.float32, max_swizzle),  # chunk_decay
+        ]
+        chunk_inputs = (w_gmem.at[batch, head], u_gmem.at[batch, head, :, :, columns],
                         q_gmem.at[batch, head], kt_gmem.at[batch, head], a_gmem.at[batch, head],
                         decay_gmem.at[batch, head])
+        # The compute warpgroup runs the steps; the other only issues their TMA loads.
+        pipeline = plgpu.emit_pipeline_warp_specialized(
+            chunk_step, grid=(num_chunks,), in_specs=in_specs,
+            max_concurrent_steps=PIPELINE_STAGES, memory_registers=MEMORY_REGISTERS,
+            wg_axis="wg", num_compute_wgs=1,
+            compute_context=lambda run: store_final_state(run(initial_state())))
+        pipeline(*chunk_inputs)
 
-    final_state = pl.run_scoped(
-        recur, swizzled_smem(state_shape, OPERAND_DTYPE),
-        swizzled_smem((chunk, block_v), OPERAND_DTYPE),
-        swizzled_smem((2, chunk, block_v), o_gmem.dtype))
-
-    def store_final_state(state_smem):
-        plgpu.wait_smem_to_gmem(0)  # the last outputs are out
-        state_smem[...] = final_state
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(state_smem, s_final_gmem.at[batch, head, :, columns])
-        plgpu.wait_smem_to_gmem(0)
-
-    pl.run_scoped(store_final_state, swizzled_smem(state_shape, jnp.float32))
+    pl.run_scoped(
+        recur,
+        # The loop's buffers: the bf16 state, V_new and o's double buffer; before and after the
+        # loop, the float32 initial and final state.
+        plgpu.RefUnion((swizzled_smem(state_shape, OPERAND_DTYPE),
+                        swizzled_smem((chunk, block_v), OPERAND_DTYPE),
+                        swizzled_smem((2, chunk, block_v), o_gmem.dtype)),
+                       swizzled_smem(state_shape, jnp.float32)),
+        plgpu.Barrier(),
+        collective_axes="wg")
 
 
 @lowered_once("out_dtype", "save_for_backward", "token_major", "block_v")
@@ -221,6 +246,8 @@ def run_recurrence(operands: RecurrenceOperands, initial_state, out_dtype, *,
         out_type=out_type,
         grid=(batch, heads, value_dim // block_v),
         grid_names=("batch", "heads", "v_tiles"),
+        num_threads=2,
+        thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
