@@ -58,6 +58,8 @@ Numerics: matmul operands bf16 (dO as given, E and -dV_new^T rounded as they bec
 accumulation and the carried cotangent float32, D read in float32.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -111,7 +113,9 @@ def _reversed_recurrence_kernel(w_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, d_o
         d_o_spec = _reversed_chunk_block((chunk, BLOCK_V), OPERAND_DTYPE, num_chunks)
         d_o_columns = d_o_gmem.at[batch, head, :, :, columns]
 
-    d_final_state_t = load_state_tile(d_final_t_gmem.at[batch, head, columns], state_shape)
+    d_final_state_t = pl.run_scoped(
+        functools.partial(load_state_tile, d_final_t_gmem.at[batch, head, columns]),
+        swizzled_smem(state_shape, jnp.float32), plgpu.Barrier())
 
     def d_v_new_tile(n):
         if value_major:

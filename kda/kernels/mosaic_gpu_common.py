@@ -63,18 +63,15 @@ def swizzled_smem(shape, dtype, max_swizzle=128):
     return plgpu.SMEM(shape, dtype, transforms=swizzled(shape[-2:], dtype, max_swizzle))
 
 
-def load_state_tile(gmem_tile, shape):
-    """A float32 state tile [K, 64] from GMEM into WGMMA-layout registers (TMA through SMEM), as
-    the recurrence kernels start: the initial state forward, the final-state cotangent backward."""
-
-    def load(smem, barrier):
-        plgpu.copy_gmem_to_smem(gmem_tile, smem, barrier)
-        plgpu.barrier_wait(barrier)
-        tile = plgpu.load(smem, layout=plgpu.Layout.WGMMA)
-        plgpu.commit_smem()  # the load is done before TMA reuses this memory for the pipeline
-        return tile
-
-    return pl.run_scoped(load, swizzled_smem(shape, jnp.float32), plgpu.Barrier())
+def load_state_tile(gmem_tile, smem, barrier):
+    """A float32 state tile (S [K, 64], or dS transposed) from GMEM into WGMMA-layout registers,
+    by TMA through `smem` (float32, swizzled, gmem_tile's shape) and `barrier`, as the recurrence
+    kernels start: the initial state forward, the final-state cotangent backward."""
+    plgpu.copy_gmem_to_smem(gmem_tile, smem, barrier)
+    plgpu.barrier_wait(barrier)
+    tile = plgpu.load(smem, layout=plgpu.Layout.WGMMA)
+    plgpu.commit_smem()  # the load is done before the memory is written again
+    return tile
 
 
 class RecurrenceOperands(NamedTuple):

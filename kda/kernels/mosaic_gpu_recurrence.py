@@ -57,7 +57,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands, RecurrenceResiduals,
-                                           kernel_body, lowered_once, swizzled, swizzled_smem)
+                                           kernel_body, load_state_tile, lowered_once, swizzled,
+                                           swizzled_smem)
 
 # State columns per program: S [K, 64] float32 is 64 registers a thread at K = 128.
 BLOCK_V = 64
@@ -164,16 +165,13 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, *gme
             return decayed_state + update
 
         def initial_state():
-            """S_0 [K, block_v] float32 in registers (the compute warpgroup's, as below)."""
+            """S_0 [K, block_v] float32 in WGMMA-layout registers (in the compute warpgroup, as
+            all of the pipeline's `compute_context`)."""
             if not has_initial_state:
                 return plgpu.layout_cast(jnp.zeros(state_shape, jnp.float32),
                                          plgpu.Layout.WGMMA)
-            plgpu.copy_gmem_to_smem(s0_gmem.at[batch, head, :, columns], state_f32_smem,
-                                    state_barrier)
-            plgpu.barrier_wait(state_barrier)
-            tile = plgpu.load(state_f32_smem, layout=plgpu.Layout.WGMMA)
-            plgpu.commit_smem()  # the load is done before the buffer takes the final state
-            return tile
+            return load_state_tile(s0_gmem.at[batch, head, :, columns], state_f32_smem,
+                                   state_barrier)
 
         def store_final_state(final_state):
             """Writes the state the last chunk leaves [K, block_v] to s_final."""
