@@ -69,8 +69,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kda.chunked import ChunkedInputs
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands, RecurrenceResiduals,
                                            check_output_cotangent, cotangent_dtypes, kernel_body,
-                                           load_state_tile, lowered_once, swizzled,
-                                           swizzled_smem)
+                                           load_state_tile, lowered_once, store_state_tile,
+                                           swizzled, swizzled_smem)
 from kda.kernels.mosaic_gpu_tiles import COLUMN_VECTOR, per_column
 
 # The backward's own V tile, chosen as the forward's: dS^T [64, K] float32 is 64 registers a
@@ -179,14 +179,10 @@ def _reversed_recurrence_kernel(w_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, d_o
         recur, swizzled_smem(state_shape[::-1], OPERAND_DTYPE),
         swizzled_smem(values_shape if value_major else values_shape[::-1], d_v_new_gmem.dtype))
 
-    def store_initial_cotangent(state_smem):
-        plgpu.wait_smem_to_gmem(0)  # the last chunk's outputs are out
-        state_smem[...] = d_initial_state_t
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(state_smem, d_initial_t_gmem.at[batch, head, columns])
-        plgpu.wait_smem_to_gmem(0)
-
-    pl.run_scoped(store_initial_cotangent, swizzled_smem(state_shape, jnp.float32))
+    pl.run_scoped(
+        functools.partial(store_state_tile, d_initial_state_t,
+                          d_initial_t_gmem.at[batch, head, columns]),
+        swizzled_smem(state_shape, jnp.float32))
 
 
 @lowered_once("d_v_new_dtype")

@@ -74,6 +74,18 @@ def load_state_tile(gmem_tile, smem, barrier):
     return tile
 
 
+
+def store_state_tile(tile, gmem_tile, smem):
+    """Writes a float32 state tile from registers to GMEM by TMA through `smem` (float32,
+    swizzled, its shape), as the recurrence kernels end: the final state forward, dS_0 backward.
+    Waits first for every copy the kernel issued (the last chunk's outputs), whose buffers `smem`
+    may share, and then for its own."""
+    plgpu.wait_smem_to_gmem(0)
+    smem[...] = tile
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem, gmem_tile)
+    plgpu.wait_smem_to_gmem(0)
+
 class RecurrenceOperands(NamedTuple):
     """`kda.chunked.ChunkedInputs` as the recurrence kernel reads them (bf16 matmul operands).
 

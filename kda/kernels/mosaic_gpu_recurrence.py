@@ -57,8 +57,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands, RecurrenceResiduals,
-                                           kernel_body, load_state_tile, lowered_once, swizzled,
-                                           swizzled_smem)
+                                           kernel_body, load_state_tile, lowered_once,
+                                           store_state_tile, swizzled, swizzled_smem)
 
 # State columns per program: S [K, 64] float32 is 64 registers a thread at K = 128.
 BLOCK_V = 64
@@ -173,14 +173,6 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, *gme
             return load_state_tile(s0_gmem.at[batch, head, :, columns], state_f32_smem,
                                    state_barrier)
 
-        def store_final_state(final_state):
-            """Writes the state the last chunk leaves [K, block_v] to s_final."""
-            plgpu.wait_smem_to_gmem(0)  # the last outputs are out
-            state_f32_smem[...] = final_state
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(state_f32_smem, s_final_gmem.at[batch, head, :, columns])
-            plgpu.wait_smem_to_gmem(0)
-
         in_specs = [
             _chunk_block((chunk, key_dim), OPERAND_DTYPE, max_swizzle),  # W
             _chunk_block((chunk, block_v), jnp.float32, max_swizzle),  # U
@@ -197,7 +189,8 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, *gme
             chunk_step, grid=(num_chunks,), in_specs=in_specs,
             max_concurrent_steps=PIPELINE_STAGES, memory_registers=MEMORY_REGISTERS,
             wg_axis="wg", num_compute_wgs=1,
-            compute_context=lambda run: store_final_state(run(initial_state())))
+            compute_context=lambda run: store_state_tile(
+                run(initial_state()), s_final_gmem.at[batch, head, :, columns], state_f32_smem))
         pipeline(*chunk_inputs)
 
     pl.run_scoped(
