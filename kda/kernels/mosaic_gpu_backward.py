@@ -16,9 +16,8 @@ final-state cotangent; P_n = Aqk_n^T dO_n):
 
 The reversed kernel runs this recurrence like the forward kernel runs its own: one program per
 (batch row, value head, 64-column V tile), with the chunk's inputs streaming in by TMA while the
-previous chunk computes (`plgpu.emit_pipeline`, two stages, chunks in reverse order). It carries
-the cotangent *transposed*, `E = dS^T [64, K]` in float32 registers, and per chunk runs four
-wgmmas (M = 64):
+previous chunk computes (two stages, chunks in reverse order). It carries the cotangent
+*transposed*, `E = dS^T [64, K]` in float32 registers, and per chunk runs four wgmmas (M = 64):
 
     dV_new^T = dO^T Aqk + E Kt^T                       [64, C] x [C, C]  +  [64, K] x [K, C]
     E        = E * D + dO^T Qs + (-dV_new^T) W          [64, C] x [C, K]  +  [64, C] x [C, K]
@@ -30,6 +29,14 @@ transposed view of dO's tile as TMA brings it, the right operands the tiles as t
 H200 this took the kernel from 0.769 to 0.693 ms at 1x32768x16x128 and from 0.199 to 0.181 ms at
 2x8192x16x128 (device time; unchanged at 0.135 ms at 8x2048x16x128). (The forward kernel,
 transposed the same way, was slower: `kda.kernels.mosaic_gpu_recurrence` says why.)
+
+The loads are warp-specialized, as the forward kernel's are
+(`plgpu.emit_pipeline_warp_specialized`): a second warpgroup of `MEMORY_REGISTERS` a thread issues
+them; the one that computes carries E, issues the stores of dS and dV_new and only waits on the
+loads' barrier. The times above were measured with one warpgroup (`plgpu.emit_pipeline`); the
+split is not yet timed on a GPU. A kernel of two warpgroups allocates its shared memory for both,
+so the float32 dS_N^T and dS_0^T share theirs with the loop's buffers (`plgpu.RefUnion`), as the
+forward's initial and final state do: 164,904 bytes at K = V = 128 instead of 197,672.
 
 dO comes chunk-major, [B, HV, N, C, V], or token-major, [B, N C, HV, V]: the layout in which the
 forward kernel writes o on the kernel path (`run_recurrence`'s `token_major`), so the model's
@@ -58,8 +65,6 @@ Numerics: matmul operands bf16 (dO as given, E and -dV_new^T rounded as they bec
 accumulation and the carried cotangent float32, D read in float32.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -67,10 +72,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.chunked import ChunkedInputs
-from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands, RecurrenceResiduals,
-                                           check_output_cotangent, cotangent_dtypes, kernel_body,
-                                           load_state_tile, lowered_once, store_state_tile,
-                                           swizzled, swizzled_smem)
+from kda.kernels.mosaic_gpu_common import (MEMORY_REGISTERS, OPERAND_DTYPE, RecurrenceOperands,
+                                           RecurrenceResiduals, check_output_cotangent,
+                                           cotangent_dtypes, kernel_body, load_state_tile,
+                                           lowered_once, store_state_tile, swizzled,
+                                           swizzled_smem)
 from kda.kernels.mosaic_gpu_tiles import COLUMN_VECTOR, per_column
 
 # The backward's own V tile, chosen as the forward's: dS^T [64, K] float32 is 64 registers a
@@ -113,16 +119,14 @@ def _reversed_recurrence_kernel(w_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, d_o
         d_o_spec = _reversed_chunk_block((chunk, BLOCK_V), OPERAND_DTYPE, num_chunks)
         d_o_columns = d_o_gmem.at[batch, head, :, :, columns]
 
-    d_final_state_t = pl.run_scoped(
-        functools.partial(load_state_tile, d_final_t_gmem.at[batch, head, columns]),
-        swizzled_smem(state_shape, jnp.float32), plgpu.Barrier())
-
     def d_v_new_tile(n):
         if value_major:
             return d_v_new_gmem.at[batch, head, n, columns]
         return d_v_new_gmem.at[batch, head, n, :, columns]
 
-    def recur(d_state_smem, d_v_new_smem):
+    def recur(buffers, d_state_f32_barrier):
+        (d_state_smem, d_v_new_smem), d_state_f32_smem = buffers
+
         def chunk_step(indices, w, q, kt, a, decay, d_o, d_state_t):
             n = num_chunks - 1 - indices[0]
             d_state_operand = d_state_t.astype(OPERAND_DTYPE)
@@ -157,7 +161,16 @@ def _reversed_recurrence_kernel(w_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, d_o
 
             return pl.run_scoped(products, plgpu.ACC(values_shape), plgpu.ACC(state_shape))
 
-        pipeline = plgpu.emit_pipeline(
+        def reversed_loop(run):
+            """dS_N^T in, dS_0^T out, in the compute warpgroup (as all of the pipeline's
+            `compute_context`)."""
+            d_final_state_t = load_state_tile(d_final_t_gmem.at[batch, head, columns],
+                                              d_state_f32_smem, d_state_f32_barrier)
+            store_state_tile(run(d_final_state_t), d_initial_t_gmem.at[batch, head, columns],
+                             d_state_f32_smem)
+
+        # The compute warpgroup runs the steps; the other only issues their TMA loads.
+        pipeline = plgpu.emit_pipeline_warp_specialized(
             chunk_step,
             grid=(num_chunks,),
             in_specs=[
@@ -168,21 +181,21 @@ def _reversed_recurrence_kernel(w_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, d_o
                 _reversed_chunk_block((key_dim,), jnp.float32, num_chunks),  # chunk_decay
                 d_o_spec,  # dO
             ],
-            max_concurrent_steps=PIPELINE_STAGES,
-            init_carry=d_final_state_t,
-        )
-        return pipeline(w_gmem.at[batch, head], q_gmem.at[batch, head], kt_gmem.at[batch, head],
-                        a_gmem.at[batch, head], decay_gmem.at[batch, head],
-                        d_o_columns)
-
-    d_initial_state_t = pl.run_scoped(
-        recur, swizzled_smem(state_shape[::-1], OPERAND_DTYPE),
-        swizzled_smem(values_shape if value_major else values_shape[::-1], d_v_new_gmem.dtype))
+            max_concurrent_steps=PIPELINE_STAGES, memory_registers=MEMORY_REGISTERS,
+            wg_axis="wg", num_compute_wgs=1, compute_context=reversed_loop)
+        pipeline(w_gmem.at[batch, head], q_gmem.at[batch, head], kt_gmem.at[batch, head],
+                 a_gmem.at[batch, head], decay_gmem.at[batch, head], d_o_columns)
 
     pl.run_scoped(
-        functools.partial(store_state_tile, d_initial_state_t,
-                          d_initial_t_gmem.at[batch, head, columns]),
-        swizzled_smem(state_shape, jnp.float32))
+        recur,
+        # The loop's buffers: dS and dV_new on their way out; before and after the loop, the
+        # float32 final-state cotangent and dS_0 (as the forward kernel's initial and final state).
+        plgpu.RefUnion((swizzled_smem(state_shape[::-1], OPERAND_DTYPE),
+                        swizzled_smem(values_shape if value_major else values_shape[::-1],
+                                      d_v_new_gmem.dtype)),
+                       swizzled_smem(state_shape, jnp.float32)),
+        plgpu.Barrier(),
+        collective_axes="wg")
 
 
 @lowered_once("d_v_new_dtype")
@@ -216,6 +229,8 @@ def run_reversed_recurrence(operands: RecurrenceOperands, d_o, d_final_state,
             jax.ShapeDtypeStruct((batch, heads, value_dim, key_dim), jnp.float32)),
         grid=(batch, heads, value_dim // BLOCK_V),
         grid_names=("batch", "heads", "v_tiles"),
+        num_threads=2,
+        thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )
     d_states, d_v_new, d_initial_state_t = run(

@@ -15,6 +15,9 @@ from kda.chunked import ChunkedInputs
 
 OPERAND_DTYPE = jnp.bfloat16  # every wgmma operand; accumulators are float32
 SUPPORTED_DIMS = (64, 128)  # K and V; K = 256 would not fit two pipeline stages in shared memory
+# Registers a thread of the recurrence kernels' TMA warpgroup, which only issues their loads
+# (`plgpu.emit_pipeline_warp_specialized`, whose docstring suggests 40 for the H100).
+MEMORY_REGISTERS = 40
 
 
 def lowered_once(*static_argnames: str):

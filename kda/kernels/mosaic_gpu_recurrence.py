@@ -56,9 +56,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, RecurrenceOperands, RecurrenceResiduals,
-                                           kernel_body, load_state_tile, lowered_once,
-                                           store_state_tile, swizzled, swizzled_smem)
+from kda.kernels.mosaic_gpu_common import (MEMORY_REGISTERS, OPERAND_DTYPE, RecurrenceOperands,
+                                           RecurrenceResiduals, kernel_body, load_state_tile,
+                                           lowered_once, store_state_tile, swizzled,
+                                           swizzled_smem)
 
 # State columns per program: S [K, 64] float32 is 64 registers a thread at K = 128.
 BLOCK_V = 64
@@ -68,8 +69,6 @@ BLOCK_V = 64
 # 64-byte swizzles too.
 NARROW_BLOCK_V = 32
 PIPELINE_STAGES = 2
-# Registers a thread of the warp-specialized kernel's TMA warpgroup.
-MEMORY_REGISTERS = 40
 
 
 def choose_block_v(batch_heads: int, value_dim: int, num_sms: int) -> int:
