@@ -30,13 +30,13 @@ H200 this took the kernel from 0.769 to 0.693 ms at 1x32768x16x128 and from 0.19
 2x8192x16x128 (device time; unchanged at 0.135 ms at 8x2048x16x128). (The forward kernel,
 transposed the same way, was slower: `kda.kernels.mosaic_gpu_recurrence` says why.)
 
-The loads are warp-specialized, as the forward kernel's are
-(`plgpu.emit_pipeline_warp_specialized`): a second warpgroup of `MEMORY_REGISTERS` a thread issues
-them; the one that computes carries E, issues the stores of dS and dV_new and only waits on the
-loads' barrier. The times above were measured with one warpgroup (`plgpu.emit_pipeline`). On
-the H200 the split took the whole forward+backward at 1x32768x16x128 from 4.831 to 4.742 ms
-(device time, one process each; the reversed kernel's own share was not isolated). A kernel of two warpgroups allocates its shared memory for both,
-so the float32 dS_N^T and dS_0^T share theirs with the loop's buffers (`plgpu.RefUnion`), as the
+The loads are warp-specialized, as the forward kernel's are (`chunk_pipeline`): a second
+warpgroup issues them; the one that computes carries E, issues the stores of dS and dV_new and
+only waits on the loads' barrier. The times above were measured with one warpgroup
+(`plgpu.emit_pipeline`). On the H200 the split took the whole forward+backward at
+1x32768x16x128 from 4.831 to 4.742 ms (device time, one process each; the reversed kernel's own
+share was not isolated). A kernel of two warpgroups allocates its shared memory for both, so the
+float32 dS_N^T and dS_0^T share theirs with the loop's buffers (`plgpu.RefUnion`), as the
 forward's initial and final state do: 164,904 bytes at K = V = 128 instead of 197,672.
 
 dO comes chunk-major, [B, HV, N, C, V], or token-major, [B, N C, HV, V]: the layout in which the
@@ -73,11 +73,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.chunked import ChunkedInputs
-from kda.kernels.mosaic_gpu_common import (MEMORY_REGISTERS, OPERAND_DTYPE, RecurrenceOperands,
+from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, WARPGROUP_AXIS, RecurrenceOperands,
                                            RecurrenceResiduals, check_output_cotangent,
-                                           cotangent_dtypes, kernel_body, load_state_tile,
-                                           lowered_once, store_state_tile, swizzled,
-                                           swizzled_smem)
+                                           chunk_pipeline, cotangent_dtypes, kernel_body,
+                                           load_state_tile, lowered_once, store_state_tile,
+                                           swizzled, swizzled_smem)
 from kda.kernels.mosaic_gpu_tiles import COLUMN_VECTOR, per_column
 
 # The backward's own V tile, chosen as the forward's: dS^T [64, K] float32 is 64 registers a
@@ -170,20 +170,16 @@ def _reversed_recurrence_kernel(w_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, d_o
             store_state_tile(run(d_final_state_t), d_initial_t_gmem.at[batch, head, columns],
                              d_state_f32_smem)
 
-        # The compute warpgroup runs the steps; the other only issues their TMA loads.
-        pipeline = plgpu.emit_pipeline_warp_specialized(
-            chunk_step,
-            grid=(num_chunks,),
-            in_specs=[
-                _reversed_chunk_block((chunk, key_dim), OPERAND_DTYPE, num_chunks),  # W
-                _reversed_chunk_block((chunk, key_dim), OPERAND_DTYPE, num_chunks),  # Qs
-                _reversed_chunk_block((key_dim, chunk), OPERAND_DTYPE, num_chunks),  # Kt^T
-                _reversed_chunk_block((chunk, chunk), OPERAND_DTYPE, num_chunks),  # Aqk
-                _reversed_chunk_block((key_dim,), jnp.float32, num_chunks),  # chunk_decay
-                d_o_spec,  # dO
-            ],
-            max_concurrent_steps=PIPELINE_STAGES, memory_registers=MEMORY_REGISTERS,
-            wg_axis="wg", num_compute_wgs=1, compute_context=reversed_loop)
+        in_specs = [
+            _reversed_chunk_block((chunk, key_dim), OPERAND_DTYPE, num_chunks),  # W
+            _reversed_chunk_block((chunk, key_dim), OPERAND_DTYPE, num_chunks),  # Qs
+            _reversed_chunk_block((key_dim, chunk), OPERAND_DTYPE, num_chunks),  # Kt^T
+            _reversed_chunk_block((chunk, chunk), OPERAND_DTYPE, num_chunks),  # Aqk
+            _reversed_chunk_block((key_dim,), jnp.float32, num_chunks),  # chunk_decay
+            d_o_spec,  # dO
+        ]
+        pipeline = chunk_pipeline(chunk_step, in_specs, num_chunks, PIPELINE_STAGES,
+                                  compute_context=reversed_loop)
         pipeline(w_gmem.at[batch, head], q_gmem.at[batch, head], kt_gmem.at[batch, head],
                  a_gmem.at[batch, head], decay_gmem.at[batch, head], d_o_columns)
 
@@ -196,7 +192,7 @@ def _reversed_recurrence_kernel(w_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, d_o
                                       d_v_new_gmem.dtype)),
                        swizzled_smem(state_shape, jnp.float32)),
         plgpu.Barrier(),
-        collective_axes="wg")
+        collective_axes=WARPGROUP_AXIS)
 
 
 @lowered_once("d_v_new_dtype")
@@ -231,7 +227,7 @@ def run_reversed_recurrence(operands: RecurrenceOperands, d_o, d_final_state,
         grid=(batch, heads, value_dim // BLOCK_V),
         grid_names=("batch", "heads", "v_tiles"),
         num_threads=2,
-        thread_name="wg",
+        thread_name=WARPGROUP_AXIS,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )
     d_states, d_v_new, d_initial_state_t = run(

@@ -1,5 +1,6 @@
 """What the Mosaic GPU KDA kernels share: operand dtype, SMEM tile layouts, how a launch is
-jitted, the recurrence kernel's operands (the contract between the chunk preparation and the
+jitted, the two recurrence kernels' warp-specialized loop over chunks, the recurrence kernel's
+operands (the contract between the chunk preparation and the
 recurrence over chunks) and the residuals of both forward kernels (their contracts with their
 backward kernels)."""
 
@@ -15,8 +16,11 @@ from kda.chunked import ChunkedInputs
 
 OPERAND_DTYPE = jnp.bfloat16  # every wgmma operand; accumulators are float32
 SUPPORTED_DIMS = (64, 128)  # K and V; K = 256 would not fit two pipeline stages in shared memory
-# Registers a thread of the recurrence kernels' TMA warpgroup, which only issues their loads
-# (`plgpu.emit_pipeline_warp_specialized`, whose docstring suggests 40 for the H100).
+# The recurrence kernels run two warpgroups on this axis (`plgpu.kernel(num_threads=2,
+# thread_name=WARPGROUP_AXIS)`): one computes the chunk steps, one only issues their TMA loads.
+WARPGROUP_AXIS = "wg"
+# Registers a thread of the loading warpgroup (`plgpu.emit_pipeline_warp_specialized`'s
+# docstring suggests 40 for the H100).
 MEMORY_REGISTERS = 40
 
 
@@ -34,6 +38,19 @@ def kernel_body(body, **static):
     after its body (in profiles and lowered modules), and a bare `functools.partial` is
     "anonymous"."""
     return functools.update_wrapper(functools.partial(body, **static), body)
+
+
+def chunk_pipeline(chunk_step, in_specs, num_chunks: int, stages: int, compute_context):
+    """The recurrence kernels' loop over chunks, warp-specialized: `chunk_step(indices, *blocks,
+    carry) -> carry` runs in the compute warpgroup while the other issues the TMA loads of
+    `in_specs` up to `stages` steps ahead. `compute_context(run)` also runs in the compute
+    warpgroup only: it gives `run` the initial carry and takes the final one. Call the result on
+    the GMEM refs of `in_specs`; the kernel's scoped buffers must be allocated with
+    `collective_axes=WARPGROUP_AXIS`, since both warpgroups reach that allocation."""
+    return plgpu.emit_pipeline_warp_specialized(
+        chunk_step, grid=(num_chunks,), in_specs=in_specs, max_concurrent_steps=stages,
+        memory_registers=MEMORY_REGISTERS, wg_axis=WARPGROUP_AXIS, num_compute_wgs=1,
+        compute_context=compute_context)
 
 
 def check_output_cotangent(d_o, chunk_major_shape):

@@ -56,10 +56,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda.kernels.mosaic_gpu_common import (MEMORY_REGISTERS, OPERAND_DTYPE, RecurrenceOperands,
-                                           RecurrenceResiduals, kernel_body, load_state_tile,
-                                           lowered_once, store_state_tile, swizzled,
-                                           swizzled_smem)
+from kda.kernels.mosaic_gpu_common import (OPERAND_DTYPE, WARPGROUP_AXIS, RecurrenceOperands,
+                                           RecurrenceResiduals, chunk_pipeline, kernel_body,
+                                           load_state_tile, lowered_once, store_state_tile,
+                                           swizzled, swizzled_smem)
 
 # State columns per program: S [K, 64] float32 is 64 registers a thread at K = 128.
 BLOCK_V = 64
@@ -183,11 +183,8 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, *gme
         chunk_inputs = (w_gmem.at[batch, head], u_gmem.at[batch, head, :, :, columns],
                         q_gmem.at[batch, head], kt_gmem.at[batch, head], a_gmem.at[batch, head],
                         decay_gmem.at[batch, head])
-        # The compute warpgroup runs the steps; the other only issues their TMA loads.
-        pipeline = plgpu.emit_pipeline_warp_specialized(
-            chunk_step, grid=(num_chunks,), in_specs=in_specs,
-            max_concurrent_steps=PIPELINE_STAGES, memory_registers=MEMORY_REGISTERS,
-            wg_axis="wg", num_compute_wgs=1,
+        pipeline = chunk_pipeline(
+            chunk_step, in_specs, num_chunks, PIPELINE_STAGES,
             compute_context=lambda run: store_state_tile(
                 run(initial_state()), s_final_gmem.at[batch, head, :, columns], state_f32_smem))
         pipeline(*chunk_inputs)
@@ -201,7 +198,7 @@ def _recurrence_kernel(w_gmem, u_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, *gme
                         swizzled_smem((2, chunk, block_v), o_gmem.dtype)),
                        swizzled_smem(state_shape, jnp.float32)),
         plgpu.Barrier(),
-        collective_axes="wg")
+        collective_axes=WARPGROUP_AXIS)
 
 
 @lowered_once("out_dtype", "save_for_backward", "token_major", "block_v")
@@ -237,7 +234,7 @@ def run_recurrence(operands: RecurrenceOperands, initial_state, out_dtype, *,
         grid=(batch, heads, value_dim // block_v),
         grid_names=("batch", "heads", "v_tiles"),
         num_threads=2,
-        thread_name="wg",
+        thread_name=WARPGROUP_AXIS,
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
