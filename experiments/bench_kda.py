@@ -402,6 +402,10 @@ def run(shapes: list[Shape], table: dict[str, Callable], dtype, repeats: int,
                 results[(str(shape), name)] = Timing(note=f"skipped: > {REFERENCE_MAX_TOKENS} "
                                                           "tokens")
                 continue
+            # Getting a contender ready (compiling; fla's first calls autotune) takes seconds to
+            # minutes a row, so say which one a run is waiting on.
+            print(f"{shape} {name}: getting ready", flush=True)
+            start = time.perf_counter()
             try:
                 contender = bench(inputs)
                 for _, call in _calls(contender):  # a call that fails does so here, not timed
@@ -411,6 +415,7 @@ def run(shapes: list[Shape], table: dict[str, Callable], dtype, repeats: int,
                                                           f"{str(error).splitlines()[0][:100]}")
                 print(f"{shape} {name}: {results[(str(shape), name)].note}", file=sys.stderr)
                 continue
+            print(f"{shape} {name}: ready in {time.perf_counter() - start:.1f} s", flush=True)
             ready[name] = contender
             results[(str(shape), name)] = contender.timing
             on_progress(results)  # what is known so far survives a run cut short

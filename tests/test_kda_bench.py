@@ -39,9 +39,10 @@ def test_errors_are_measured_against_the_chunked_op_else_the_first_kda_row(names
     assert bench_kda.error_anchor(names) == anchor
 
 
-def test_a_run_without_the_chunked_op_still_checks_that_outputs_agree():
+def test_a_run_without_the_chunked_op_still_checks_that_outputs_agree(capsys):
     """--impls mosaic_gpu --peers jla fla (the GPU runs' usual choice) has no chunked row: the
-    peers' errors are measured against our kernel's output instead."""
+    peers' errors are measured against our kernel's output instead. Each row's getting ready is
+    announced, as fla's autotuning makes it minutes long."""
     outputs = {"mosaic_gpu": np.ones(8), "recurrence: mosaic_gpu": None,
                "jla mosaic_gpu": np.full(8, 1.01), "fla chunk_kda": np.full(8, 0.98)}
     table = {name: (lambda inputs, output=output: bench_kda.Contender(
@@ -52,6 +53,10 @@ def test_a_run_without_the_chunked_op_still_checks_that_outputs_agree():
     errors = {name: results[("1x64x1x16", name)].error for name in outputs}
     assert errors == pytest.approx({"mosaic_gpu": 0.0, "recurrence: mosaic_gpu": None,
                                     "jla mosaic_gpu": 0.01, "fla chunk_kda": 0.02})
+    printed = capsys.readouterr().out
+    for name in outputs:
+        assert f"1x64x1x16 {name}: getting ready" in printed
+        assert f"1x64x1x16 {name}: ready in " in printed
 
 
 def test_contenders_are_timed_in_turns(monkeypatch):
