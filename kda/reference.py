@@ -7,6 +7,13 @@ Per value head, with a float32 state `S [K, V]`, for each token t:
     o_t = S^T (scale * q_t)                 read after the write, so o_t sees token t
 
 `recurrent_step` is that update for one token; it is also the decode step of `kda.layer.KDA`.
+
+A plain scan's gradient keeps the state of every token: T x [B, HV, K, V] float32, 16 GiB a copy
+at 2 x 8192 x 16 x 128 (54 GiB of temporaries in all, by XLA's memory analysis on CPU), which
+kept the GPU tests from sharing an H200. Where those states would pass `KEPT_STATES_MAX_BYTES`,
+the scan runs over blocks of `REMAT_BLOCK` tokens whose insides the gradient recomputes
+(`jax.checkpoint`), keeping T / REMAT_BLOCK + REMAT_BLOCK states (2.1 GiB of temporaries there).
+The arithmetic is the same token by token; on CPU the results are the plain scan's to the bit.
 """
 
 import jax
@@ -14,6 +21,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from kda.common import document_starts, einsum, prepare_qk
+
+REMAT_BLOCK = 64  # tokens between the states that the gradient keeps
+# Below this the plain scan: its gradient compiles faster (0.3-0.5 s less a compile on CPU).
+KEPT_STATES_MAX_BYTES = 2**30
 
 
 def recurrent_step(state, q_t, k_t, v_t, g_t, beta_t):
@@ -81,9 +92,38 @@ def kda_reference(
         state = jnp.where(start[:, None, None, None], 0.0, state)
         return recurrent_step(state, *token)
 
-    time_major = lambda x: jnp.moveaxis(x, 1, 0)  # noqa: E731
     inputs = (starts, q, k, v.astype(dtype), g.astype(dtype), beta.astype(dtype))
-    final_state, o = lax.scan(step, initial_state.astype(dtype),
-                              jax.tree.map(time_major, inputs))
-    o = jnp.moveaxis(o, 0, 1).astype(v.dtype)
-    return o, (final_state if output_final_state else None)
+    final_state, o = _scan_tokens(step, initial_state.astype(dtype), inputs)
+    return o.astype(v.dtype), (final_state if output_final_state else None)
+
+
+def _scan_tokens(step, state, inputs):
+    """`lax.scan(step, state, inputs)` over the time axis 1 of `inputs` ([B, T, ...] each).
+
+    Where T states would pass `KEPT_STATES_MAX_BYTES`, an outer scan over blocks of
+    `REMAT_BLOCK` tokens and an inner, checkpointed scan within a block; T is then padded to
+    whole blocks with tokens that leave the state as it is (no decay, no write: g = 0, beta = 0)
+    and whose outputs are dropped.
+
+    Returns:
+      (final state, outputs [B, T, ...] of `step`).
+    """
+    length = inputs[0].shape[1]
+    if length * state.size * state.dtype.itemsize <= KEPT_STATES_MAX_BYTES:
+        state, out = lax.scan(step, state, jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), inputs))
+        return state, jnp.moveaxis(out, 0, 1)
+    blocks = -(-length // REMAT_BLOCK)
+    pad = blocks * REMAT_BLOCK - length
+
+    def blocked(x):  # [B, T, ...] -> [blocks, REMAT_BLOCK, B, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(x.shape[0], blocks, REMAT_BLOCK, *x.shape[2:])
+        return jnp.moveaxis(x, 0, 2)
+
+    @jax.checkpoint
+    def block_step(state, block_inputs):
+        return lax.scan(step, state, block_inputs)
+
+    state, out = lax.scan(block_step, state, jax.tree.map(blocked, inputs))
+    out = jnp.moveaxis(out.reshape(blocks * REMAT_BLOCK, *out.shape[2:]), 0, 1)
+    return state, out[:, :length]

@@ -121,6 +121,20 @@ def test_reference_gradients_match_finite_differences():
                                   atol=1e-6, rtol=1e-6, eps=1e-6)
 
 
+def test_reference_in_rematerialised_blocks_gives_what_the_plain_scan_gives(monkeypatch):
+    """Past `KEPT_STATES_MAX_BYTES` the oracle scans blocks of tokens whose states its gradient
+    recomputes: the output, final state and every gradient are the plain scan's, to the bit
+    (T = 150 pads the last block; documents restart inside blocks)."""
+    inputs = make_inputs(7, 2, 150, 1, 2, 16, 16, gate="softplus", initial_state=True,
+                         segments=True)
+    plain = _loss_and_grads("reference", inputs, None)
+    monkeypatch.setattr(kda.reference, "KEPT_STATES_MAX_BYTES", 0)
+    blocked = _loss_and_grads("reference", inputs, None)
+    assert blocked.keys() == plain.keys()
+    for name in plain:
+        np.testing.assert_array_equal(blocked[name], plain[name], err_msg=name)
+
+
 def time_slice(inputs, start, stop, initial_state=None):
     """The inputs of tokens [start, stop), continuing from `initial_state`."""
     sliced = {n: inputs[n][:, start:stop] for n in ("q", "k", "v", "g", "beta", "segment_ids")
