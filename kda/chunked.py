@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kda.common import document_starts, einsum, prepare_qk
+from kda.common import document_starts, einsum, pad_tokens, prepare_qk
 
 CHUNK_SIZE = 64
 TILE_SIZE = 16
@@ -236,14 +236,12 @@ def prepare_chunks(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm, gate_
     key_dim, dtype = q.shape[-1], q.dtype
     starts = document_starts(segment_ids)
 
-    # Padded tokens (k = v = beta = g = 0) leave the state untouched; their outputs are dropped.
+    # Padded tokens leave the state untouched; their outputs are dropped.
     num_chunks = -(-length // chunk_size)
-    pad = num_chunks * chunk_size - length
 
     def to_chunks(x):
         """[B, T, HV, ...] -> [B, HV, N, C, ...] in the compute dtype."""
-        x = jnp.pad(x.astype(dtype), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        return tokens_to_chunks(x, chunk_size)
+        return tokens_to_chunks(pad_tokens(x.astype(dtype), chunk_size), chunk_size)
 
     q, k, v, g = map(to_chunks, (q, k, v, g))
     beta = to_chunks(beta)[..., None]  # [B, HV, N, C, 1]
@@ -253,7 +251,7 @@ def prepare_chunks(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm, gate_
     decay_to_end = jnp.exp(G[..., -1:, :] - G)
     chunk_decay = decay_from_start[..., -1, :]  # [B, HV, N, K]
     if starts is not None:
-        starts = jnp.pad(starts, ((0, 0), (0, pad)))
+        starts = pad_tokens(starts, chunk_size)
         same_document, reads_state, writes_state, keeps_state = (
             m[:, None] for m in _document_masks(starts, num_chunks, chunk_size))
         Aqk = jnp.where(same_document, Aqk, 0.0)

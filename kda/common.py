@@ -79,6 +79,13 @@ def prepare_qk_vjp(q, k, d_q, d_k, *, scale, use_qk_l2norm):
     return input_cotangent(q, d_q * scale), input_cotangent(k, d_k)
 
 
+def pad_tokens(x: jax.Array, multiple: int, axis: int = 1) -> jax.Array:
+    """`x` with zeros appended along its token axis (`axis`, of length T) up to a multiple of
+    `multiple` tokens. Zero tokens (k = v = beta = g = 0) leave a KDA state as it is."""
+    pad = -x.shape[axis] % multiple
+    return jnp.pad(x, [(0, pad) if i == axis else (0, 0) for i in range(x.ndim)])
+
+
 def document_starts(segment_ids: jax.Array | None) -> jax.Array | None:
     """Marks the tokens where a new packed document begins (the state restarts from zero).
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kda.common import document_starts, einsum, prepare_qk
+from kda.common import document_starts, einsum, pad_tokens, prepare_qk
 
 REMAT_BLOCK = 64  # tokens between the states that the gradient keeps
 # Below this the plain scan: its gradient compiles faster (0.3-0.5 s less a compile on CPU).
@@ -102,28 +102,21 @@ def _scan_tokens(step, state, inputs):
 
     Where T states would pass `KEPT_STATES_MAX_BYTES`, an outer scan over blocks of
     `REMAT_BLOCK` tokens and an inner, checkpointed scan within a block; T is then padded to
-    whole blocks with tokens that leave the state as it is (no decay, no write: g = 0, beta = 0)
-    and whose outputs are dropped.
+    whole blocks with tokens that leave the state as it is (`pad_tokens`) and whose outputs are
+    dropped.
 
     Returns:
       (final state, outputs [B, T, ...] of `step`).
     """
     length = inputs[0].shape[1]
+    time_major = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), inputs)  # [T, B, ...] each
     if length * state.size * state.dtype.itemsize <= KEPT_STATES_MAX_BYTES:
-        state, out = lax.scan(step, state, jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), inputs))
-        return state, jnp.moveaxis(out, 0, 1)
-    blocks = -(-length // REMAT_BLOCK)
-    pad = blocks * REMAT_BLOCK - length
-
-    def blocked(x):  # [B, T, ...] -> [blocks, REMAT_BLOCK, B, ...]
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        x = x.reshape(x.shape[0], blocks, REMAT_BLOCK, *x.shape[2:])
-        return jnp.moveaxis(x, 0, 2)
-
-    @jax.checkpoint
-    def block_step(state, block_inputs):
-        return lax.scan(step, state, block_inputs)
-
-    state, out = lax.scan(block_step, state, jax.tree.map(blocked, inputs))
-    out = jnp.moveaxis(out.reshape(blocks * REMAT_BLOCK, *out.shape[2:]), 0, 1)
-    return state, out[:, :length]
+        state, out = lax.scan(step, state, time_major)
+    else:
+        blocked = jax.tree.map(  # [T, B, ...] -> [blocks, REMAT_BLOCK, B, ...]
+            lambda x: pad_tokens(x, REMAT_BLOCK, axis=0).reshape(-1, REMAT_BLOCK, *x.shape[1:]),
+            time_major)
+        block_step = jax.checkpoint(lambda state, block: lax.scan(step, state, block))
+        state, out = lax.scan(block_step, state, blocked)
+        out = out.reshape(-1, *out.shape[2:])[:length]
+    return state, jnp.moveaxis(out, 0, 1)
