@@ -554,6 +554,30 @@ def anchor_words(anchor: str | None) -> str:
     return "our chunked op" if anchor == "chunked" else f"the {anchor} row's output"
 
 
+def row_names(results, names: list[str]) -> list[str]:
+    """The table's rows at each shape: this run's contenders `names`, after those of the rows in
+    `results` (which hold the rows kept from a resumed run, whose contenders may differ), in the
+    order first seen."""
+    return list(dict.fromkeys([name for _, name in results] + names))
+
+
+def anchors_sentence(results, shapes, names: list[str]) -> str:
+    """What the errors are measured against: each shape's `error_anchor` among the rows it was
+    timed with (this run's `names` for a shape not yet timed; a resumed run's kept shapes may
+    have had others), one phrase if every shape shares it."""
+    by_shape = {}
+    for shape in shapes:
+        timed_names = [name for row_shape, name in results if row_shape == str(shape)]
+        by_shape[str(shape)] = error_anchor(timed_names or names)
+    if len(set(by_shape.values())) == 1:
+        return anchor_words(next(iter(by_shape.values())))
+    shapes_of = collections.defaultdict(list)
+    for shape, anchor in by_shape.items():
+        shapes_of[anchor].append(shape)
+    return "; ".join(f"{anchor_words(anchor)} at {', '.join(anchor_shapes)}"
+                     for anchor, anchor_shapes in shapes_of.items())
+
+
 def write_table(path: Path, results, shapes, names, baseline: str, command: str, gpu: bool):
     peers = ("torch", "triton", "fla-core", "jax-linear-attention") if gpu else ()
     lines = report_preamble(
@@ -565,7 +589,8 @@ def write_table(path: Path, results, shapes, names, baseline: str, command: str,
         f"{ROUNDS} turns over all contenders of a shape (each turn starting one contender "
         f"further on) after at least {WARMUP_SECONDS} s of warm-up calls, in milliseconds. "
         f"'vs {baseline}' = {baseline}'s time / this row's time (above 1: this row is faster).",
-        f"- Error: relative L2 error of the output against {anchor_words(error_anchor(names))}. "
+        f"- Error: relative L2 error of the output against "
+        f"{anchors_sentence(results, shapes, names)}. "
         "Memory: arguments, "
         "outputs and temporaries of the forward+backward (XLA's analysis; torch's peak for fla).",
         "- Device ms (`--device-time`): the device ops of one call summed from a profiler trace, "
@@ -578,7 +603,7 @@ def write_table(path: Path, results, shapes, names, baseline: str, command: str,
     ]
     for shape in shapes:
         base = results.get((str(shape), baseline), Timing())
-        for name in names:
+        for name in row_names(results, names):
             t = results.get((str(shape), name), Timing(note="not run"))
             measured = t.forward_device_ms is not None
             device = (f"{cell(t.forward_device_ms, '.3f')} / "

@@ -108,6 +108,27 @@ def test_a_resumed_run_times_only_the_shapes_not_yet_timed(tmp_path, monkeypatch
     assert made == ["1x96x2x16", "1x80x2x16"]
 
 
+def test_a_resumed_run_with_other_contenders_keeps_the_earlier_rows(tmp_path):
+    """A shape kept by --resume shows the rows it was timed with, also those of contenders this
+    run leaves out (they read "not run" at the shapes timed now), and the preamble names what each
+    shape's errors were measured against."""
+    out = tmp_path / "kda.md"
+    common = ["--repeats", "1", "--out", str(out)]
+    bench_kda.main(["--shapes", "1x80x2x16", "--impls", "reference", "chunked", *common])
+    bench_kda.main(["--shapes", "1x80x2x16", "1x96x2x16", "--impls", "reference", "--resume",
+                    *common])
+    text = out.read_text()
+    rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): line.split("|")
+            for line in text.splitlines() if line.startswith("| 1x")}
+    assert list(rows) == [("1x80x2x16", "reference"), ("1x80x2x16", "chunked"),
+                          ("1x96x2x16", "reference"), ("1x96x2x16", "chunked")]
+    assert float(rows[("1x80x2x16", "reference")][7]) < 1e-5  # against the kept chunked row
+    assert rows[("1x96x2x16", "chunked")][11].strip() == "not run"
+    assert rows[("1x96x2x16", "reference")][7].strip() == "–"  # nothing to measure it against
+    assert ("against our chunked op at 1x80x2x16; nothing (no whole-KDA contender besides the "
+            "reference ran) at 1x96x2x16." in text)
+
+
 def test_malformed_shapes_are_refused(capsys):
     with pytest.raises(SystemExit):
         bench_kda.main(["--shapes", "1x80x2"])
