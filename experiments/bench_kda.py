@@ -565,15 +565,12 @@ def anchors_sentence(results, shapes, names: list[str]) -> str:
     """What the errors are measured against: each shape's `error_anchor` among the rows it was
     timed with (this run's `names` for a shape not yet timed; a resumed run's kept shapes may
     have had others), one phrase if every shape shares it."""
-    by_shape = {}
-    for shape in shapes:
-        timed_names = [name for row_shape, name in results if row_shape == str(shape)]
-        by_shape[str(shape)] = error_anchor(timed_names or names)
-    if len(set(by_shape.values())) == 1:
-        return anchor_words(next(iter(by_shape.values())))
-    shapes_of = collections.defaultdict(list)
-    for shape, anchor in by_shape.items():
-        shapes_of[anchor].append(shape)
+    shapes_of = collections.defaultdict(list)  # anchor -> the shapes measured against it
+    for shape in map(str, shapes):
+        timed_names = [name for row_shape, name in results if row_shape == shape]
+        shapes_of[error_anchor(timed_names or names)].append(shape)
+    if len(shapes_of) == 1:
+        return anchor_words(next(iter(shapes_of)))
     return "; ".join(f"{anchor_words(anchor)} at {', '.join(anchor_shapes)}"
                      for anchor, anchor_shapes in shapes_of.items())
 
@@ -590,9 +587,8 @@ def write_table(path: Path, results, shapes, names, baseline: str, command: str,
         f"further on) after at least {WARMUP_SECONDS} s of warm-up calls, in milliseconds. "
         f"'vs {baseline}' = {baseline}'s time / this row's time (above 1: this row is faster).",
         f"- Error: relative L2 error of the output against "
-        f"{anchors_sentence(results, shapes, names)}. "
-        "Memory: arguments, "
-        "outputs and temporaries of the forward+backward (XLA's analysis; torch's peak for fla).",
+        f"{anchors_sentence(results, shapes, names)}. Memory: arguments, outputs and "
+        "temporaries of the forward+backward (XLA's analysis; torch's peak for fla).",
         "- Device ms (`--device-time`): the device ops of one call summed from a profiler trace, "
         "fwd / fwd+bwd, and the same ratios on them: the kernels' work without the host's launch "
         "work, which a call that is waited for pays in full and a training step hides.",
@@ -601,9 +597,10 @@ def write_table(path: Path, results, shapes, names, baseline: str, command: str,
         f"{baseline} | error | memory MiB | device ms | device vs {baseline} | note |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    rows = row_names(results, names)
     for shape in shapes:
         base = results.get((str(shape), baseline), Timing())
-        for name in row_names(results, names):
+        for name in rows:
             t = results.get((str(shape), name), Timing(note="not run"))
             measured = t.forward_device_ms is not None
             device = (f"{cell(t.forward_device_ms, '.3f')} / "
