@@ -10,7 +10,7 @@
 
 The four products are those of the MoE layer's expert matmuls that are ragged in their rows: the
 two forward products and their input gradients (rhs transposed). Each is timed for
-`moe.ragged_matmul_mgpu.ragged_matmul` under every config of `SWEEP_CONFIGS`, for JAX's bundled
+`moe.kernels.mosaic_gpu.ragged_matmul.ragged_matmul` under every config of `SWEEP_CONFIGS`, for JAX's bundled
 `ragged_dot_mgpu` with the tiles `moe.grouped_matmul` used before our kernel replaced it (swept on
 an H200), and for XLA's dense `jnp.dot`
 of the same FLOPs ([M, K] x [K, N]). Group sizes are one multinomial draw of M rows over G equal
@@ -19,7 +19,7 @@ groups (fixed seed), as uniform routing gives. Every grouped result is checked a
 
 The two weight gradients (lhs [M, K]^T x out_grad [M, N] reduced over each group's rows, [G, K,
 N]: the gradients of the two forward products' weights) are timed for
-`moe.ragged_matmul_mgpu.transposed_ragged_matmul` under every config of
+`moe.kernels.mosaic_gpu.ragged_matmul.transposed_ragged_matmul` under every config of
 `TRANSPOSED_SWEEP_CONFIGS` (the default one is what `moe.grouped_matmul.weight_gradient` runs),
 for JAX's bundled `transposed_ragged_dot_mgpu` with its best tiles from our sweeps
 (`BUNDLED_WEIGHT_GRAD_TILES`; GPU only: it has no interpret mode), and for
@@ -56,7 +56,7 @@ from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_d
 from experiments.profiling import command_line, median_seconds
 from moe import dispatch
 from moe.activations import GLUActivation
-from moe.ragged_matmul_mgpu import (
+from moe.kernels.mosaic_gpu.ragged_matmul import (
     SWEEP_CONFIGS,
     TRANSPOSED_SWEEP_CONFIGS,
     interpreted_on_cpu,
@@ -463,7 +463,7 @@ def markdown(size: BenchSize, rows: list[dict], command: str) -> str:
     device = jax.devices()[0]
     timers = sorted({row["timer"] for row in rows if "timer" in row})
     lines = [
-        "# Grouped GEMMs of the MoE: ours (moe.ragged_matmul_mgpu) vs JAX's bundled kernels",
+        "# Grouped GEMMs of the MoE: ours (moe.kernels.mosaic_gpu.ragged_matmul) vs JAX's bundled kernels",
         "",
         f"Command: `{command}`",
         "",

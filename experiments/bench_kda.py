@@ -38,11 +38,11 @@ import numpy as np
 import kda
 from experiments.profiling import command_line, ops_markdown, profile_device_ops
 from kda.chunked import CHUNK_SIZE, chunk_recurrence, prepare_chunks
-from kda.kernels import triton as triton_path
-from kda.kernels.mosaic_gpu import kernel_recurrence
-from kda.kernels.mosaic_gpu_common import recurrence_operands
-from kda.kernels.mosaic_gpu_prepare import prepare_chunks_kernel
-from kda.kernels.sequence_parallel import choose_num_segments
+from kda.kernels.triton import op as triton_path
+from kda.kernels.mosaic_gpu.op import kernel_recurrence
+from kda.kernels.mosaic_gpu.common import recurrence_operands
+from kda.kernels.mosaic_gpu.prepare import prepare_chunks_kernel
+from kda.kernels.mosaic_gpu.sequence_parallel import choose_num_segments
 
 CPU_SHAPES = ["1x1024x4x64", "1x4096x4x64", "1x16384x4x64"]
 GPU_SHAPES = ["8x2048x16x128", "2x8192x16x128", "1x32768x16x128", "1x65536x32x128",

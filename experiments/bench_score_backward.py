@@ -1,6 +1,6 @@
 """Times the score-tile backward kernel of KDA's preparation with two and four warpgroups.
 
-`kda.kernels.mosaic_gpu_score_backward.score_backward` ([token, key] orientation, one program a
+`kda.kernels.mosaic_gpu.score_backward.score_backward` ([token, key] orientation, one program a
 chunk) with two warpgroups (two programs an SM) and, where K = 128, with four (one program an SM),
 on random inputs of the shapes and dtypes the preparation's VJP hands it (dAkk masked like kernel
 1's), and the relative difference of the four-warpgroup outputs from the two-warpgroup ones. The
@@ -27,8 +27,8 @@ from jax.sharding import AbstractDevice, AbstractMesh
 
 from experiments.profiling import median_seconds
 from kda.chunked import ChunkedInputs
-from kda.kernels.mosaic_gpu_score_backward import SLAB, score_backward
-from kda.kernels.mosaic_gpu_tiles import CHUNK
+from kda.kernels.mosaic_gpu.score_backward import SLAB, score_backward
+from kda.kernels.mosaic_gpu.tiles import CHUNK
 
 LOWER_BOUND = -5.0
 

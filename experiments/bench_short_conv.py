@@ -14,8 +14,8 @@ from the parts' cotangents), medians of `--repeats` calls; both paths are compar
 float32 answer. Wall times include the host's dispatch of each call, a large part of a sub-ms
 call; the device columns sum one call's device ops from a profiler trace. `--tiles` times the
 kernels with other blocks (tokens x channels / warps) and backward schemes
-(`kda.kernels.short_conv.KernelOptions`), one row each; the first is the default,
-`kda.kernels.short_conv.OPTIONS`.
+(`kda.kernels.triton.short_conv.KernelOptions`), one row each; the first is the default,
+`kda.kernels.triton.short_conv.OPTIONS`.
 """
 
 import argparse
@@ -34,7 +34,7 @@ from experiments.bench_kda import (cell, compiled_once, compiled_peak_mib, devic
 from experiments.profiling import command_line, median_seconds
 from kda.common import document_index
 from kda.layer import conv_silu_parts
-from kda.kernels import short_conv
+from kda.kernels.triton import short_conv
 
 
 @dataclasses.dataclass(frozen=True)

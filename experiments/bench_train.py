@@ -135,8 +135,8 @@ from experiments.profiling import (command_line, idle_markdown, idle_summary_lin
                                   ops_markdown, pipelined_seconds, profile_compiler_options,
                                   scope_ops_markdown, scopes_markdown, trace_device_ops)
 from kda import api as kda_api
-from kda.kernels import mosaic_gpu as kda_mosaic_gpu
-from kda.kernels import sequence_parallel
+from kda.kernels.mosaic_gpu import op as kda_mosaic_gpu
+from kda.kernels.mosaic_gpu import sequence_parallel
 from kda.kernels.path import kernel_kda
 from kda.layer import KDA
 from models import attention
@@ -450,7 +450,7 @@ def _attention_stand_in(q, k, v, *, scale, segment_ids=None, implementation=None
 
 
 def _kda_stand_in(q, k, v, g, beta, initial_state, segment_ids, options):
-    """The Mosaic GPU bounded-gate KDA (`kda.kernels.mosaic_gpu`), stood in."""
+    """The Mosaic GPU bounded-gate KDA (`kda.kernels.mosaic_gpu.op`), stood in."""
     fwd_rule = functools.partial(kda_mosaic_gpu._bounded_kda_fwd, options=options)
     return opaque_stand_in(fwd_rule)(q, k, v, g, beta, initial_state, segment_ids)
 

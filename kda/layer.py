@@ -21,12 +21,12 @@ from flax import nnx
 from kda.api import kda_attention
 from kda.common import document_index
 from kda.gate import check_lower_bound, lower_bound_gate, softplus_gate
-from kda.kernels import short_conv
-from models.sharding import arrays_are_whole_on_each_device
+from kda.kernels.triton import short_conv
+from core.sharding import arrays_are_whole_on_each_device
 
 GATES = ("lower_bound", "softplus")
 
-# Parameters carry logical axis names only; `models.sharding` places them on a mesh explicitly,
+# Parameters carry logical axis names only; `core.sharding` places them on a mesh explicitly,
 # so a layer can be built with or without one.
 _logical = functools.partial(nnx.with_partitioning, eager_sharding=False)
 
@@ -52,7 +52,7 @@ class KDAConfig:
       norm_eps: epsilon of the head-wise output RMSNorm.
       impl: KDA implementation for sequences longer than one token (see `kda.kda_attention`).
       conv_kernels: run the short convolution and SiLU of a sequence's first call as Pallas
-        kernels (`kda.kernels.short_conv`, via `conv_silu_parts`) where they run; elsewhere no
+        kernels (`kda.kernels.triton.short_conv`, via `conv_silu_parts`) where they run; elsewhere no
         effect. They are more accurate than XLA's path (SiLU in float32, the filter's gradient
         never in bf16) and faster in the training step: on the H200 the `1b` step took 314.4
         against 320.9 ms without them, in one process (`python -m experiments.bench_train --gpu
@@ -157,7 +157,7 @@ def conv_silu_parts(x, weight, segment_ids, widths, *, kernels: bool | None = No
     [B, T, width] in x.dtype.
 
     kernels: None runs Pallas kernels where `short_conv_kernel_runs` (a GPU, shapes that
-    `kda.kernels.short_conv.refusal` accepts, arrays whole on the device): they read x once and
+    `kda.kernels.triton.short_conv.refusal` accepts, arrays whole on the device): they read x once and
     write the parts (the backward: dx and the weight's gradient), the SiLU taken in float32
     before one rounding. Otherwise, or with False: `causal_depthwise_conv`, the SiLU in x.dtype,
     and a split. True asks for the kernels whatever the backend.

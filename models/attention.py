@@ -33,9 +33,9 @@ from flax import nnx
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_fused
 
 from kda.common import document_index, document_starts
-from models.norms import RMSNorm
+from core.norms import RMSNorm
 from models.paged_cache import PagedLatentCache
-from models.sharding import logical
+from core.sharding import logical
 
 # "xla" and "cudnn" keep documents apart with a dense mask; "cudnn_segments" describes them to
 # cuDNN's packed layout (Hopper only; see `causal_document_attention`).

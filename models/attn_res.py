@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.sharding import logical_param
+from core.sharding import logical_param
 
 ResidualMode = Literal["block_attn_res", "full_attn_res", "plain"]
 

@@ -41,9 +41,9 @@ from models.attn_res import (
     sublayer_input,
 )
 from models.config import ModelConfig
-from models.norms import RMSNorm
+from core.norms import RMSNorm
 from models.paged_cache import PagedLatentCache, init_pages
-from models.sharding import constrain, logical
+from core.sharding import constrain, logical
 from moe.experts import EXPERT_WEIGHTS_NAME, DenseFFN, StableLatentMoE, update_router_bias
 from moe.routing import PERMUTATION_NAME, RouterStats
 

@@ -8,7 +8,7 @@ or from the shell:
     python -m models.memory --preset k3 --mesh fsdp=64,expert=16 --batch 1024 --seq 8192
 
 Parameters, gradients and optimizer state are exact: the parameter tree comes from
-`jax.eval_shape` of the real model and every array is split as `models.sharding` would split it
+`jax.eval_shape` of the real model and every array is split as `core.sharding` would split it
 (a dimension that an axis does not divide stays replicated over that axis, and counts so).
 Activations are an estimate: per token and layer, the tensors the backward pass keeps under the
 config's remat policy (flash attention assumed: no [T, T] scores are kept), the AttnRes snapshots,
@@ -29,7 +29,7 @@ from kda.chunked import CHUNK_SIZE
 from models.attn_res import num_seal_slots
 from models.config import REMAT_POLICIES, ModelConfig, count_params, format_count, preset
 from models.lm import HybridLM
-from models.sharding import MESH_AXES, abstract_mesh, describe_mesh, logical_to_mesh
+from core.sharding import MESH_AXES, abstract_mesh, describe_mesh, logical_to_mesh
 
 H200_BYTES = 141e9
 GIB = 2**30

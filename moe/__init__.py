@@ -18,7 +18,7 @@ Dispatch: dropless (sort by expert, two grouped matmuls, un-sort) on each device
 an `expert` axis (`jax.set_mesh`) the layer runs expert parallel with fixed-capacity all-to-all
 (`MoEConfig.capacity_factor`, None = never drop; dropped copies are counted in `stats.dropped`).
 Grouped matmuls (`MoEConfig.gmm_backend`, `moe.grouped_matmul`) run on Hopper through our
-warp-specialized Mosaic GPU kernels (`moe.ragged_matmul_mgpu`: the row-ragged products and the
+warp-specialized Mosaic GPU kernels (`moe.kernels.mosaic_gpu.ragged_matmul`: the row-ragged products and the
 weight gradient), and through `jax.lax.ragged_dot` elsewhere. Its GLU-fused epilogues
 (`MoEConfig.fuse_glu_epilogues`) stay off: the H200 measured them slower
 (`benchmarks/expert_mlp_h200.md`).

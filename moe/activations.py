@@ -15,8 +15,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from models.sharding import arrays_are_whole_on_each_device
-from moe import glu_kernel
+from core.sharding import arrays_are_whole_on_each_device
+from moe.kernels.triton import glu as glu_kernel
 from moe.config import ACTIVATIONS
 
 
@@ -86,7 +86,7 @@ def fused_glu(activation: Callable[[jax.Array, jax.Array], jax.Array], gate_up: 
     which the grouped matmul wrote anyway, and the backward recomputes the intermediates in its
     elementwise pass over gate_up.
 
-    On GPUs, for shapes that `moe.glu_kernel.supports` and arrays not sharded by `jit` over a
+    On GPUs, for shapes that `moe.kernels.triton.glu.supports` and arrays not sharded by `jit` over a
     mesh, both passes are Pallas kernels that read their operands and write their results once
     (XLA's backward writes and re-reads float32 intermediates); elsewhere they are the XLA
     computation below.
@@ -96,7 +96,7 @@ def fused_glu(activation: Callable[[jax.Array, jax.Array], jax.Array], gate_up: 
 
 def glu_kernel_runs(gate_up) -> bool:
     """Whether `fused_glu` runs its Pallas kernels for this gate_up [..., 2, M] (array or
-    ShapeDtypeStruct): on a GPU, for shapes `moe.glu_kernel.supports`, arrays whole on the device."""
+    ShapeDtypeStruct): on a GPU, for shapes `moe.kernels.triton.glu.supports`, arrays whole on the device."""
     return (jax.default_backend() == "gpu" and glu_kernel.supports(gate_up)
             and arrays_are_whole_on_each_device())
 

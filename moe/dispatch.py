@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from moe import grouped_matmul as grouped
 from moe.activations import fused_glu, glu_kernel_runs
 from moe.grouped_matmul import ROW_MULTIPLE, grouped_matmul, mosaic_gpu_supports
-from moe.ragged_matmul_mgpu import (
+from moe.kernels.mosaic_gpu.ragged_matmul import (
     GLU_CONFIG,
     config_for,
     glu_config_for,

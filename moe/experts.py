@@ -52,7 +52,7 @@ class RouterBias(nnx.Variable):
     """
 
 
-# Variables carry logical axis names only; `models.sharding` places them on a mesh explicitly, so a
+# Variables carry logical axis names only; `core.sharding` places them on a mesh explicitly, so a
 # layer builds with or without one.
 _logical = functools.partial(nnx.with_partitioning, eager_sharding=False)
 

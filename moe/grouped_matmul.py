@@ -3,10 +3,10 @@
 Two backends:
 - "xla": `jax.lax.ragged_dot`. Correct everywhere and fine on CPU, but on an H200 XLA runs it at
   about 12 TFLOP/s (measured at 131072 x 1024 x 2048, 64 groups), so it is not used on Hopper.
-- "mosaic_gpu": Hopper kernels under a custom VJP: our warp-specialized `moe.ragged_matmul_mgpu`
+- "mosaic_gpu": Hopper kernels under a custom VJP: our warp-specialized `moe.kernels.mosaic_gpu.ragged_matmul`
   for the forward and the input gradient (row-ragged products: 673-721 TFLOP/s on the H200 at the
   MoE's shapes, 1.23-1.32x JAX's bundled `ragged_dot_mgpu`, `benchmarks/grouped_matmul_h200.md`),
-  and `moe.ragged_matmul_mgpu.transposed_ragged_matmul` for the weight gradient (689-690 TFLOP/s,
+  and `moe.kernels.mosaic_gpu.ragged_matmul.transposed_ragged_matmul` for the weight gradient (689-690 TFLOP/s,
   1.06x JAX's bundled `transposed_ragged_dot_mgpu` summed over the two weight products).
 
 "auto" takes "mosaic_gpu" when the call is on a Hopper GPU with bf16/f16 operands whose widths
@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe.ragged_matmul_mgpu import (
+from moe.kernels.mosaic_gpu.ragged_matmul import (
     config_for,
     ragged_matmul,
     transposed_config_for,

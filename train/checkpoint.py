@@ -105,7 +105,7 @@ class Checkpointer:
 def abstract_like(state: nnx.State, shardings=None) -> nnx.State:
     """Shape/dtype (and sharding) placeholders of `state`, the restore target.
 
-    shardings: a matching tree of `jax.sharding.Sharding` (`models.sharding.state_shardings`), or
+    shardings: a matching tree of `jax.sharding.Sharding` (`core.sharding.state_shardings`), or
         None to keep each array's current sharding.
     """
     if shardings is None:

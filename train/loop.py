@@ -25,7 +25,7 @@ from flax import nnx
 
 from models.config import ModelConfig, preset
 from models.lm import HybridLM
-from models.sharding import batch_sharding, make_mesh, state_shardings
+from core.sharding import batch_sharding, make_mesh, state_shardings
 from train.checkpoint import Checkpointer, abstract_like
 from train.cli import config_dict
 from train.data import (
@@ -62,7 +62,7 @@ RUNTIME_FIELDS = ("progress", "fast_compile")
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh axis sizes (`models.sharding.make_mesh`). One axis may be -1: it takes all
+    """Device mesh axis sizes (`core.sharding.make_mesh`). One axis may be -1: it takes all
     the devices the others leave; without a -1 the mesh uses the first data*fsdp*expert*tensor
     devices (mesh.data=1: a single device)."""
 

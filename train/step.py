@@ -286,7 +286,7 @@ def make_train_step(
     """The jitted step `(state, batch) -> (new state, metrics)` of a split `TrainState`.
 
     qk_clip_tau: apply QK-Clip at this logit threshold (None: off).
-    state_shardings: shardings of the state on a mesh (`models.sharding.state_shardings`), kept
+    state_shardings: shardings of the state on a mesh (`core.sharding.state_shardings`), kept
         for the returned state; None leaves placement to the compiler.
     compiler_options: XLA options for the compile (e.g. FAST_COMPILE_OPTIONS).
     The input state is donated. Metrics (float32 unless noted): loss (cross-entropy, nats per

@@ -1,0 +1,7 @@
+"""The MoE's Pallas Mosaic GPU kernels (Hopper): warp-specialized grouped GEMMs.
+
+* `ragged_matmul`: `out[rows of g] = lhs[rows of g] @ rhs[g]` over row-ragged groups (the
+  expert up/down projections and their input gradients), with optional fused GLU epilogues
+  (`ragged_matmul_glu`, `ragged_matmul_glu_grad`), and `transposed_ragged_matmul`, the weight
+  gradient `lhs[rows of g]^T @ out_grad[rows of g]`.
+"""
