@@ -23,6 +23,7 @@ from moe.routing import (
     route,
     sequence_max_violation,
     sign_update,
+    split_bf16_matmul,
     switch_aux_loss,
     updated_bias,
 )
@@ -392,3 +393,13 @@ def test_updated_bias_dispatches_on_the_config(balancing):
         "none": jnp.zeros(8),
     }[balancing]
     np.testing.assert_allclose(new, expected, atol=1e-7)
+
+
+def test_split_bf16_matmul_is_float32_accurate():
+    x = jax.random.normal(jax.random.key(0), (64, 96))
+    w = jax.random.normal(jax.random.key(1), (96, 8))
+    exact = jnp.einsum("td,de->te", x, w, precision="highest")
+    assert float(jnp.max(jnp.abs(split_bf16_matmul(x, w) - exact))) < 1e-3
+    x16, w16 = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    single_pass = jnp.einsum("td,de->te", x16, w16, preferred_element_type=jnp.float32)
+    assert float(jnp.max(jnp.abs(single_pass - exact))) > 1e-2
