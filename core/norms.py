@@ -1,4 +1,4 @@
-"""RMSNorm: the one normalisation of the model (attention latents, layer inputs, final norm)."""
+"""RMSNorm, the model's one normalisation (layer inputs, final norm, attention, MoE latents)."""
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,17 @@ def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
     """
     x32 = x.astype(jnp.float32)
     return x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+
+
+def rms_norm(
+    x: jax.Array, gain: jax.Array, eps: float, *, dtype: jnp.dtype | None = None
+) -> jax.Array:
+    """RMSNorm with gain `gain`, computed in float32 and cast to `dtype` (default: x.dtype).
+
+    x: [..., D], gain: [D] -> [..., D].
+    """
+    y = rms_normalize(x, eps) * gain.astype(jnp.float32)
+    return y.astype(x.dtype if dtype is None else dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -37,5 +48,4 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., D] -> [..., D] in `dtype`."""
-        y = rms_normalize(x, self.eps) * self.scale[...].astype(jnp.float32)
-        return y.astype(self.dtype)
+        return rms_norm(x, self.scale[...], self.eps, dtype=self.dtype)

@@ -1,8 +1,8 @@
 """Chunk-parallel Kimi Delta Attention in plain JAX (the WY/UT form), exact and differentiable.
 
-Notation (per batch row and value head): the sequence is cut into chunks of C tokens (64); inside
-a chunk, rows r = 0..C-1, `G_r = sum_{t<=r} g_t` is the chunk-local cumulative log-decay `[C, K]`,
-`S` the state entering the chunk. Then (`../shared/reference/kda.md` §2.1):
+Per batch row and value head the sequence is cut into chunks of C = 64 tokens; inside a chunk,
+rows r = 0..C-1, `G_r = sum_{t<=r} g_t` is the chunk-local cumulative log-decay [C, K] and `S`
+[K, V] the state entering the chunk (derivation: docs/kda_chunked.md):
 
     Akk[i, j] = beta_i sum_c k_i[c] k_j[c] exp(G_i[c] - G_j[c])     j <  i
     Aqk[i, j] =        sum_c q_i[c] k_j[c] exp(G_i[c] - G_j[c])     j <= i   (q carries the scale)
@@ -11,18 +11,17 @@ a chunk, rows r = 0..C-1, `G_r = sum_{t<=r} g_t` is the chunk-local cumulative l
     O = (q exp(G)) S + Aqk V_new
     S_next = exp(G_last) S + (k exp(G_last - G))^T V_new
 
-Everything but the recurrence over chunks is parallel (`prepare_chunks`); `chunk_recurrence` carries
-`S` from chunk to chunk with `lax.scan`, and GPU kernels (`kda.kernels`) replace that part alone
-(`chunk_kda_with_recurrence`).
+Everything but the recurrence over chunks is parallel (`prepare_chunks`); `chunk_recurrence`
+carries `S` from chunk to chunk with `lax.scan`, and GPU kernels (`kda.kernels`) replace that part
+alone (`chunk_kda_with_recurrence`).
 
-The score tiles are built in 16x16 tiles. An off-diagonal tile (row tile i > column tile j) uses
-the first row of tile i as its anchor `a`: `q exp(G - a)` and `k exp(a - G)` both have exponents
-<= 0, so the tile is a plain matmul for any gate. A diagonal tile needs `exp(G_r - G_s)` for s <= r
-within 16 tokens:
+Scores are built in 16x16 tiles. An off-diagonal tile (row tile i > column tile j) is anchored on
+the first row of tile i, `a`: `q exp(G - a)` and `k exp(a - G)` both have exponents <= 0, so the
+tile is a plain matmul for any gate. A diagonal tile needs `exp(G_r - G_s)` for s <= r:
 
-* bounded gates (`gate_lower_bound = L`, every g >= L >= -5): the causal anchor
-  `a = G_first + 7.5 L` (fixed by the tile's first token, so appending tokens never moves it)
-  keeps both factors within e^(7.5 |L|) <= e^37.5, so the diagonal tile is a matmul too;
+* bounded gates (`gate_lower_bound = L`, every g >= L >= -5): the causal anchor `a = G_first +
+  7.5 L` (fixed by the tile's first token, so appending tokens never moves it) keeps both factors
+  within e^(7.5 |L|) <= e^37.5, so the diagonal tile is a matmul too (docs/kda_gate.md);
 * any other gate (softplus, unbounded): the exact per-element sum over c of
   `q_r k_s exp(G_r - G_s)`, which never exponentiates a positive number.
 

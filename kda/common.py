@@ -101,7 +101,6 @@ def document_starts(segment_ids: jax.Array | None) -> jax.Array | None:
     return jnp.pad(changed, ((0, 0), (1, 0)))
 
 
-
 def document_index(segment_ids: jax.Array) -> jax.Array:
     """Each token's document, a run of equal ids (`document_starts`), numbered 0, 1, ... along its
     row: segment_ids [B, T] int -> [B, T] int32."""

@@ -11,6 +11,8 @@ of head `h` is multiplied by `exp(g[..., h, c])` at every token.
   overflow those factors, which is why it is rejected.
 * `softplus_gate` (released Kimi-Linear form): `g = -exp(A_log[h]) * softplus(f + dt_bias[h, c])`
   is unbounded below, so the chunked op must use the exact per-element path on diagonal tiles.
+
+Derivation of the bound: docs/kda_gate.md.
 """
 
 import jax

@@ -18,22 +18,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from core.norms import rms_norm
+from core.sharding import arrays_are_whole_on_each_device, logical, logical_param
 from kda.api import kda_attention
 from kda.common import document_index
 from kda.gate import check_lower_bound, lower_bound_gate, softplus_gate
 from kda.kernels.triton import short_conv
-from core.sharding import arrays_are_whole_on_each_device
 
 GATES = ("lower_bound", "softplus")
-
-# Parameters carry logical axis names only; `core.sharding` places them on a mesh explicitly,
-# so a layer can be built with or without one.
-_logical = functools.partial(nnx.with_partitioning, eager_sharding=False)
 
 
 def _replicated(value):
     """A small parameter with no shardable axis (logical names all None)."""
-    return nnx.Param(value, out_sharding=(None,) * value.ndim, eager_sharding=False)
+    return logical_param(value, (None,) * value.ndim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,14 +49,10 @@ class KDAConfig:
       norm_eps: epsilon of the head-wise output RMSNorm.
       impl: KDA implementation for sequences longer than one token (see `kda.kda_attention`).
       conv_kernels: run the short convolution and SiLU of a sequence's first call as Pallas
-        kernels (`kda.kernels.triton.short_conv`, via `conv_silu_parts`) where they run; elsewhere no
-        effect. They are more accurate than XLA's path (SiLU in float32, the filter's gradient
-        never in bf16) and faster in the training step: on the H200 the `1b` step took 314.4
-        against 320.9 ms without them, in one process (`python -m experiments.bench_train --gpu
-        --no-layers --set model.kda.conv_kernels=true --versus model.kda.conv_kernels=false`;
-        `benchmarks/train_h200.md`), though alone their forward+backward is only 1.05-1.20x XLA's
-        (`benchmarks/short_conv_h200.md`): in the step they also spare the backward XLA's
-        recomputed forward.
+        kernels (`kda.kernels.triton.short_conv`, via `conv_silu_parts`) where they run; elsewhere
+        no effect. They are more accurate than XLA's path (SiLU in float32, the filter's gradient
+        never in bf16) and faster in the training step, where they also spare the backward XLA's
+        recomputed forward (`benchmarks/short_conv_h200.md`, `benchmarks/train_h200.md`).
     """
 
     num_heads: int
@@ -138,7 +131,7 @@ def causal_depthwise_conv(x, weight, prefix, segment_ids=None):
     if document is not None:
         padded_document = jnp.pad(document, ((0, 0), (width - 1, 0)))
     # Summed in float32 and rounded once. The sum's transpose is the weight's gradient, a sum over
-    # every token of the batch: in bfloat16 it came out about 1% off.
+    # every token of the batch, which bfloat16 accumulation would get visibly wrong.
     y = jnp.zeros(x.shape, jnp.float32)
     for offset in range(width):  # W is 4: an unrolled sum of shifted copies
         window = padded[:, offset:offset + length]
@@ -157,8 +150,8 @@ def conv_silu_parts(x, weight, segment_ids, widths, *, kernels: bool | None = No
     [B, T, width] in x.dtype.
 
     kernels: None runs Pallas kernels where `short_conv_kernel_runs` (a GPU, shapes that
-    `kda.kernels.triton.short_conv.refusal` accepts, arrays whole on the device): they read x once and
-    write the parts (the backward: dx and the weight's gradient), the SiLU taken in float32
+    `kda.kernels.triton.short_conv.refusal` accepts, arrays whole on the device): they read x once
+    and write the parts (the backward: dx and the weight's gradient), the SiLU taken in float32
     before one rounding. Otherwise, or with False: `causal_depthwise_conv`, the SiLU in x.dtype,
     and a split. True asks for the kernels whatever the backend.
     """
@@ -203,12 +196,6 @@ def _conv_silu_kernels_backward(widths, residuals, grads):
 _conv_silu_kernels.defvjp(_conv_silu_kernels_forward, _conv_silu_kernels_backward)
 
 
-def _rms_norm(x, weight, eps):
-    """RMSNorm over the last axis in float32. x: [..., V], weight: [V]."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps) * weight
-
-
 def _dt_bias_init(key, shape, dtype=jnp.float32):
     """Mamba-style: softplus(dt_bias) = dt with dt log-uniform in [1e-3, 1e-1]."""
     dt = jnp.exp(jax.random.uniform(key, shape, minval=jnp.log(1e-3), maxval=jnp.log(1e-1)))
@@ -230,16 +217,15 @@ class KDA(nnx.Module):
         def linear(d_in, d_out, axes, use_bias=False):
             return nnx.Linear(d_in, d_out, use_bias=use_bias, dtype=dtype,
                               param_dtype=param_dtype,
-                              kernel_init=_logical(init, axes),
-                              bias_init=_logical(nnx.initializers.zeros, axes[1:]),
+                              kernel_init=logical(init, axes),
+                              bias_init=logical(nnx.initializers.zeros, axes[1:]),
                               rngs=rngs)
 
         self.qkv_proj = linear(d_model, cfg.qkv_dim, ("embed", "heads"))
         bound = cfg.conv_size ** -0.5
         conv_init = functools.partial(jax.random.uniform, minval=-bound, maxval=bound)
-        self.conv_weight = nnx.Param(
-            _logical(conv_init, (None, "heads"))(rngs.params(), (cfg.conv_size, cfg.qkv_dim),
-                                                 param_dtype))
+        self.conv_weight = nnx.Param(logical(conv_init, (None, "heads"))(
+            rngs.params(), (cfg.conv_size, cfg.qkv_dim), param_dtype))
         if cfg.full_rank_gate:
             self.gate_proj = linear(d_model, key_width, ("embed", "heads"))
         else:
@@ -315,6 +301,7 @@ class KDA(nnx.Module):
             impl="reference" if length == 1 else cfg.impl,
         )
         gate = self.out_gate(x).reshape(o.shape).astype(jnp.float32)
-        o = _rms_norm(o, self.out_norm_weight[...], cfg.norm_eps) * jax.nn.sigmoid(gate)
+        o = rms_norm(o, self.out_norm_weight[...], cfg.norm_eps, dtype=jnp.float32)
+        o = o * jax.nn.sigmoid(gate)
         y = self.o_proj(o.reshape(batch, length, -1).astype(self.dtype))
         return (y, KDACache(conv_tail, state)) if return_cache else y

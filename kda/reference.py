@@ -8,12 +8,11 @@ Per value head, with a float32 state `S [K, V]`, for each token t:
 
 `recurrent_step` is that update for one token; it is also the decode step of `kda.layer.KDA`.
 
-A plain scan's gradient keeps the state of every token: T x [B, HV, K, V] float32, 16 GiB a copy
-at 2 x 8192 x 16 x 128 (54 GiB of temporaries in all, by XLA's memory analysis on CPU), which
-kept the GPU tests from sharing an H200. Where those states would pass `KEPT_STATES_MAX_BYTES`,
-the scan runs over blocks of `REMAT_BLOCK` tokens whose insides the gradient recomputes
-(`jax.checkpoint`), keeping T / REMAT_BLOCK + REMAT_BLOCK states (2.1 GiB of temporaries there).
-The arithmetic is the same token by token; on CPU the results are the plain scan's to the bit.
+A plain scan's gradient keeps the state of every token, T x [B, HV, K, V] float32: at long
+sequences more memory than the kernels' tests can spare on one GPU. Where those states would pass
+`KEPT_STATES_MAX_BYTES`, the scan runs over blocks of `REMAT_BLOCK` tokens whose insides the
+gradient recomputes (`jax.checkpoint`), keeping T / REMAT_BLOCK + REMAT_BLOCK states. The
+arithmetic is the same token by token; on CPU the results are the plain scan's to the bit.
 """
 
 import jax
@@ -23,7 +22,7 @@ from jax import lax
 from kda.common import document_starts, einsum, pad_tokens, prepare_qk
 
 REMAT_BLOCK = 64  # tokens between the states that the gradient keeps
-# Below this the plain scan: its gradient compiles faster (0.3-0.5 s less a compile on CPU).
+# Below this the plain scan: its gradient compiles faster.
 KEPT_STATES_MAX_BYTES = 2**30
 
 

@@ -1,12 +1,16 @@
 """What every kernel path does around its kernels: check the head sizes, run the chunked op with
 the kernel's recurrence when the gates are unbounded, or the kernel path's whole-op
-`jax.custom_vjp` when they are bounded (`gate_lower_bound`)."""
+`jax.custom_vjp` when they are bounded (`gate_lower_bound`); and what their `supports`
+predicates ask of the call and the device."""
 
 from typing import Callable, NamedTuple
 
+import jax
 import jax.numpy as jnp
 
+from kda.api import KDACall
 from kda.chunked import CHUNK_SIZE, chunk_kda_with_recurrence
+
 
 class BoundedOptions(NamedTuple):
     """The static arguments of a bounded-gate `custom_vjp` (hashable, for `nondiff_argnums`)."""
@@ -57,3 +61,21 @@ def kernel_kda(path: KernelPath, q, k, v, g, beta, *, scale, initial_state, outp
         q, k, v, g, beta, initial_state, segment_ids,
         BoundedOptions(float(scale), bool(use_qk_l2norm), float(gate_lower_bound)))
     return o, (final_state if output_final_state else None)
+
+
+def covers_call_shapes(call: KDACall, supported_dims: tuple[int, ...]) -> bool:
+    """What the kernel paths ask of the call itself, whatever the device: bfloat16 and
+    K = V in `supported_dims`."""
+    return (call.dtype == jnp.bfloat16
+            and call.key_dim == call.value_dim
+            and call.key_dim in supported_dims)
+
+
+def compute_capability() -> str | None:
+    """The default GPU's CUDA compute capability ("9.0" on Hopper), or None: no GPU, or one
+    that reports none."""
+    try:
+        device = jax.devices("gpu")[0]
+    except RuntimeError:
+        return None
+    return getattr(device, "compute_capability", None)

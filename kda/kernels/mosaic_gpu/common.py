@@ -1,15 +1,14 @@
-"""What the Mosaic GPU KDA kernels share: operand dtype, SMEM tile layouts, how a launch is
-jitted, the two recurrence kernels' warp-specialized loop over chunks, the recurrence kernel's
-operands (the contract between the chunk preparation and the
-recurrence over chunks) and the residuals of both forward kernels (their contracts with their
-backward kernels)."""
+"""What the Mosaic GPU KDA kernels share: the operand dtype, SMEM tile layouts, how a launch is
+jitted, the recurrence kernels' warp-specialized loop over chunks and their state-tile loads and
+stores, and the contracts between kernels: the recurrence kernel's operands (between the chunk
+preparation and the recurrence over chunks) and the residuals of both forward kernels (between
+each and its backward)."""
 
 import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.chunked import ChunkedInputs
@@ -27,9 +26,8 @@ MEMORY_REGISTERS = 40
 def lowered_once(*static_argnames: str):
     """Decorates a kernel launch with `jax.jit` (its non-array arguments static): launches of
     the same shapes and static arguments anywhere in one program then share one traced and
-    lowered kernel. Unjitted, every call site lowered a copy of its own: the `1b` training step
-    lowered 150 Mosaic GPU kernels, 168 s of its 174 s of lowering on a CPU (before XLA compiles
-    anything)."""
+    lowered kernel. Unjitted, every call site would lower a copy of its own, and lowering Mosaic
+    GPU kernels dominates a training step's compile time (`benchmarks/train_h200.md`)."""
     return functools.partial(jax.jit, static_argnames=static_argnames)
 
 
@@ -80,6 +78,7 @@ def swizzled(shape, dtype, max_swizzle=128):
 
 
 def swizzled_smem(shape, dtype, max_swizzle=128):
+    """A `plgpu.SMEM` buffer of `shape` with the `swizzled` transforms of its last two axes."""
     return plgpu.SMEM(shape, dtype, transforms=swizzled(shape[-2:], dtype, max_swizzle))
 
 
@@ -94,7 +93,6 @@ def load_state_tile(gmem_tile, smem, barrier):
     return tile
 
 
-
 def store_state_tile(tile, gmem_tile, smem):
     """Writes a float32 state tile from registers to GMEM by TMA through `smem` (float32,
     swizzled, its shape), as the recurrence kernels end: the final state forward, dS_0 backward.
@@ -106,11 +104,12 @@ def store_state_tile(tile, gmem_tile, smem):
     plgpu.copy_smem_to_gmem(smem, gmem_tile)
     plgpu.wait_smem_to_gmem(0)
 
+
 class RecurrenceOperands(NamedTuple):
     """`kda.chunked.ChunkedInputs` as the recurrence kernel reads them (bf16 matmul operands).
 
-    Produced from `ChunkedInputs` by `recurrence_operands`, or directly by
-    the preparation kernel (`kda.kernels.mosaic_gpu.prepare`).
+    Produced from `ChunkedInputs` by `recurrence_operands`, or directly by the preparation
+    kernel (`kda.kernels.mosaic_gpu.prepare`).
     """
 
     W: jax.Array  # bf16 [B, HV, N, C, K]

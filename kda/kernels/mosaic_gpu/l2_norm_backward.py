@@ -7,37 +7,30 @@ dy [K] of `l2_normalize(x)` (times the scale, for q),
     dy <- scale dy,   r = rsqrt(sum(x^2) + eps),   dx = r dy - x r^3 sum(x dy).
 
 XLA runs `prepare_qk_vjp` as two passes a tensor, a reduction (both sums) and the elementwise
-pass, so it reads the float32 dy twice: on the H200 at B = 1, T = 65536, H = 32, K = 128 they
-took 0.376 + 0.484 ms for each of q and k (1.72 ms of an 18.7 ms forward+backward), at B = 2,
-T = 8192, H = 16 0.053 + 0.061 ms. Here each program reads its rows of x (bf16) and dy (float32)
-once and writes dx (bf16) once, 8 bytes an element instead of 14 (12 of the two passes' reads, 2
-written): at the same bandwidth about 60% of the time. Measured on the H200 at B = 1, T = 32768,
-H = 16: 0.124 ms for q and 0.123 for k (about 4.3 TB/s), where XLA's two passes would take about
-0.21 ms a tensor (a quarter of the elements of the shape above).
+pass, so it reads the float32 dy twice. Here each program reads its rows of x (bf16) and dy
+(float32) once and writes dx (bf16) once: 8 bytes an element instead of 14 (12 of the two passes'
+reads, 2 written), so a memory-bound pass takes about 60% of the time (the timings:
+`benchmarks/kda_notes.md`).
 
-Layout: [B, T, H, K] is [B, T H, K] rows (a free reshape), and so is dy's [B, T', H, K]: a row
-t H + h is the same token and head in both as long as t < T, so dy's padded tokens (T' > T) need
-no slicing. One program (one warpgroup) per block of 64 rows of a batch row, `BLOCK`: x and dy
-by TMA into swizzled shared memory, both into registers (WGMMA layout), the sums along the rows
-(each row held by four threads of one warp: no cross-warp reduction, so no reduction scratch),
-dx rounded into x's buffer and stored by TMA. A batch row's last block may reach past its T H
-rows of x: TMA fills the rows past the end with zeros on the load and leaves them out on the
-store (dy's rows there exist, T' H being a multiple of 64; the zero rows give finite values that
-are not stored). TMA addresses an array's rows in the swizzled tiles' 8, and a block's slice
-must fit its array: a batch row of fewer than 64 rows, or of T H not a multiple of 8 (an odd H
-and T, say), takes zero tokens appended to x in XLA first (copies of x and dx: only then).
+Layout: [B, T, H, K] is [B, T H, K] rows (a free reshape), and so is dy's [B, T', H, K]: row
+t H + h is the same token and head in both while t < T, so dy's padded tokens (T' > T) need no
+slicing. One program (one warpgroup) per block of 64 rows of a batch row (`BLOCK`): x and dy by
+TMA into swizzled SMEM, into registers (WGMMA layout), the sums along the rows (a row is held by
+four threads of one warp: no cross-warp reduction, so no reduction scratch), dx rounded into x's
+buffer and stored by TMA. TMA zero-fills a block's rows past the end of x on the load and drops
+them on the store (dy has those rows; zero rows give finite values). TMA addresses rows in the
+swizzled tiles' 8 and a block must fit its array, so a batch row of fewer than 64 rows, or of
+T H not a multiple of 8, takes zero tokens appended to x in XLA first (only then are x and dx
+copied).
 
-Numerics: as `prepare_qk_vjp`, in float32 with one rounding of dx: dy scaled first (multiplying
-by 1.0 is exact, for k), both sums of float32 products, the same expression for dx. The sums run
-in another order than XLA's, so dx can differ from `prepare_qk_vjp`'s by a bf16 ulp where the
-float32 value lies near a rounding boundary (and more only where the two terms cancel beyond the
-float32 sums' rounding); rsqrt is approximate on the GPU (`ROW_SUMS_COMPILER_PARAMS`, a few float32 ulp).
+Numerics: as `prepare_qk_vjp`, float32 with one rounding of dx (dy scaled first: exact for k's
+1.0). The sums run in another order than XLA's, so dx can differ by a bf16 ulp near a rounding
+boundary (more only where the two terms cancel); rsqrt is approximate (a few float32 ulp).
 
-Shared memory per program: x's buffer (bf16 [64, K], then dx) and dy's (float32 [64, K]) and two
-barriers, 49168 bytes at K = 128 and 24592 at 64 as Mosaic GPU allocates them (no reduction
-scratch), so by shared memory four programs (nine at K = 64) fit an SM's 228 KiB (1 KiB reserved
-a program) and one's loads overlap another's math and stores. Registers may allow fewer: x and dy
-in float32 are 128 registers a thread at K = 128, four programs' budget (not measured).
+SMEM per program: x's buffer (bf16 [64, K], then dx), dy's (float32 [64, K]) and two barriers,
+49,168 bytes at K = 128 and 24,592 at 64, so by SMEM four programs (nine at K = 64) fit an SM's
+228 KiB (1 KiB reserved a program) and one's loads overlap another's math and stores. Registers
+may allow fewer: x and dy in float32 are 128 registers a thread at K = 128, four programs' budget.
 """
 
 import math

@@ -11,17 +11,18 @@ Forward, two kernels, each replacing one half of the chunked op (`kda.chunked`):
 
 Backward (`jax.custom_vjp`s): the forward recurrence also writes the state entering each chunk
 and V_new; the recurrence's VJP (`recurrence_vjp`) is the reversed recurrence kernel
-(`kda.kernels.mosaic_gpu.reversed_recurrence`) and one kernel over all chunks for the cotangents that
-contract over V (`kda.kernels.mosaic_gpu.recurrence_cotangents`). With unbounded gates JAX
-differentiates the plain-JAX preparation around it (`kernel_recurrence`); with bounded gates
-(`_bounded_kda`) the forward keeps the preparation kernel's operands and what that kernel saves for
-its backward (`PreparationResiduals`: G, Akk and the inverse, written only when a backward will
-run), and the backward maps the recurrence's cotangents through the preparation-backward kernels
-(`kda.kernels.mosaic_gpu.prepare_backward`), those that the kernels round to bf16 anyway
-(`ROUNDED_COTANGENTS`) handed over in bf16. With bounded gates the recurrence kernel writes o
-token-major, [B, N 64, HV, V] (the model's layout, cut to T), and both kernels of its VJP read
-the cotangent in that layout (padded to N 64 where T is not a multiple of 64), so neither
-direction transposes o in XLA.
+(`kda.kernels.mosaic_gpu.reversed_recurrence`) and one kernel over all chunks for the cotangents
+that contract over V (`kda.kernels.mosaic_gpu.recurrence_cotangents`).
+
+* Unbounded gates (`kernel_recurrence`): JAX differentiates the plain-JAX preparation around it.
+* Bounded gates (`_bounded_kda`): the forward keeps the preparation kernel's operands and what
+  that kernel saves for its backward (`PreparationResiduals`: G, Akk and the inverse, written only
+  when a backward will run); the backward maps the recurrence's cotangents through the
+  preparation-backward kernels (`kda.kernels.mosaic_gpu.prepare_backward`), those that the kernels
+  round to bf16 anyway (`ROUNDED_COTANGENTS`) handed over in bf16. The recurrence kernel writes o
+  token-major, [B, N 64, HV, V] (the model's layout, cut to T), and both kernels of its VJP read
+  the cotangent in that layout (padded to N 64 where T is not a multiple of 64), so neither
+  direction transposes o in XLA.
 
 Importing this module registers `impl="mosaic_gpu"` with `kda.api`; it imports on any backend.
 """
@@ -33,15 +34,16 @@ import jax.numpy as jnp
 
 from kda.api import KDACall, register_kernel
 from kda.chunked import CHUNK_SIZE, ChunkedInputs
-from kda.kernels.mosaic_gpu.recurrence_cotangents import chunk_cotangents
 from kda.kernels.mosaic_gpu.common import (SUPPORTED_DIMS, RecurrenceOperands,
                                            RecurrenceResiduals, cotangent_dtypes,
                                            recurrence_operands)
 from kda.kernels.mosaic_gpu.prepare import prepare_chunks_kernel
 from kda.kernels.mosaic_gpu.prepare_backward import ROUNDED_COTANGENTS, prepare_chunks_vjp_kernel
-from kda.kernels.path import BoundedOptions, KernelPath, kernel_kda
+from kda.kernels.mosaic_gpu.recurrence_cotangents import chunk_cotangents
 from kda.kernels.mosaic_gpu.sequence_parallel import (sequence_parallel_recurrence,
-                                          sequence_parallel_reversed_recurrence)
+                                                      sequence_parallel_reversed_recurrence)
+from kda.kernels.path import (BoundedOptions, KernelPath, compute_capability, covers_call_shapes,
+                              kernel_kda)
 
 NAME = "mosaic_gpu"
 
@@ -49,8 +51,9 @@ NAME = "mosaic_gpu"
 def recurrence_vjp(operands: RecurrenceOperands, residuals: RecurrenceResiduals, d_o,
                    d_final_state, rounded=()):
     """The VJP of the recurrence over chunks: the reversed kernel (over segments of the sequence
-    side by side where the forward's choice of P splits it, `kda.kernels.mosaic_gpu.sequence_parallel`),
-    then the parallel cotangents in one pass (`kda.kernels.mosaic_gpu.recurrence_cotangents`).
+    side by side where the forward's choice of P splits it,
+    `kda.kernels.mosaic_gpu.sequence_parallel`), then the parallel cotangents in one pass
+    (`kda.kernels.mosaic_gpu.recurrence_cotangents`).
 
     Args:
       operands: the forward's `RecurrenceOperands` (U is not read and may be None).
@@ -66,10 +69,8 @@ def recurrence_vjp(operands: RecurrenceOperands, residuals: RecurrenceResiduals,
       `rounded` names them.
     """
     d_states, d_v_new, d_initial_state = sequence_parallel_reversed_recurrence(
-        operands, d_o, d_final_state,
-        d_v_new_dtype=cotangent_dtypes(rounded)["U"])
-    return (chunk_cotangents(residuals, d_o, d_states, d_v_new, rounded),
-            d_initial_state)
+        operands, d_o, d_final_state, d_v_new_dtype=cotangent_dtypes(rounded)["U"])
+    return chunk_cotangents(residuals, d_o, d_states, d_v_new, rounded), d_initial_state
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -89,7 +90,7 @@ def kernel_recurrence(chunks: ChunkedInputs, initial_state, out_dtype):
 def _kernel_recurrence_fwd(chunks, initial_state, out_dtype):
     operands = recurrence_operands(chunks)
     o, final_state, residuals = sequence_parallel_recurrence(operands, initial_state, out_dtype,
-                                               save_for_backward=True)
+                                                             save_for_backward=True)
     return (o, final_state), (operands._replace(U=None), residuals)  # the backward reads no U
 
 
@@ -177,15 +178,12 @@ def mosaic_gpu_kda(q, k, v, g, beta, *, scale, initial_state=None, output_final_
 
 def _on_hopper() -> bool:
     """Whether the default GPU is a Hopper chip (compute capability 9.0: H100, H200, H800)."""
-    try:
-        device = jax.devices("gpu")[0]
-    except RuntimeError:
-        return False
-    return getattr(device, "compute_capability", None) == "9.0"
+    return compute_capability() == "9.0"
 
 
 def supports(call: KDACall) -> bool:
-    """The calls `tests/kda/kernels/test_mosaic_gpu.py` covers: bfloat16 on a Hopper GPU, K = V in {64, 128}.
+    """The calls `tests/kda/kernels/test_mosaic_gpu.py` covers: bfloat16 on a Hopper GPU, K = V
+    in {64, 128}.
 
     Any gate (bounded: both kernels; unbounded: plain-JAX preparation), grouped value heads,
     initial and final states, L2-normalised q/k, packed documents and any T are covered.
@@ -196,9 +194,7 @@ def supports(call: KDACall) -> bool:
 def covers_shapes(call: KDACall) -> bool:
     """What `supports` asks of the call itself, whatever the device: bfloat16, K = V in {64,
     128}."""
-    return (call.dtype == jnp.bfloat16
-            and call.key_dim == call.value_dim
-            and call.key_dim in SUPPORTED_DIMS)
+    return covers_call_shapes(call, SUPPORTED_DIMS)
 
 
 register_kernel(NAME, mosaic_gpu_kda, supports)

@@ -1,76 +1,38 @@
-"""A Pallas Mosaic GPU kernel (Hopper) for KDA's chunk preparation with bounded gates.
+"""KDA's chunk preparation with bounded gates: a Pallas Mosaic GPU kernel (Hopper).
 
-It replaces `kda.chunked.prepare_chunks` when `gate_lower_bound = L` is set and writes what the
-recurrence kernel (`kda.kernels.mosaic_gpu.recurrence`) reads: W, U, q_from_state,
-k_to_state^T, chunk_decay and Aqk (`RecurrenceOperands`). One program per (batch row, value
-head, chunk of C = 64 tokens) reads the chunk's q, k (its q/k head: grouped value heads), v, g,
-beta (and, for packed documents, their index) by TMA and, in one warpgroup, computes with wgmma
-(bf16 operands, float32 accumulators), from the building blocks of `kda.kernels.mosaic_gpu.tiles`
-(named below):
+`prepare_chunks_kernel` replaces `kda.chunked.prepare_chunks` when `gate_lower_bound = L` is set
+and writes the recurrence kernel's `RecurrenceOperands` [B, HV, N, ...]: W, U, q_from_state
+[C, K], k_to_state^T [K, C], Aqk [C, C], chunk_decay [K]. One program (one warpgroup) per (batch
+row, value head, chunk of C = 64 tokens) loads the chunk's q, k (of its q/k head), v, g, beta
+(and packed documents' index) by TMA and computes, from the blocks of
+`kda.kernels.mosaic_gpu.tiles` (the algorithm: `docs/kda_chunked.md`):
 
-1. L2 norm and scale of q and k (in float32 registers).
-2. `G = cumsum(g)`, float32-accurate: at K = 128 a compensated scan, each thread adding up one
-   column in place (`scanned_cumulative_sum`: no products, a rolled loop); at K = 64 (half the
-   threads would idle) `tril(1) @ g`, with g split exactly into three bf16 parts (g = hi + mid +
-   lo to float32 precision, `cumulative_sum`).
-3. The score tiles of `kda/chunked.py`, every 16x16 tile a bf16 matmul. Each row tile i has the
-   causal anchor `b_i = G[16 i] + 7.5 L`; rows are scaled by `exp(G_r - b_i)` and the columns
-   `s < 16 (i + 1)` of the tile's products by `exp(b_i - G_s)`. On the diagonal this is
-   `_diagonal_tiles_bounded` exactly. Below the diagonal it is `_off_diagonal_tiles` with the
-   anchor moved by the constant 7.5 L, which cancels in every product: the factors move by at most
-   e^37.5 (far inside bf16's range) and only columns whose true weight is below e^-49 underflow.
-   The tiles are computed transposed (`A^T[s, r]`, one [64 x 16] accumulator slice per row tile)
-   so that wgmma's fixed M = 64 runs over the columns and no product is wasted
-   (`row_anchors`, `transposed_scores`).
-4. Masks (causal, packed documents: `state_masks`, `same_document`) and `N = beta Akk`, then
-   `(I + N)^-1` by recursive doubling on the diagonal blocks (`unit_lower_inverse`): every
-   intermediate is a block of the true inverse, so nothing grows the way powers of N would (a
-   Neumann-series product is not stable here).
-5. `W = T (k exp(G))` and `U = T v` with `T = (I + N)^-1 diag(beta)` (`matmul_of_splits`): beta
-   joins the left factor, which both products share, so that v is U's right-hand side as TMA
-   loaded it, exact in bf16 (the hi/lo parts of `beta v` took one more product and a split).
+1. L2 norm and scale of q and k.
+2. `G = cumsum(g)` to float32 accuracy: a compensated scan, a thread a column, at K = 128
+   (`scanned_cumulative_sum`); at K = 64, where half the threads would idle, `tril(1) @ g` on an
+   exact 3-way bf16 split (`cumulative_sum`).
+3. The scores `A[r, s] = sum_c x_r[c] k_s[c] exp(G_r[c] - G_s[c])` (x = q for Aqk, k for
+   Akk), each 16x16 tile a bf16 product around its row tile's causal anchor
+   `b_i = G[16 i] + 7.5 L`: rows scaled by `exp(G_r - b_i)`, columns by `exp(b_i - G_s)`. The
+   anchor cancels in every product and keeps the factors within e^37.5 (far inside bf16's
+   range); only weights below e^-49 underflow. Transposed (`transposed_scores`), so that wgmma's
+   fixed M = 64 runs over the columns.
+4. Masks (causal, documents), `N = beta Akk`, `(I + N)^-1` by recursive doubling of the diagonal
+   blocks (`unit_lower_inverse`: stable, where a Neumann series is not).
+5. `W = T (k exp(G))` and `U = T v`, `T = (I + N)^-1 diag(beta)`: beta joins the shared left
+   factor, so v is U's right-hand side as loaded, exact in bf16.
+With `save_for_backward` (static) it also writes `PreparationResiduals` (G, Akk masked without
+beta, `(I + N)^-1` as a bf16 hi/lo pair: 4 C K + 6 C^2 bytes a chunk), so that its backward,
+`kda.kernels.mosaic_gpu.prepare_backward`, recomputes nothing of the forward.
 
-When a backward will run (`save_for_backward`, a static flag: a forward alone writes none of it),
-the kernel also writes what its backward's kernels would otherwise recompute
-(`PreparationResiduals`; the UT/WY kernel reads all three, the score-tile kernel G): G (float32
-[C, K], stored from g's buffer once step 2 is done), Akk (bf16 [C, C], masked, without beta: one
-more buffer, written beside N) and `(I + N)^-1` as a bf16 hi/lo pair (without beta, from the
-buffers of N and the inverse; step 5's factor T stays in registers), 4 C K + 6 C^2
-bytes a chunk: 56 KiB at K = 128 (its other outputs are 88.5 KiB) and 40 KiB at 64.
+Numerics: bf16 wgmma operands (W from hi/lo splits of both factors, U of T), float32 accumulation
+and elementwise math (exp, rsqrt approximate to a few ulp). U (bf16 would raise o's error for little
+gain) and chunk_decay are written in float32, the rest in bf16. Against the oracle: o within
+3.2e-3, the final state within 2.0e-3 relative error (interpret mode, K = 64, 128; fla's bar 5e-3).
 
-Numerics: matmul operands are bfloat16, accumulators and everything elementwise float32 (exp and
-rsqrt approximate, to a few float32 ulp); U and chunk_decay are written in float32, the other
-outputs in bf16 (what the recurrence kernel reads). W comes from hi/lo bf16 splits of both factors,
-U from those of T and v itself; the scores and the inverse use plain bf16 operands. Against the
-oracle, both kernels give o within 3.2e-3 and the final state within 2.0e-3 relative error
-(interpret mode, K = 64 and 128), against fla's bars of 5e-3. (Tried: U in bf16, as fla and jla keep
-it. With it the forward took 0.2-0.8% less device time on the H200, with the smaller changes that
-were kept, and o's error rose to 3.3e-3: U stays float32.)
-
-The left operands of wgmma that the kernel computes in registers stay there: the score tiles'
-column factors, the first factor of each of the inverse's products, and T's parts; only right
-operands pass through SMEM. That saves a store and a barrier for each: on the H200 the kernel took
-8-9% less time than with all of them staged in SMEM (0.367 against 0.401 ms at 8x2048x16x128, 2.82
-against 3.10 at 16x4096x32x128).
-
-Shared memory: 101 KiB a program at K = V = 128 (was 205), with or without `save_for_backward`, and
-61 KiB at 64 (was 125; 69 with `save_for_backward`), as Mosaic GPU allocates it (with its 2 KiB
-reduction scratch and 1 KiB alignment), so two programs share an SM at K = 128 (an SM has 228 KiB
-and reserves 1 KiB a program; 64K registers allow two warpgroups at up to 255 registers a thread)
-and, if at most 168 registers a thread, three at 64: one program's TMA traffic and waits overlap
-another's math. Buffers whose lifetimes do not overlap share memory (`plgpu.RefUnion`, whose groups
-are used one after another): q's tile holds q_from_state, k again and W; k's holds k_to_state^T and
-v; g's float32 tile holds two bf16 parts of g (K = 64), then G, then the parts of k exp(G), then U;
-a fourth region holds g's third part and the triangle (K = 64), then the scaled score rows, then
-Aqk, N, the inverse's buffer (N's and it then hold its parts, when saved) and Akk (when saved).
-So k is read from GMEM twice (its second TMA load and v's run during the inverse: keeping W's
-right-hand side from step 3 instead, in G's buffer, was 1% slower on the H200, with more
-registers live through the scores), an output's buffer is reused only after its TMA store has
-read it, and a buffer read into registers in one layout is overwritten in another only after a
-warpgroup barrier (`commit_smem`).
-
-Its backward is `kda.kernels.mosaic_gpu.prepare_backward`; `kda.kernels.mosaic_gpu.op` composes the
-two under a `jax.custom_vjp`.
+Design: wgmma's left operands computed in registers stay there (no store and barrier for each);
+buffers with disjoint lifetimes share SMEM (the scratch at the end of `_prepare_kernel`), so two
+programs share an SM at K = 128 and one's TMA traffic overlaps the other's math.
 """
 
 import functools
@@ -115,7 +77,7 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, *gmems, scale, us
 
     def body(q_smem, k_union, g_union, rows_union, beta_smem, document_smem, decay_smem,
              barriers):
-        # Each union's groups are used one after another (module docstring, "Shared memory").
+        # Each union's groups are used one after another (the scratch at the end, below).
         k_smem, k_state_t_smem, v_smem = k_union
         g_smem, g_parts = g_union
         (g_part, ones), (q_rows, k_rows), score_tiles = rows_union
@@ -237,6 +199,17 @@ def _prepare_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, *gmems, scale, us
         plgpu.copy_smem_to_gmem(g_smem, u_gmem.at[out])
         plgpu.wait_smem_to_gmem(0)
 
+    # Shared memory, as Mosaic GPU allocates it (with its 2 KiB reduction scratch and 1 KiB
+    # alignment): 101 KiB a program at K = V = 128, with or without the residuals, and 61 KiB at
+    # 64 (69 with them). An SM has 228 KiB and reserves 1 KiB a program, and its 64K registers
+    # allow two warpgroups at up to 255 registers a thread: so two programs share an SM at K = 128
+    # and, at most 168 registers a thread, three at 64. For that, buffers whose lifetimes do not
+    # overlap share memory (`plgpu.RefUnion`, whose groups are used one after another), and k is
+    # read from GMEM twice (its second load and v's run during the inverse): keeping W's
+    # right-hand side from step 3 in G's buffer instead keeps more registers live through the
+    # scores and is slower. An output's buffer is reused only after its TMA store has read it,
+    # and a buffer read into registers in one layout is overwritten in another only after a
+    # warpgroup barrier (`commit_smem`).
     operand = lambda shape: swizzled_smem(shape, OPERAND_DTYPE)  # noqa: E731
     pl.run_scoped(
         body,

@@ -1,72 +1,38 @@
-"""Pallas Mosaic GPU kernels (Hopper) for the VJP of KDA's chunk preparation with bounded gates.
+"""The VJP of KDA's chunk preparation with bounded gates: Pallas Mosaic GPU kernels (Hopper).
 
-`prepare_chunks_vjp_kernel` maps cotangents of `kda.chunked.ChunkedInputs` (W, U, q_from_state,
-k_to_state, chunk_decay, Aqk) to gradients of q, k, v, g, beta, like `jax.vjp` of
-`kda.chunked.prepare_chunks` (chunk 64, `gate_lower_bound` set). Per chunk, with the notation of
-`kda/chunked.py` (q, k normalised and q scaled; `E = exp(G)`; `T = (I + N)^-1`, `N = beta Akk`;
-`rhs_k = beta k E reads`, `rhs_v = beta v`):
+`prepare_chunks_vjp_kernel` maps cotangents of `kda.chunked.ChunkedInputs` to dq, dk [B, T, H, K],
+dv, dg, dbeta like `jax.vjp` of `kda.chunked.prepare_chunks` (chunk 64, `gate_lower_bound` set).
+Per chunk, in the notation of `kda/chunked.py` and `docs/kda_chunked.md` (q, k normalised, q
+scaled; `E = exp(G)`; `T = (I + N)^-1`, `N = beta Akk`; `rhs_k = beta k E reads`, `rhs_v = beta v`):
 
     d rhs_k = T^T dW,   d rhs_v = T^T dU,   dT = dW rhs_k^T + dU rhs_v^T
     dN      = -T^T dT T^T  (strict lower, same document),   dAkk = beta dN
-    dv      = beta d rhs_v
-    dbeta   = rowsum(dN Akk) + rowsum(d rhs_k k E reads) + rowsum(d rhs_v v)
-    dq      = dq_from_state E reads + S_q                      (S: the score terms below)
+    dv      = beta d rhs_v,   dbeta = rowsum(dN Akk) + rowsum(d rhs_k k E reads) + rowsum(d rhs_v v)
+    dq      = dq_from_state E reads + S_q
     dk      = [beta E reads d rhs_k + S_k_rows] + [dk_to_state exp(G_last - G) writes + S_k_columns]
     dG      = q dq + k ([rows] - [columns]),  last row += colsum(k dk_to_state exp(G_last - G)
-              writes) + dchunk_decay exp(G_last) keeps
-    dg      = reverse cumulative sum of dG within the chunk
+              writes) + dchunk_decay exp(G_last) keeps;   dg = reverse cumsum of dG in the chunk
 
-where, for a score matrix `A[r, s] = sum_c x_r[c] k_s[c] exp(G_r[c] - G_s[c])` with cotangent dA
-(x = q for Aqk, x = k for Akk), the row terms are `sum_s dA[r, s] k_s exp(G_r - G_s)` and the column
-terms `sum_r dA[r, s] x_r exp(G_r - G_s)`. Both are 16x16 tile matmuls around the forward's causal
-anchors `b_t = G[16 t] + 7.5 L`, one for each tile t of the summed token: the row terms are
-`sum_t exp(G_r - b_t) (dA[:, tile t] (k exp(b_t - G))[tile t])[r]` (rows r >= 16 t), the column
-terms `sum_t exp(b_t - G_s) (dA[tile t, :]^T (x exp(G - b_t))[tile t])[s]` (columns
-s < 16 (t + 1)). Every factor stays within e^(7.5 |L|) <= e^37.5 (far inside bf16's range), or
-underflows only where the true weight is below e^-49, as in the forward
-(`kda.kernels.mosaic_gpu.prepare`).
+S are the score terms: for `A[r, s] = sum_c x_r[c] k_s[c] exp(G_r[c] - G_s[c])` with cotangent dA
+(x = q for Aqk, k for Akk), the row terms `sum_s dA[r, s] k_s exp(G_r - G_s)` and the column terms
+`sum_r dA[r, s] x_r exp(G_r - G_s)`. Two kernels (like peers' "WY" and "intra" kernels), each one
+program per (batch row, value head, chunk):
+1. `_wy_backward_kernel`, one warpgroup over all of K: reads G, Akk and T's hi/lo parts as the
+   forward saved them (`PreparationResiduals`, so nothing of the forward is recomputed) and writes
+   dv, dbeta, dAkk (bf16: the next kernel's matmul operand) and `beta E reads d rhs_k`. The
+   right-hand sides (v's, then k's) go in 64-column steps of one rolled loop (smaller code:
+   `tiles.scanned_cumulative_sum` says why), dT accumulating; a step's inputs load two steps ahead.
+2. `kda.kernels.mosaic_gpu.score_backward`, two warpgroups: the S terms, the direct terms, dG, dg.
+Plain JAX computes the q/k inverse norms, crops and casts; the VJP of `kda.common.prepare_qk`
+follows, by `l2_norm_vjp_kernel` (one pass where XLA takes two) with the norm, one value head per
+q/k head and bf16 q, k, else by `prepare_qk_vjp`.
 
-Two kernels, like peers' "WY" and "intra" backward kernels:
-
-1. `_wy_backward_kernel`, one program per (batch row, value head, chunk), all of K: reads G, Akk
-   and T's hi/lo parts as the forward kernel saved them (`PreparationResiduals`: the values W and U
-   were made with, so it recomputes nothing of the forward), then computes the gradients through
-   the UT transform: dv, dbeta, dAkk (written in bf16, a matmul operand of the score kernel) and
-   `beta E reads d rhs_k` (float32), the right-hand sides of the UT transform (v, then k) in steps
-   of 64 columns, dT accumulating over the steps. The steps are one rolled loop, the v/k difference
-   as data (factors of one for v) and branches (loads, stores), not unrolled code, as in the
-   forward (`scanned_cumulative_sum` says why). This kernel's time did not change measurably
-   when rolled (the forward+backward at 8x2048x16x128: 2.420 ms before, 2.436 after); the
-   smaller code (40% at K = 128) stays.
-2. `kda.kernels.mosaic_gpu.score_backward.score_backward`, one program of two warpgroups per
-   (batch row, value head, chunk): the score terms of both score matrices in [token, key]
-   orientation (anchored at the summed token's tile, so no product is transposed), the direct
-   terms, dG and its reverse cumulative sum (see its docstring). It reads the forward's G too.
-
-Around the kernels, plain JAX computes the q/k inverse norms, crops the padded tail and casts.
-The VJP of `kda.common.prepare_qk` (the scale, the L2 norm's backward and the sum over the value
-heads of a group) follows: with the norm, one value head per q/k head and bf16 q and k, by
-`kda.kernels.mosaic_gpu.l2_norm_backward.l2_norm_vjp_kernel`, one pass over each of dq and dk where XLA
-takes two (its docstring has the numbers); otherwise by `prepare_qk_vjp` in XLA.
-
-Numerics: matmul operands bf16, accumulation and everything elementwise float32. T (the forward's)
-is used as a hi/lo bf16 pair where it produces dv and dk directly; dT, dN and the score cotangents
-are single bf16; the factors of the score terms are hi/lo pairs. Against `jax.vjp` of the plain-JAX
-preparation (float32, random normal cotangents, interpret mode, K = 64, documents, saturated gates
-included), relative errors are dq 2.4-2.8e-3, dk 0.7-1.9e-3, dv 2.8e-3, dg 1.9-2.5e-3 and dbeta
-1.7-1.8e-3 (fla's bf16 bars: 8e-3 and 2e-2), as measured with the score kernel's [key, token]
-predecessor, whose dq, dk and dg the [token, key] kernel's match to 2.4e-6.
-
-Shared memory per program (the launch's dynamic SMEM: buffers, 1 KiB alignment, barriers and the
-2 KiB reduction scratch): kernel 1 107 KiB at K = V = 128 (91 KiB at 64), so two programs share an
-SM (228 KiB, 1 KiB of it reserved a program) and hide each other's latencies; the score kernel's
-are in its docstring. Kernel 1 gives buffers with disjoint lifetimes one memory (`plgpu.RefUnion`,
-so interpret mode's race detection checks the reuse), and awaits each input where it is first
-read: G (float32), Akk, T's two parts and two steps' inputs, each in its own buffer; dT (then
-dAkk) and a step's bf16 right-hand side (then T^T dT), then a step's float32 output. The
-right-hand sides run in 64-column steps (the dU or dW slice, bf16 as given, and the v or k columns
-of a step in one of two slots, the step after next's loading while a step computes; the wgmmas
-read the cotangent where TMA put it), so only G spans all of K.
+Numerics: bf16 matmul operands, float32 accumulation and elementwise math; T is a hi/lo pair where
+it makes dv and dk directly, dT, dN and the score cotangents single bf16. Against `jax.vjp` of the
+plain-JAX preparation (float32, interpret mode, K = 64, documents, saturated gates) relative
+errors are dq 2.4-2.8e-3, dk 0.7-1.9e-3, dv 2.8e-3, dg 1.9-2.5e-3, dbeta 1.7-1.8e-3 (fla's bf16
+bars: 8e-3 and 2e-2). Kernel 1 takes 107 KiB of SMEM at K = V = 128 (91 at 64), so two programs
+share an SM (228 KiB, 1 KiB reserved a program) and hide each other's latencies.
 """
 
 import functools
@@ -277,6 +243,11 @@ def _wy_backward_kernel(k_gmem, v_gmem, beta_gmem, document_gmem, k_factor_gmem,
         plgpu.copy_smem_to_gmem(dbeta_smem, dbeta_gmem.at[batch, head, tokens])
         plgpu.wait_smem_to_gmem(0)
 
+    # Shared memory: buffers with disjoint lifetimes share one memory (`plgpu.RefUnion`, so that
+    # interpret mode's race detection checks the reuse), and each input is awaited where it is
+    # first read. The right-hand sides run in 64-column steps (the dU or dW slice, bf16 as given,
+    # and the v or k columns in one of two slots, the step after next's loading while a step
+    # computes; the wgmmas read the cotangent where TMA put it), so only G spans all of K.
     tile = swizzled_smem(half_shape, OPERAND_DTYPE)  # [C, 64] = [C, C] bf16
     pl.run_scoped(
         body,

@@ -1,53 +1,37 @@
-"""The Pallas Mosaic GPU kernel (Hopper) for KDA's recurrence over chunks.
+"""KDA's recurrence over chunks: a Pallas Mosaic GPU kernel (Hopper).
 
-It replaces `kda.chunked.chunk_recurrence` on `RecurrenceOperands`. One program per (batch row,
-value head, 64-column V tile) keeps its float32 state tile `S [K, 64]` in registers across all
-chunks and, per chunk of C = 64 tokens, computes with wgmma (M = 64 = C, or K for the update):
+`run_recurrence` replaces `kda.chunked.chunk_recurrence` on `RecurrenceOperands` [B, HV, N, ...].
+One program per (batch row, value head, 64-column V tile) keeps its float32 state tile
+`S [K, 64]` in registers across all chunks and, per chunk of C = 64 tokens, computes with wgmma
+(M = 64 = C, or K for the update):
 
     V_new = U - W S                              [C, K] x [K, 64]
     O     = q_from_state S + Aqk V_new           [C, K] x [K, 64]  +  [C, C] x [C, 64]
     S     = chunk_decay * S + k_to_state^T V_new [K, C] x [C, 64]
 
-Where even twice as many programs fit one wave (one an SM: B HV V / 32 <= the SM count, as at
-2x8192x16 or 1x32768x16), each takes 32 columns instead (`choose_block_v`), so that twice the SMs
-walk the chunks, each with half the wgmma work a step; the results are the same (the columns do
-not mix). On the H200 (device time, 1 program an SM either way) the recurrence took 0.184 against
-0.217 ms at 2x8192x16x128 and 0.710 against 0.881 at 1x32768x16x128.
+Where even twice as many programs fit one wave (B HV V / 32 <= the SM count), each takes 32
+columns instead (`choose_block_v`), so that twice the SMs walk the chunks, each with half the
+wgmma work a step; the columns do not mix, so the results are the same. Where the 64-column
+programs exceed a wave the kernel is bound by its operand traffic, not by waves, so programs of
+two compute warpgroups sharing their operands do not run faster there (`benchmarks/kda_notes.md`).
 
-Where the programs of 64 columns exceed one wave (8x2048x16: 256 programs on 132 SMs) the
-kernel is bound by its operand traffic, not by waves: one program a (batch row, value head) with
-two compute warpgroups sharing one warp-specialized pipeline (branch
-`kda-recurrence-two-warpgroups`) read W, q_from_state, k_to_state^T and Aqk once instead of twice
-and ran in one wave, and took the same time (0.117 against 0.119 ms at 8x2048x16x128; 0.843
-against 0.891 at 16x4096x32x128).
+Numerics: bf16 wgmma operands (W, q_from_state, k_to_state and Aqk as handed in; S and V_new
+rounded each time they are written to SMEM for the next wgmma), float32 accumulation and carried
+state; U and chunk_decay are read in float32 (U in bf16 would save 16 of the 88.5 KiB read a chunk
+at K = V = 128, but the bytes are not what bounds the forward). Without an initial state the
+state starts as zeros in registers: nothing is read for it, and no zeros are written.
 
-Numerics: matmul operands are bfloat16 (W, q_from_state, k_to_state and Aqk are rounded once
-when they are handed to the kernel; S and V_new each time they are written to shared memory for
-the next wgmma), accumulation and the carried state are float32, U and chunk_decay are read in
-float32 (tried: U in bf16, 16 of the 88.5 KiB the kernel reads a chunk at K = V = 128; the
-whole forward's device time on the H200 moved by under 1%, so the bytes are not what bounds it).
-Without an initial state the state starts as zeros in registers: nothing is read for it, and no
-zeros are written. Inputs of the next chunk stream in by TMA while the current chunk computes
-(two stages); outputs leave through a double buffer in shared memory.
+Pipeline: the next chunk's inputs stream in by TMA while the current one computes (two stages);
+outputs leave through a double buffer in SMEM. The loads run on a warpgroup of their own
+(`chunk_pipeline`, 40 registers a thread), so that TMA issue overlaps the chunk's math and the
+computing warpgroup only waits on their barrier. With `save_for_backward` the kernel also writes
+what `kda.kernels.mosaic_gpu.reversed_recurrence` reads: each chunk's entering state and V_new, as
+the bf16 wgmma operands it used (two TMA stores a chunk from SMEM it fills anyway).
 
-The loads are warp-specialized (`plgpu.emit_pipeline_warp_specialized`): a second warpgroup of
-40 registers a thread issues them, so the computing one only waits on their barrier. With one
-warpgroup (`plgpu.emit_pipeline`) an in-kernel trace at 1x8192x16x128 (32 columns) gave a chunk
-step of 2446 cycles: the body 1479, issuing the six loads for two steps ahead 426 and 448 more
-before the next step's barrier wait (69). On the H200 (device time) the split took the
-recurrence from 0.692 to 0.578 ms at 1x32768x16x128 and from 0.179 to 0.170 at 2x8192x16x128,
-0.880 to 0.859 at 16x4096x32x128, and left 8x2048x16x128 as it was (0.118 against 0.117).
-
-For training the kernel also writes what the backward (`kda.kernels.mosaic_gpu.reversed_recurrence`) reads
-(`save_for_backward`): the state entering each chunk and V_new, the bf16 wgmma operands it used
-(two TMA stores a chunk from shared memory it fills anyway).
-
-Why S is not carried transposed, as the reversed kernel carries dS: with `S^T [64, K]` and
-V_new^T as wgmma's left operands from registers, the state's chain skips shared memory, but U
-(float32 [C, V]) must then be read transposed, which Mosaic GPU does only for 16-bit values (it
-went through shared memory as a bf16 hi/lo pair), and the saved S and V_new became stores of
-their own. On the H200 that kernel took 0.885 ms against this one's 0.871 at 1x32768x16x128
-(device time), and 1.085 against 0.952 with `save_for_backward`.
+S is not carried transposed, as the reversed kernel carries dS: with S^T and V_new^T as wgmma's
+left operands from registers the state's chain would skip SMEM, but U (float32 [C, V]) would have
+to be read transposed, which Mosaic GPU does only for 16-bit values (through SMEM as a bf16 hi/lo
+pair), and the saved S and V_new would need stores of their own: that variant is slower.
 """
 
 import jax

@@ -1,48 +1,39 @@
 """The recurrence's per-chunk cotangents in one pass: a Pallas Mosaic GPU kernel (Hopper).
 
-`kda.kernels.mosaic_gpu.reversed_recurrence.recurrence_cotangents` computes, per chunk n of each (batch row,
-value head), from S = S_n and dS = dS_{n+1} [K, V], V_new, dO and dV_new [C, V] (C = 64):
+`chunk_cotangents` computes what `kda.kernels.mosaic_gpu.reversed_recurrence.recurrence_cotangents`
+does, per chunk n of each (batch row, value head), from S = S_n and dS = dS_{n+1} [K, V], V_new,
+dO and dV_new [C, V] (C = 64):
 
     dW  = -dV_new S^T,   dQs = dO S^T,   dKt = V_new dS^T    [C, K]
     dAqk = dO V_new^T                                        [C, C]
     dD  = sum over V of S * dS                               [K]
     dU  = dV_new                                             (passed through)
 
-as four XLA einsums and a reduction, each reading its operands from HBM: S three times, dS, dO
-and V_new twice each, dV_new once. At K = V = 128 (bf16 inputs) that is 3 * 32 + 2 * 32 + 2 * 16
-+ 2 * 16 + 16 = 240 KiB read a chunk where the inputs are 112 KiB, and 88.5 KiB written with dW
-and dAqk in bf16 (the preparation backward's `ROUNDED_COTANGENTS`): about 0.33 ms at B = 2,
-HV = 16, N = 128 on the H200, memory bound. Here one program per (batch row, value head, chunk)
-reads each input once by TMA into shared memory, runs the four products as wgmmas and the sum in
-registers, and writes each output once: 112 + 88.5 KiB a chunk instead of 240 + 88.5, so at the
-same bandwidth about 0.2 ms (an estimate from the bytes, not a measurement).
+As four XLA einsums and a reduction, each reading its operands from HBM, that reads S three
+times, dS, dO and V_new twice each: at K = V = 128 (bf16 inputs) 240 KiB a chunk where the inputs
+are 112 KiB, besides 88.5 KiB written (dW and dAqk in bf16), and the pass is memory bound. Here
+one program per (batch row, value head, chunk) reads each input once by TMA into SMEM, runs the
+four products as wgmmas and the sum in registers, and writes each output once: 112 + 88.5 KiB a
+chunk instead of 240 + 88.5.
 
-Layout: every input tile has V as its last dimension (64 or 128 bf16 elements: 128-byte swizzle,
-the same for every wgmma operand), so each product is a wgmma with M = C = 64 whose A operand is
-a tile as it is and whose B operand the transposed view of another ([K, V] -> [V, K], or
-[C, V] -> [V, C]). K and V are each 64 or 128, independently.
+Layout: every input tile has V as its last dimension (64 or 128 bf16: a 128-byte swizzle shared
+by every wgmma operand), so each product is a wgmma with M = C = 64 whose A operand is a tile as
+it is and whose B operand the transposed view of another. K and V are each 64 or 128. dO may be
+chunk-major [B, HV, N, C, V] or token-major [B, N C, HV, V], as the forward kernel writes o: TMA
+reads the chunk's 64 token rows (a strided view), so no transpose of dO runs in XLA. dO and dV_new
+given in float32 are rounded to bf16 by XLA first, a pass of its own (the kernel path hands dV_new
+over in bf16).
 
 Numerics: as `recurrence_cotangents`: bf16 operands, float32 accumulation, each output rounded
-once from its float32 sum (bf16 where `rounded` names it, else float32). dW negates the float32
-product dV_new S^T, which equals the product of -dV_new (negation is exact). dD multiplies the
-bf16 values in float32 and sums each row of 64 or 128 products in float32 (within a thread, then
-across the four threads holding the row: no cross-warp reduction, so no reduction scratch).
+once (bf16 where `rounded` names it, else float32); dW negates the float32 product (negation is
+exact). dD sums each row's bf16 products in float32 within a thread, then across the row's four
+threads (no cross-warp reduction, so no reduction scratch).
 
-Shared memory: the inputs take 2 K V + 3 C V bytes (112 KiB at K = V = 128), and the outputs
-are staged in the buffers of inputs whose readers are done (`plgpu.RefUnion`): dKt in dS's, dAqk
-in V_new's and then dD (once dAqk's store has read it), dW in S's, dQs in the pair of dV_new's and
-dO's. As Mosaic GPU allocates it (without reduction scratch; 40 bytes of barriers besides), a
-program takes 112 KiB at K = V = 128 whichever outputs are bf16, so two programs share an SM (228
-KiB, 1 KiB reserved a program); at K = V = 64, 48 KiB with dW and dAqk in bf16 (float32 dKt
-outgrows dS's buffer) and 64 KiB with every output in float32 (four or three programs an SM); 80
-KiB at K = 64, V = 128; at K = 128, V = 64, 88 KiB, or 112 KiB in float32.
-
-dO and dV_new given in float32 are rounded to bf16 by XLA before the launch, a pass of its own
-(the kernel path hands dV_new over in bf16 with `ROUNDED_COTANGENTS`; dO it hands over as the
-reversed recurrence reads it). dO may come chunk-major, [B, HV, N, C, V], or token-major,
-[B, N C, HV, V], the layout in which the forward kernel writes o on the kernel path: TMA then
-reads the chunk's tile from its 64 token rows (a strided view), and no transpose of dO runs in
-XLA.
+SMEM: the inputs take 2 K V + 3 C V bytes; the outputs are staged in the buffers of inputs whose
+readers are done (`plgpu.RefUnion`, see `_cotangents_kernel`'s scratch). As Mosaic GPU allocates
+it, a program takes 112 KiB at K = V = 128 whichever outputs are bf16, so two programs share an
+SM (228 KiB, 1 KiB reserved a program); at K = V = 64, 48 KiB with dW and dAqk in bf16 and 64 KiB
+in float32 (four or three an SM); 80 KiB at K = 64, V = 128; 88 or 112 KiB at K = 128, V = 64.
 """
 
 import jax

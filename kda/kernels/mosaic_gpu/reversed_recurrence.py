@@ -1,69 +1,41 @@
 """The backward of KDA's recurrence over chunks: a reversed Mosaic GPU kernel (Hopper), then
 products that are parallel over chunks.
 
-Per chunk n of one (batch row, value head), the forward (`kda.chunked.chunk_recurrence`) is, with
-S_n the state entering chunk n:
+With S_n the state entering chunk n, the forward (`kda.chunked.chunk_recurrence`;
+Qs = q_from_state, Kt = k_to_state, D = chunk_decay) and its VJP (dS_N: the final-state
+cotangent) are, per chunk n of one (batch row, value head),
 
-    V_new_n = U_n - W_n S_n
-    O_n     = Qs_n S_n + Aqk_n V_new_n               (Qs = q_from_state)
-    S_{n+1} = D_n * S_n + Kt_n^T V_new_n             (D = chunk_decay, Kt = k_to_state)
+    V_new_n = U_n - W_n S_n,  O_n = Qs_n S_n + Aqk_n V_new_n,  S_{n+1} = D_n * S_n + Kt_n^T V_new_n
+    dV_new_n = Aqk_n^T dO_n + Kt_n dS_{n+1},  dS_n = D_n * dS_{n+1} + Qs_n^T dO_n - W_n^T dV_new_n
 
-Its VJP carries dS, the cotangent of the state, from the last chunk to the first (dS_N is the
-final-state cotangent; P_n = Aqk_n^T dO_n):
+`run_reversed_recurrence` runs the dS recurrence as the forward kernel runs its own: one program
+per (batch row, value head, 64-column V tile), chunks in reverse, the next chunk's inputs loaded
+by TMA (two stages) from a warpgroup of its own (`chunk_pipeline`). It carries `E = dS^T [64, K]`
+(float32 registers), four wgmmas (M = 64) a chunk:
 
-    dV_new_n = P_n + Kt_n dS_{n+1}
-    dS_n     = D_n * dS_{n+1} + Qs_n^T dO_n - W_n^T dV_new_n
+    dV_new^T = dO^T Aqk + E Kt^T                     [64, C] x [C, C]  +  [64, K] x [K, C]
+    E        = E * D + dO^T Qs + (-dV_new^T) W        [64, C] x [C, K]  +  [64, C] x [C, K]
 
-The reversed kernel runs this recurrence like the forward kernel runs its own: one program per
-(batch row, value head, 64-column V tile), with the chunk's inputs streaming in by TMA while the
-previous chunk computes (two stages, chunks in reverse order). It carries the cotangent
-*transposed*, `E = dS^T [64, K]` in float32 registers, and per chunk runs four wgmmas (M = 64):
+Transposed, E and dV_new^T are wgmma's left operands straight from registers: the chain from one
+chunk's cotangent to the next passes through no SMEM, fence or barrier (the forward, transposed
+alike, is slower: `recurrence` says why). dO^T is a view of dO's tile as TMA brings it, from
+[B, HV, N, C, V] or from the token rows of [B, N C, HV, V], as the forward kernel writes o (no
+transpose in XLA).
 
-    dV_new^T = dO^T Aqk + E Kt^T                       [64, C] x [C, C]  +  [64, K] x [K, C]
-    E        = E * D + dO^T Qs + (-dV_new^T) W          [64, C] x [C, K]  +  [64, C] x [C, K]
-
-Transposed, E and dV_new^T are wgmma's left operand straight from registers, so the chain from
-one chunk's cotangent to the next goes through no shared memory (the untransposed kernel stored
--dV_new and dS there for every chunk, each behind a fence and a warpgroup barrier); dO^T is a
-transposed view of dO's tile as TMA brings it, the right operands the tiles as they are. On the
-H200 this took the kernel from 0.769 to 0.693 ms at 1x32768x16x128 and from 0.199 to 0.181 ms at
-2x8192x16x128 (device time; unchanged at 0.135 ms at 8x2048x16x128). (The forward kernel,
-transposed the same way, was slower: `kda.kernels.mosaic_gpu.recurrence` says why.)
-
-The loads are warp-specialized, as the forward kernel's are (`chunk_pipeline`): a second
-warpgroup issues them; the one that computes carries E, issues the stores of dS and dV_new and
-only waits on the loads' barrier. The times above were measured with one warpgroup
-(`plgpu.emit_pipeline`). On the H200 the split took the whole forward+backward at
-1x32768x16x128 from 4.831 to 4.742 ms (device time, one process each; the reversed kernel's own
-share was not isolated). A kernel of two warpgroups allocates its shared memory for both, so the
-float32 dS_N^T and dS_0^T share theirs with the loop's buffers (`plgpu.RefUnion`), as the
-forward's initial and final state do: 164,904 bytes at K = V = 128 instead of 197,672.
-
-dO comes chunk-major, [B, HV, N, C, V], or token-major, [B, N C, HV, V]: the layout in which the
-forward kernel writes o on the kernel path (`run_recurrence`'s `token_major`), so the model's
-cotangent reaches the kernel with no transpose in XLA (0.04 ms at 2x8192x16x128 on the H200); TMA
-reads each chunk's tile from its token rows, a strided view, as the forward stores it.
-
-It writes dS_{n+1} per chunk (bf16, as FLA and jax-linear-attention keep it), dV_new per chunk
-(bf16 where every consumer rounds it so, else float32) and dS_0 (float32), each transposed on
-its way through shared memory; Mosaic GPU transposes only 16-bit values there, so a float32
-dV_new leaves value-major ([B, HV, N, V, C]) and dS_0 (like the final-state cotangent it reads)
-as [B, HV, V, K], both swapped back in XLA. Every other cotangent contracts over V, which the
-programs split, so it is left to a pass that is parallel over chunks (`recurrence_cotangents`
-here in XLA; one Mosaic GPU kernel, `kda.kernels.mosaic_gpu.recurrence_cotangents`, on the kernel path):
+It writes dS_{n+1} (bf16, as FLA and jax-linear-attention keep it), dV_new (bf16 where every
+consumer rounds it so, else float32) and dS_0 (float32), transposed on their way through SMEM;
+Mosaic GPU transposes only 16-bit values there, so a float32 dV_new leaves value-major and dS_0
+[B, HV, V, K], swapped back in XLA. The other cotangents contract over V, which the programs
+split, so a pass parallel over chunks computes them (`recurrence_cotangents` in XLA here, its
+kernel `kda.kernels.mosaic_gpu.recurrence_cotangents` on the kernel path) from the forward's bf16
+S_n and V_new_n (`RecurrenceResiduals`):
 
     dU = dV_new,  dW = -dV_new S_n^T,  dQs = dO S_n^T,  dAqk = dO V_new^T,
     dKt = V_new dS_{n+1}^T,  dD = sum over V of S_n * dS_{n+1}
 
-with S_n and V_new_n the bf16 operands the forward kernel used (`RecurrenceResiduals`, written by
-`kda.kernels.mosaic_gpu.recurrence.run_recurrence(..., save_for_backward=True)`). The cotangents a
-consumer rounds to bf16 anyway (the preparation-backward kernels: dW, dU and dAqk, their
-`ROUNDED_COTANGENTS`) can come out in bf16, rounded once from the float32 accumulation, which
-gives the consumer the same operands in half the bytes written and read (dQs, dKt and dD stay
-float32: the kernels use them so).
-
-Numerics: matmul operands bf16 (dO as given, E and -dV_new^T rounded as they become operands),
-accumulation and the carried cotangent float32, D read in float32.
+Numerics: bf16 matmul operands (dO as given, E and -dV_new^T rounded as they become operands),
+float32 accumulation and carried cotangent, D in float32. dW, dU and dAqk, which the preparation
+backward rounds to bf16 anyway (`ROUNDED_COTANGENTS`), can come out in bf16, rounded once.
 """
 
 import jax
@@ -187,6 +159,8 @@ def _reversed_recurrence_kernel(w_gmem, q_gmem, kt_gmem, a_gmem, decay_gmem, d_o
         recur,
         # The loop's buffers: dS and dV_new on their way out; before and after the loop, the
         # float32 final-state cotangent and dS_0 (as the forward kernel's initial and final state).
+        # A kernel of two warpgroups allocates its SMEM for both: sharing, 164,904 bytes at
+        # K = V = 128 instead of 197,672.
         plgpu.RefUnion((swizzled_smem(state_shape[::-1], OPERAND_DTYPE),
                         swizzled_smem(values_shape if value_major else values_shape[::-1],
                                       d_v_new_gmem.dtype)),
@@ -249,7 +223,8 @@ def _products(subscripts, x, y, dtype):
 def recurrence_cotangents(residuals: RecurrenceResiduals, d_o, d_states, d_v_new,
                           rounded=()) -> ChunkedInputs:
     """The cotangents of the recurrence's inputs, parallel over chunks, by XLA's batched matmuls:
-    the plain-JAX twin of `kda.kernels.mosaic_gpu.recurrence_cotangents.chunk_cotangents`, its oracle.
+    the plain-JAX twin of `kda.kernels.mosaic_gpu.recurrence_cotangents.chunk_cotangents`, its
+    oracle.
 
     Args:
       residuals: the forward's S_n and V_new_n.

@@ -1,87 +1,39 @@
-"""The score-tile backward of KDA's chunk preparation in [token, key] orientation (Hopper).
+"""The score-tile backward of KDA's chunk preparation, [token, key] oriented: Mosaic GPU (Hopper).
 
 The second kernel of `kda.kernels.mosaic_gpu.prepare_backward.prepare_chunks_vjp_kernel`, after
-its UT/WY kernel (kernel 1, whose dAkk and dk term it reads). It computes, per chunk, the
-gradients through both score matrices, the direct terms, dG and its reverse cumulative sum (the
-formulas are in that module's docstring; `A[r, s] = sum_c x_r[c] k_s[c] exp(G_r[c] - G_s[c])`,
-x = q for Aqk and k for Akk).
-
-It replaced a [key, token] kernel ("kernel 2", removed; its timings are in
-`benchmarks/kda_h200.md`), which anchored the row terms of row tile i at the output's tile,
-`exp(G_r - b_i) (dA[tile i, :] (k exp(b_i - G)))`: a product of M = 16 tokens, which wgmma
-(M = 64) can only run transposed, the results going back through shared memory as bf16 hi/lo
-pairs. Here the anchor belongs to the tile of the *summed* token: with `b_t = G[16 t] + 7.5 L`,
+the UT/WY kernel (kernel 1, whose dAkk and dk term it reads): per chunk, the gradients through
+both score matrices `A[r, s] = sum_c x_r[c] k_s[c] exp(G_r[c] - G_s[c])` (x = q for Aqk, k for
+Akk), the direct terms, dG and its reverse cumulative sum (the formulas: that module's docstring).
+The anchor of a term is `b_t = G[16 t] + 7.5 L` of the tile t of the *summed* token:
 
     row terms    R[r] = sum_t exp(G_r - b_t) (dA[:, tile t] F_t)[r],    F_t = (k exp(b_t - G))[t]
     column terms Q[s] = sum_t exp(b_t - G_s) (dA[tile t, :]^T X_t)[s],  X_t = (x exp(G - b_t))[t]
 
-Every product is [64 tokens, keys] with K = 16 (one tile of summed tokens), the per-token factors
-apply to the product in float32 registers, and nothing is transposed back. `F_t` and `X_t` are
-the tile-t rows of one [64, keys] array each (`k exp(b_{r // 16} - G)`, `x exp(G - b_{r // 16})`),
-so the operands take two exp tiles and three hi/lo stores, not one per tile. The factors stay
-within e^(7.5 |L|) <= e^37.5 as in the forward: `G_r - b_t` is at most -7.5 L for r >= 16 t (and
-the rows r < 16 t, whose factor would overflow, have dA = 0 and are masked to 0), `b_t - G_s` at
-most -7.5 L for s < 16 (t + 1); a factor underflows only where the true weight is below e^-49.
-For a pair of one tile both directions use the same anchor; the operands are exact-to-2^-16 hi/lo
-pairs in both directions, as before, so the row and column terms that cancel in dG round alike.
+so every product is [64 tokens, keys] with K = 16 and nothing is transposed back (anchored at the
+output's tile, a product would have M = 16 tokens, which wgmma's M = 64 runs only transposed).
+`F_t`, `X_t` are the tile-t rows of one [64, keys] array each: two exp tiles, not one per tile.
+As in the forward the factors stay within e^(7.5 |L|) <= e^37.5 (rows r < 16 t, whose factor
+would overflow, have dA = 0 and are masked); only weights below e^-49 underflow. A pair within
+one tile uses one anchor both ways and the operands are hi/lo pairs, so the row and column terms
+that cancel in dG round alike.
 
-Layout: one program per (batch row, value head, chunk) with two warpgroups (by default;
-`score_backward`'s `warpgroups`). They share the staged score cotangents (dAqk masked once, by
-warpgroup 0, while warpgroup 1 stores the cumulative sums' triangle) and take the key columns in
-slabs of 32 (`SLAB`), each warpgroup K / (32 warpgroups) of them one after another (with two: one
-slab each at K = 64, two at 128), so every float32 [64, 32] tile is 16 registers a thread. wgmma
-operands use one 32-byte swizzle in [8, 16] tiles (`tile16_smem`), so every 16-token slice of dA
-(rows, or columns) is an operand.
+Grid: one program per (batch row, value head, chunk) of two warpgroups (`warpgroups`), sharing
+the staged score cotangents and splitting the keys into 32-column slabs (`SLAB`: a float32
+[64, 32] tile is 16 registers a thread). The cumulative sum of k d k_to_state is a triangle
+wgmma whose last row is dG's last-row sum (a sum over rows would use the reduction scratch both
+warpgroups share). Products go in groups of tiles (`COLUMN_TILES_PER_GROUP`,
+`ROW_TILES_PER_GROUP`), each tile's accumulator summed while the group's later products run;
+float32 cotangents fold into sums as they are read; most loads run under other work. A slab
+takes 5 TMA waits, 7 SMEM commits, 8 full wgmma waits. Slabs and tile groups are rolled loops
+(smaller code: `tiles.scanned_cumulative_sum` says why).
 
-Per slab and warpgroup: G as the forward saved it (`PreparationResiduals.G`, the values its score
-tiles were made with) and its anchors; d k_to_state's direct terms (the first part of dk's column
-sums) and their cumulative sum (the exact 3-way bf16 split times the triangle: one wgmma group
-behind one barrier, where a shift scan would take six), whose last row is dG's last-row sum (a sum
-over rows would go through Mosaic GPU's reduction scratch, which both warpgroups would share); the
-column operands; the column terms while d q_from_state loads; the row operand over the column ones,
-d q_from_state's direct terms (the first part of dq's row sums), and dk's column sums set aside in
-shared memory (out of the registers the row terms need); the row terms while kernel 1's dk term
-loads; then dG, dq and dk stored, and dg = triu(1) dG (same split). The terms' products are issued
-in groups of tiles (`COLUMN_TILES_PER_GROUP`, `ROW_TILES_PER_GROUP`) and each tile's accumulators
-scaled and summed as soon as they are done, while the group's later products run
-(`wgmma_accumulator_load` with the count of later groups). The float32 cotangents are folded into
-sums as they are read, so none needs memory of its own, and every input but G and d k_to_state of a
-warpgroup's second slab (K = 128) loads while other work runs. Barriers per slab: 5 TMA waits, 7
-shared-memory commits, 8 full wgmma waits (kernel 2: 12, 27 and 12 per 64 key columns), and no
-transposes or untransposes.
-
-Code size: a warpgroup's slabs are one rolled loop (each slab issues the next one's loads), and
-each term's tile groups another (the tile index traced: shared-memory slices and anchors at a
-dynamic offset), not unrolled Python loops: every operation on a float32 [64, 32] tile is 16 or
-more instructions a thread, and unrolled code of this size can be bound by fetching them
-(`scanned_cumulative_sum` says why). This kernel's time did not change measurably when rolled
-(the forward+backward at 8x2048x16x128: 2.420 ms before, 2.436 after); the smaller code stays.
-Lowered for Hopper (then canonicalized and CSE'd), the kernel's Mosaic GPU module has a fifth
-fewer operations than unrolled at one slab a warpgroup (K = 64, or four warpgroups), half at two.
-The operations are the same: in interpret mode run eagerly the gradients are bit-identical to the
-unrolled kernel's (jitted, XLA's CPU code for the loop bodies rounds a few values otherwise, dk
-and dg moving by 2e-9 relative); on the H200 `test_gpu_four_warpgroups_match_two` passed.
-
-Numerics: bf16 operands, float32 accumulation, hi/lo factors, as kernel 2; the sums per token run
-in another order (per summed tile rather than per output tile) from differently anchored operands,
-so results differed from kernel 2's at the rounding of the hi/lo operands, not bit for bit
-(interpret mode: relative differences dq 2.4e-6, dk and dg below 2e-7). Reading the forward's G
-instead of summing g itself changed nothing where the forward summed g as this kernel did (the
-triangular product; interpret mode: the VJP's five gradients bit-identical at K = 64 and 128);
-a forward whose sum rounds otherwise moves the results by its rounding, amplified by |G|.
-
-Shared memory per program, at K = 64 and 128 alike: the two score cotangents and the triangle (24
-KiB), and per warpgroup q and k (8 KiB), four operand tiles (16 KiB) and two float32 tiles (16 KiB),
-with the vectors 109 KiB as Mosaic GPU allocates it (190 KiB with four warpgroups): within the 113
-KiB of two programs (four warpgroups) an SM, if ptxas needed at most 128 registers a thread. On the
-H200 it takes 255 (268 bytes spilled) with two warpgroups, so one program runs an SM; with four,
-128 (172 bytes spilled), also one program: both took 1.04-1.06 ms at 8x2048x16x128
-(`experiments.bench_score_backward`, `benchmarks/kda_h200.md`). Buffers are reused in place (no
-`plgpu.RefUnion`: interpret mode checks a union's groups as whole buffers, so two warpgroups'
-halves of one union would race): A holds G, the cumulative sum of k d k_to_state, kernel 1's dk
-term and dk; B d k_to_state, d q_from_state, dk's column sums, dq and dg; the operand tiles the
-sums' parts and both terms' operands. Interpret mode does not check wgmma's operand reads for
-races.
+Numerics: bf16 operands, float32 accumulation, hi/lo factors; G is the forward's (the values its
+score tiles were made with). SMEM: 109 KiB a program at K = 64 and 128 (190 with four
+warpgroups); two programs an SM would need at most 128 registers a thread, ptxas takes 255 (128
+with four warpgroups), so one program runs an SM either way (timings: `benchmarks/kda_notes.md`).
+Buffers are reused in place, not by `plgpu.RefUnion` (interpret mode checks a union's groups as
+whole buffers, so two warpgroups' halves of one would race; it does not check wgmma's operand
+reads for races).
 """
 
 import functools
@@ -144,8 +96,12 @@ def _score_backward_kernel(q_gmem, k_gmem, G_gmem, document_gmem, q_factor_gmem,
     d chunk_decay [B, HV, N, K] float32. Outputs dq, dk (of the normalised, scaled q and k), dg
     float32 [B, T, HV, K]. slabs: key slabs per warpgroup (K / (32 warpgroups)).
 
-    Scratch as the module docstring's shared-memory paragraph has it (the per-warpgroup buffers
-    indexed by the warpgroup first).
+    Scratch (`score_backward`'s `scratch_types`; the per-warpgroup buffers indexed by the
+    warpgroup first): the two score cotangents and the triangle (24 KiB), and per warpgroup q and
+    k (8 KiB), four operand tiles (16 KiB) and two float32 tiles, A and B (16 KiB), reused in
+    place: A holds G, the cumulative sum of k d k_to_state, kernel 1's dk term and dk; B
+    d k_to_state, d q_from_state, dk's column sums, dq and dg; the operand tiles the sums' parts
+    and both terms' operands.
     """
     batch, head, chunk = (lax.axis_index(axis) for axis in ("batch", "heads", "chunks"))
     warpgroup = lax.axis_index("warpgroup")

@@ -1,64 +1,33 @@
 """Sequence parallelism for KDA's recurrence over chunks: every SM busy on a few long sequences.
 
 The recurrence kernel (`kda.kernels.mosaic_gpu.recurrence`) and its reversed twin of the backward
-(`kda.kernels.mosaic_gpu.reversed_recurrence`) run one program per (batch row, value head, 64-column V tile),
-each walking all N chunks in order, one program per SM. At B * HV = 16 and V = 128 that is 32
-programs on an H200's 132 SMs. Here the N chunks are cut into P segments of L = ceil(N / P)
-chunks that run side by side in ONE launch of the same kernel.
+(`kda.kernels.mosaic_gpu.reversed_recurrence`) run one program per (batch row, value head,
+64-column V tile), each walking all N chunks in order: at small B * HV most SMs idle. Here the N
+chunks are cut into P segments of L = ceil(N / P) chunks that run side by side in one launch of
+the same kernel and are then combined exactly (derivation: docs/kda_chunked.md).
 
-Why it is exact. Per chunk the state update is affine in the entering state,
+Exact because a chunk's update `S_{n+1} = M_n S_n + Kt_n^T U_n` (`M_n = diag(D_n) - Kt_n^T W_n`)
+and output `O_n = (Qs_n - Aqk_n W_n) S_n + Aqk_n U_n` are affine in the entering state. Each
+segment starts from `[0, I_K]` with `U' = [U, 0]`: its first V columns give the zero-start outputs
+`O0_n` and end state `b_p`, the extra K columns its transition `A_p` and `R_n`, what the outputs
+read of the entering state. A scan over the segments' maps (`combine_segments`) gives each true
+entering state `S_p`, then `O_n = O0_n + R_n S_p` (one batched matmul); the saved states and V_new
+are corrected alike. N is padded to P * L with inert chunks (zeros, D = 1); document masks live in
+the operands. The backward's reversed recurrence, affine in the cotangent entering from the right,
+is split the same way mirrored (`dO' = [dO, 0]`, right end `[0, I_K]`, combined from the last).
+The segments' outputs are float32 (`R_n` still multiplies a state); the combine runs at full
+float32 precision, the corrections at the default one (TF32 on Hopper: finer than the bf16 the
+kernel rounds the same state to unsplit).
 
-    S_{n+1} = M_n S_n + Kt_n^T U_n,     M_n = diag(D_n) - Kt_n^T W_n,
+When it pays (`choose_num_segments`): the kernels are bound by the latency of their per-chunk
+chain of wgmmas, one program an SM, so with `waves(x) = ceil(x / SMs)` the estimated times are
 
-and the chunk's output `O_n = (Qs_n - Aqk_n W_n) S_n + Aqk_n U_n` is affine in it too. Each segment
-therefore runs from a zero state, with its value columns extended by K columns that start from
-the identity and see U = 0 (`U' = [U, 0]`, `S0' = [0, I_K]`). The kernel's first V columns give the
-segment's zero-start outputs `O0_n` and end state `b_p`; the extra K columns carry
-`A_{<n} = M_{n-1} ... M_first`, so they give the segment's transition `A_p` (their end state) and
-the outputs `R_n = (Qs_n - Aqk_n W_n) A_{<n}` (what the outputs read of the entering state). A short
-scan over segment transitions (`combine_segments`) gives the true entering state `S_p` of every
-segment, and then `O_n = O0_n + R_n S_p`: one batched matmul, parallel over all chunks. N is padded
-to P * L with inert chunks (W = U = Qs = Kt = Aqk = 0, D = 1: the state passes unchanged).
-Packed documents change nothing: their masks are already in the operands, which stay linear.
-For training, what the kernel saves for the backward (the state entering each chunk and V_new)
-is affine in the entering state as well; its extra columns hold `A_{<n}` and `-W_n A_{<n}`, and
-it is corrected like the outputs.
-
-The backward's reversed recurrence carries the state's cotangent from the last chunk to the first,
-
-    dV_new_n = Aqk_n^T dO_n + Kt_n dS_{n+1},   dS_n = D_n * dS_{n+1} + Qs_n^T dO_n - W_n^T dV_new_n,
-
-affine in the cotangent entering from the right: `dS_n = M_n^T dS_{n+1} + (Qs_n^T - W_n^T Aqk_n^T)
-dO_n`. Its segments run the same way mirrored (`dO' = [dO, 0]`, right-end `dS' = [0, I_K]`), the
-combine chains them from the last to the first (the same scan on the reversed segment order,
-from dS_N), and dS_{n+1} and dV_new_n per chunk are corrected by each segment's true right-end
-cotangent. Both directions pick the same P. The inert padding chunks pass dS unchanged too.
-
-Numerics. The kernel rounds its matmul operands to bf16 as it always does (the carried state,
-here also the transition columns, is float32 and rounded only as a wgmma operand); its outputs
-are float32 here, because `R_n` still multiplies a state. The reversed kernel writes dS_{n+1}
-in bf16, the transition columns included; in interpret mode at K = V = 64 the corrected dS_{n+1}
-are off the float32 oracle by 1.84e-3 (relative RMSE) against 1.79e-3 unsplit, so the rounding
-costs no accuracy that matters. The combine runs in float32 at full precision; the corrections
-(`R_n S_p`) at the backend's default float32 matmul precision (TF32 on Hopper: finer than the
-bf16 rounding the kernel applies to the same state in the unsplit run).
-
-When it pays, in estimated time (`choose_num_segments`). The kernels are bound by the latency of
-their per-chunk chain of wgmmas, one program an SM (each takes 185-201 KiB of shared memory at
-K = 128), so
-
-    plain:    waves(G)      * N        * STEP_SECONDS,   G  = B * HV * V / 64 programs
+    plain:    waves(G)      * N         * STEP_SECONDS,  G  = B * HV * V / 64 programs
     segments: waves(G' * P) * ceil(N/P) * STEP_SECONDS,  G' = B * HV * (V + K) / 64 per segment
               + B * T * HV * (V + K) / 256 * EXTRA_SECONDS_PER_TOKEN_HEAD
 
-with `waves(x) = ceil(x / SMs)`. The second line is what splitting adds that does not shrink with
-P: memory-bound passes over every token (U extended, float32 outputs written and read back, the
-correction matmul, the transposes, the same again backward). Both constants were measured on the
-H200 at 1x32768x16x128, forward and backward together (both directions pick the same P): 3.4 us a
-chunk step (0.763 + 0.966 ms for 512 steps, unsplit), and 4.9 ns a token and value head (split at
-P = 2, forward+backward took 7.82 ms against 5.82 unsplit while its kernels saved 0.56 ms). With
-these kernels (an earlier version took about 7.5 us a step) splitting pays only up to B * HV = 4
-or so at T = 65536 (`tests/kda/kernels/test_sequence_parallel.py`).
+the last term being the memory-bound passes over every token that splitting adds (U extended,
+float32 outputs, corrections, transposes, both directions): it pays only at a few heads and rows.
 """
 
 import math
@@ -70,12 +39,13 @@ from jax import lax
 
 from kda.chunked import CHUNK_SIZE, chunks_to_tokens, tokens_to_chunks
 from kda.common import einsum
-from kda.kernels.mosaic_gpu.reversed_recurrence import run_reversed_recurrence
-from kda.kernels.mosaic_gpu.recurrence import BLOCK_V, choose_block_v, run_recurrence
 from kda.kernels.mosaic_gpu.common import RecurrenceOperands
+from kda.kernels.mosaic_gpu.recurrence import BLOCK_V, choose_block_v, run_recurrence
+from kda.kernels.mosaic_gpu.reversed_recurrence import run_reversed_recurrence
 
 HOPPER_SM_COUNT = 132  # H100 SXM and H200: the count assumed where no GPU is attached
-# The cost model of the module docstring ("When it pays"), measured on the H200 at K = V = 128.
+# The cost model of the module docstring ("When it pays"), fitted at K = V = 128 on Hopper
+# (the measurements: `benchmarks/kda_h200.md`).
 STEP_SECONDS = 3.4e-6  # a chunk step of the recurrence kernel and its reversed twin together
 EXTRA_SECONDS_PER_TOKEN_HEAD = 4.9e-9  # what splitting adds, per token and value head, at V+K=256
 # The model's estimate must favour splitting by this much: its constants come from one shape.
@@ -352,7 +322,8 @@ def sequence_parallel_recurrence(operands: RecurrenceOperands, initial_state, ou
 def sequence_parallel_reversed_recurrence(operands: RecurrenceOperands, d_o, d_final_state, *,
                                           num_segments: int | None = None,
                                           d_v_new_dtype=jnp.float32):
-    """`kda.kernels.mosaic_gpu.reversed_recurrence.run_reversed_recurrence` over P segments, side by side.
+    """`kda.kernels.mosaic_gpu.reversed_recurrence.run_reversed_recurrence` over P segments, side
+    by side.
 
     Args:
       operands: the forward's `RecurrenceOperands` [B, HV, N, 64, ...] (U may be None).
@@ -370,7 +341,7 @@ def sequence_parallel_reversed_recurrence(operands: RecurrenceOperands, d_o, d_f
     num_segments = _segment_count(num_segments, operands, d_o.shape[-1])
     if num_segments == 1:
         return run_reversed_recurrence(operands, d_o, d_final_state, d_v_new_dtype)
-    if d_o.ndim == 4:  # the split cuts the chunk axis (rare: B * HV <= 4 or so, module docstring)
+    if d_o.ndim == 4:  # the split cuts the chunk axis (rare: few heads and rows, module docstring)
         d_o = tokens_to_chunks(d_o, CHUNK_SIZE)
     # As forward: the kernel rounds dS to bf16 where it multiplies it; TF32 here is finer.
     d_states, d_v_new, d_initial_state = reversed_recurrence_in_segments(

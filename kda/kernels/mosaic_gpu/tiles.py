@@ -167,14 +167,12 @@ def scanned_cumulative_sum(x_smem):
     The 64 rows are cut into SCAN_SEGMENTS segments whose chains of additions are independent, so
     that they can overlap: a first pass sums each segment, the segments' sums give each one its
     starting (sum, carried error) pair, and a second pass scans every segment from that pair. The
-    dependent chain is 2 x 16 additions instead of 63, for twice the loads. On the H200 the
-    preparation kernel took 0.450 against 0.456 ms at 8x2048x16x128 with it (device time): the
-    chain mostly overlapped the other program's work already.
+    dependent chain is 2 x 16 additions instead of 63, for twice the loads; the gain is small,
+    as the other program on the SM hides most of the chain.
 
-    Rolled loops, not unrolled steps: the preparation kernel's straight-line code was bound by
-    fetching its instructions (an in-kernel trace on the H200: about 16 cycles an instruction).
-    Rolling the scan alone took that kernel from 0.75 to 0.44 ms at 8x2048x16x128
-    (`benchmarks/kda_h200.md`).
+    Rolled loops, not unrolled steps: unrolled, the preparation kernel's straight-line code is
+    bound by fetching its instructions, so the scan and the kernels' other long loops are rolled
+    (`lax.fori_loop`, `pl.loop`; the numbers are in `benchmarks/kda_notes.md`).
 
     Args:
       x_smem: float32 [C, 128] plain SMEM: x, then its cumulative sum (committed).
@@ -295,8 +293,7 @@ def transposed_scores(k, G, G_smem, scaled_rows, lower_bound):
 
     The column factors are wgmma's left operands in registers, each one computed while the
     products of the tile before it run: no factor passes through SMEM, so there is no store and no
-    barrier a tile (on the H200 the preparation kernel took 4% less time than with the factors
-    staged in SMEM, 2.82 against 2.95 ms at 16x4096x32x128, and spilled fewer bytes).
+    barrier a tile, and fewer registers spill than with the factors staged in SMEM.
 
     Args:
       k: float32 [C, n], the (normalised) keys.

@@ -1,4 +1,4 @@
-"""The Triton kernels of `kda.kernels.triton.op` (this module imports triton: load it only to launch).
+"""The Triton kernels of `kda.kernels.triton.op`; this module imports triton: load it to launch.
 
 The kernels (`scores_kernel` and `solve_kernel` for the chunk preparation, `recurrence_kernel`)
 use plain `tl.dot` on bfloat16 tiles with float32 accumulation, which Triton lowers to mma on any

@@ -9,17 +9,15 @@ Here, for a sequence's first call (zero prefix), each program owns a block of to
   pre-activation from x, writes g = the parts' cotangents times SiLU's slope (float32
   [B, T, C]) and each block's sums of g times the shifted x, the filter's gradient (summed over
   blocks by XLA); the second gathers g's shifted rows into dx. Or one kernel that recomputes g
-  at every shift dx needs ("recompute": less than half the HBM traffic and 0.68x the peak
-  memory, but 4x the SiLU and the loads; on the H200 0.75-0.87x XLA's speed, against the two
-  kernels' 1.05-1.20x, device time).
+  at every shift dx needs ("recompute"): less HBM traffic and peak memory, but 4x the SiLU and
+  the loads, and slower than the two kernels.
 
 Both take the SiLU in float32 before one rounding, so they are more accurate than XLA's path
 (which rounds the pre-activation to bf16 first). They run where `KDAConfig.conv_kernels` (on by
-default) and the shapes allow: on the H200 the forward is 1.9-2.1x XLA's and forward+backward
-1.20x alone (device time, `OPTIONS`' blocks), and in the `1b` training step they save 6.5 ms,
-since there they also spare the backward XLA's recomputed forward
-(`benchmarks/short_conv_h200.md`, `benchmarks/train_h200.md`). Reading and writing what the
-backward needs takes ~0.3 ms at the `1b` shape; the two kernels take ~0.64 ms.
+default) and the shapes allow. Alone, their forward is about twice as fast as XLA's and their
+forward+backward a little faster; in the training step they gain more, since there they also
+spare the backward XLA's recomputed forward (`benchmarks/short_conv_h200.md`,
+`benchmarks/train_h200.md`).
 
 Shifted rows are loaded by gathering clipped row indices and masking the rows before the
 sequence, past its end, or in another document: a dynamic slice starting before row 0 would be
@@ -46,14 +44,12 @@ class KernelOptions:
     `warps` warps, and the backward's scheme:
 
     - "two_pass": one kernel writes g (the cotangents through SiLU, float32) and the filter's
-      partial sums, a second gathers g's shifted rows into dx (~1.4 GB moved at the `1b` shape);
+      partial sums, a second gathers g's shifted rows into dx;
     - "recompute": one kernel recomputes g at the W shifts each block's dx needs from x (4x the
-      SiLU and the loads, from L1/L2), moving only x, the cotangents and dx (~0.6 GB).
+      SiLU and the loads, from L1/L2), moving only x, the cotangents and dx: about half the bytes.
 
-    The default, 32 x 64 by 4 warps, had the shortest forward+backward device time of the nine
-    options so timed on the H200 at the `1b` shape: 0.82 ms, against 0.85-0.94 ms for five other
-    two-pass blocks, 1.13-1.32 ms for three recompute ones and XLA's 0.98 ms
-    (`benchmarks/short_conv_h200.md`).
+    The default, 32 x 64 by 4 warps with two passes, had the shortest forward+backward device
+    time of the blocks and schemes timed (`benchmarks/short_conv_h200.md`).
     """
 
     tokens: int = 32
@@ -94,8 +90,8 @@ def refusal(x_shape: tuple[int, ...], widths: tuple[int, ...], width: int,
 def _check(x, widths, weight, options):
     reason = refusal(x.shape, widths, weight.shape[0], options)
     if reason is not None:
-        raise ValueError(f"kda.kernels.triton.short_conv: {reason}; kda.layer falls back to XLA for "
-                         "such calls")
+        raise ValueError(f"kda.kernels.triton.short_conv: {reason}; kda.layer falls back to XLA "
+                         "for such calls")
     if weight.shape[1] != x.shape[2]:
         raise ValueError(f"weight must be [W, C] with C = {x.shape[2]}, got {weight.shape}")
 
@@ -219,47 +215,51 @@ def _slope_kernel(x_ref, w_ref, doc_ref, *refs, options, part_ranges, documents)
                 dw_ref[tap, :] = jnp.sum(window * g, axis=0)
 
 
-def _transpose_kernel(g_ref, w_ref, doc_ref, dx_ref, *, options, documents):
-    """dx[t] = sum over k < W of w[W - 1 - k] g[t + k], within t's document and the sequence:
-    token t's input feeds the outputs t + k through tap W - 1 - k."""
-    start, rows = _program_rows(options)
-    length = g_ref.shape[0]
-    weights = _weights(w_ref)
+def _input_cotangent(g_at, doc_ref, rows, length, weights, documents, options):
+    """dx at `rows` [tokens], float32: the sum over k < W of w[W - 1 - k] g[t + k], within t's
+    document and the sequence (token t's input feeds the outputs t + k through tap W - 1 - k).
+    `g_at(k, outputs)` gives g, float32 [tokens, channels], at the rows `outputs` = rows + k."""
     width = len(weights)
     here = _rows_of(doc_ref, rows, length) if documents else None
     dx = jnp.zeros((options.tokens, options.channels), jnp.float32)
     for k in range(width):
         outputs = rows + k
+        g = g_at(k, outputs)
         valid = (outputs < length) & _in_row_document(doc_ref, outputs, here, length)
-        g = _rows_of(g_ref, outputs, length)
         dx = dx + jnp.where(valid[:, None], g, 0.0) * weights[width - 1 - k][None, :]
+    return dx
+
+
+def _transpose_kernel(g_ref, w_ref, doc_ref, dx_ref, *, options, documents):
+    """dx from the g that `_slope_kernel` wrote (`_input_cotangent`)."""
+    start, rows = _program_rows(options)
+    length = g_ref.shape[0]
+    dx = _input_cotangent(lambda k, outputs: _rows_of(g_ref, outputs, length), doc_ref, rows,
+                          length, _weights(w_ref), documents, options)
     dx_ref[pl.ds(start, options.tokens), :] = dx.astype(dx_ref.dtype)
 
 
 def _recompute_backward_kernel(x_ref, w_ref, doc_ref, *refs, options, part_ranges, documents):
     """dx and the filter's partial sums in one kernel: g at each shift k < W that dx needs is
-    recomputed from x (token t's input feeds the outputs t + k through tap W - 1 - k)."""
+    recomputed from x (`_input_cotangent`)."""
     *grad_refs, dx_ref, dw_ref = refs
     start, rows = _program_rows(options)
     channel_block = pl.program_id(2)
     length = x_ref.shape[0]
     weights = _weights(w_ref)
-    width = len(weights)
     for grad_ref, (lo, hi) in zip(grad_refs, part_ranges):
         @pl.when((channel_block >= lo) & (channel_block < hi))
         def _(grad_ref=grad_ref):
-            here = _rows_of(doc_ref, rows, length) if documents else None
-            dx = jnp.zeros((options.tokens, options.channels), jnp.float32)
-            for k in range(width):
-                outputs = rows + k
-                windows = _taps(x_ref, doc_ref, outputs, width, length, documents)
+            def g_at(k, outputs):
+                windows = _taps(x_ref, doc_ref, outputs, len(weights), length, documents)
                 g = _rows_of(grad_ref, outputs, length).astype(jnp.float32) * _silu_slope(
                     _pre_activation(windows, weights))
-                valid = (outputs < length) & _in_row_document(doc_ref, outputs, here, length)
-                dx = dx + jnp.where(valid[:, None], g, 0.0) * weights[width - 1 - k][None, :]
                 if k == 0:  # the block's own outputs: the filter's gradient
                     for tap, window in enumerate(windows):
                         dw_ref[tap, :] = jnp.sum(window * g, axis=0)
+                return g
+
+            dx = _input_cotangent(g_at, doc_ref, rows, length, weights, documents, options)
             dx_ref[pl.ds(start, options.tokens), :] = dx.astype(dx_ref.dtype)
 
 
