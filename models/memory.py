@@ -1,4 +1,4 @@
-"""Per-device memory of a training run, planned without allocating anything.
+"""Per-device memory of a training step, planned without allocating anything.
 
     plan = print_memory_plan(preset("k3"), {"fsdp": 64, "expert": 16}, batch_size=1024,
                              seq_len=8192)
@@ -7,13 +7,20 @@ or from the shell:
 
     python -m models.memory --preset k3 --mesh fsdp=64,expert=16 --batch 1024 --seq 8192
 
-Parameters, gradients and optimizer state are exact: the parameter tree comes from
-`jax.eval_shape` of the real model and every array is split as `core.sharding` would split it
-(a dimension that an axis does not divide stays replicated over that axis, and counts so).
-Activations are an estimate: per token and layer, the tensors the backward pass keeps under the
-config's remat policy (flash attention assumed: no [T, T] scores are kept), the AttnRes snapshots,
-and the float32 logits. XLA's real peak adds temporaries and collective buffers; treat the
-activation figure as a planning number, good to tens of percent.
+The step's arguments are exact (but for a few scalar counters): float32 parameters, AdamW
+moments, the compute-dtype copies of the MoE expert weights (`train.step.TrainState`), router
+biases and the batch arrays the step reads, each array split as `core.sharding` splits it (a
+dimension that an axis does not divide stays replicated over that axis: a batch axis that does
+not divide the rows holds copies of them). The parameter tree comes from `jax.eval_shape` of
+the real model.
+
+Temporaries are an estimate: the float32 gradients; the activations the backward pass keeps
+per token and layer under the config's remat policy (flash attention assumed: no [T, T] scores),
+the AttnRes snapshots and the float32 logits; every MoE layer's router statistics, held from the
+forward until the router-bias update; and, on a mesh, the largest layer's weights gathered whole
+over the fsdp and expert axes for its matmuls, with their unreduced gradients. XLA's real peak
+adds fusion temporaries and collective buffers; `tests/models/test_memory.py` checks the plan
+against XLA's memory analysis of the compiled step and states the tolerances.
 """
 
 import argparse
@@ -25,48 +32,79 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from core.sharding import MESH_AXES, abstract_mesh, describe_mesh, logical_to_mesh
 from kda.chunked import CHUNK_SIZE
 from models.attn_res import num_seal_slots
 from models.config import REMAT_POLICIES, ModelConfig, count_params, format_count, preset
 from models.lm import HybridLM
-from core.sharding import MESH_AXES, abstract_mesh, describe_mesh, logical_to_mesh
+from moe.experts import StableLatentMoE
 
 H200_BYTES = 141e9
 GIB = 2**30
+# The arrays of the trainer's batch (`train.packing.finalize_batch`) that the step reads, per
+# token: tokens, targets and segment ids (int32) and the loss mask (float32). (Its positions are
+# not read, so the jitted step drops them.)
+BATCH_BYTES_PER_TOKEN = 4 * 4
+# Logical axes that fsdp splits at rest and a layer gathers whole for its matmuls.
+GATHERED_AXES = frozenset({"embed", "latent"})
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-    """Bytes per device of one training step (see the module docstring for what is estimated)."""
+    """Bytes per device of one training step (the module docstring says what is estimated).
+
+    Arguments of the step: params, optimizer, compute_copies, other_state (router biases),
+    batch. Temporaries: gradients, activations, router_stats, gathered_weights.
+    """
 
     mesh: Mapping[str, int]
     batch_size: int
     seq_len: int
+    rows_per_device: int
     remat: str
     num_params: int
     params: float
-    gradients: float
     optimizer: float
+    compute_copies: float
+    other_state: float
+    batch: float
+    gradients: float
     activations: float
+    router_stats: float
+    gathered_weights: float
     largest: tuple[tuple[str, float], ...]  # the biggest per-device parameter shards
 
     @property
+    def arguments(self) -> float:
+        return self.params + self.optimizer + self.compute_copies + self.other_state + self.batch
+
+    @property
+    def temporaries(self) -> float:
+        return self.gradients + self.activations + self.router_stats + self.gathered_weights
+
+    @property
     def total(self) -> float:
-        return self.params + self.gradients + self.optimizer + self.activations
+        return self.arguments + self.temporaries
 
     def report(self, device_bytes: float = H200_BYTES) -> str:
         devices = math.prod(self.mesh.values())
         tokens = self.batch_size * self.seq_len
+        rows = ("every row on every device" if self.rows_per_device == self.batch_size else
+                f"{self.rows_per_device} row{'s' if self.rows_per_device > 1 else ''} per device")
+        parts = [("parameters", self.params), ("optimizer", self.optimizer),
+                 ("compute copies", self.compute_copies), ("router biases", self.other_state),
+                 ("batch", self.batch), ("gradients", self.gradients),
+                 ("activations", self.activations), ("router stats", self.router_stats),
+                 ("gathered weights", self.gathered_weights)]
         lines = [
             f"mesh {describe_mesh(self.mesh)}; batch {self.batch_size} x {self.seq_len} tokens "
-            f"({format_count(tokens)} per step); remat {self.remat}; "
+            f"({format_count(tokens)} per step, {rows}); remat {self.remat}; "
             f"{format_count(self.num_params)} parameters",
             "per device:",
-            f"  parameters   {self.params / GIB:10.2f} GiB",
-            f"  gradients    {self.gradients / GIB:10.2f} GiB",
-            f"  optimizer    {self.optimizer / GIB:10.2f} GiB",
-            f"  activations  {self.activations / GIB:10.2f} GiB  (estimate)",
-            f"  total        {self.total / GIB:10.2f} GiB of {device_bytes / GIB:.1f} GiB "
+            *(f"  {name:17}{bytes_ / GIB:10.2f} GiB" for name, bytes_ in parts),
+            f"  {'arguments':17}{self.arguments / GIB:10.2f} GiB  (exact)",
+            f"  {'temporaries':17}{self.temporaries / GIB:10.2f} GiB  (estimate)",
+            f"  {'total':17}{self.total / GIB:10.2f} GiB of {device_bytes / GIB:.1f} GiB "
             f"({100 * self.total / device_bytes:.0f}%)"
             + ("" if self.total <= device_bytes else "  DOES NOT FIT"),
             f"all {devices} devices: {devices * self.total / 2**40:.1f} TiB",
@@ -82,6 +120,13 @@ def _shard_factor(spec, sizes: Mapping[str, int]) -> int:
         for axis in (entry,) if isinstance(entry, str) else entry or ():
             factor *= sizes[axis]
     return factor
+
+
+def rows_per_device(batch_size: int, mesh: jax.sharding.AbstractMesh) -> int:
+    """Rows of a [batch_size, T] batch on each device, as `core.sharding.batch_sharding` splits
+    it: over the batch axes that divide it, the others holding copies."""
+    spec = logical_to_mesh(("batch",), (batch_size,), mesh)
+    return batch_size // _shard_factor(spec, dict(mesh.shape))
 
 
 def _mixer_kernel_floats(cfg: ModelConfig, mixer: str, tensor: int) -> float:
@@ -136,12 +181,10 @@ def _layer_activation_floats(cfg: ModelConfig, mixer: str, ffn: str, tensor: int
     return matmul, other
 
 
-def estimate_activation_bytes(cfg: ModelConfig, sizes: Mapping[str, int], batch_size: int,
-                              seq_len: int) -> float:
-    """Activation bytes per device kept for the backward pass (see the module docstring)."""
-    data_parallel = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("expert", 1)
+def estimate_activation_bytes(cfg: ModelConfig, sizes: Mapping[str, int], tokens: int) -> float:
+    """Activation bytes per device kept for the backward pass of `tokens` tokens on each device
+    (see the module docstring)."""
     tensor = sizes.get("tensor", 1)
-    tokens = math.ceil(batch_size / data_parallel) * seq_len
     per_layer = [
         _layer_activation_floats(cfg, mixer, ffn, tensor)
         for mixer, ffn in zip(cfg.mixer_kinds, cfg.ffn_kinds)
@@ -161,6 +204,15 @@ def estimate_activation_bytes(cfg: ModelConfig, sizes: Mapping[str, int], batch_
     return tokens * (floats * cfg.compute_dtype.itemsize + logits_bytes)
 
 
+def router_stats_bytes(cfg: ModelConfig, tokens: int) -> float:
+    """Bytes of every MoE layer's `moe.routing.RouterStats` for `tokens` tokens per device:
+    float32 scores [E], int32 expert ids and bool copy mask [slots], a bool token mask per token.
+    The step holds them from the forward pass until the router-bias update."""
+    moe = cfg.moe
+    per_token = 4 * moe.num_experts + 5 * moe.slots_per_token + 1
+    return cfg.ffn_kinds.count("moe") * tokens * per_token
+
+
 def plan_memory(
     cfg: ModelConfig,
     mesh: Mapping[str, int] | jax.sharding.Mesh | jax.sharding.AbstractMesh,
@@ -171,7 +223,8 @@ def plan_memory(
     moment_dtype: jnp.dtype = jnp.float32,
     top: int = 5,
 ) -> MemoryPlan:
-    """Per-device memory of training `cfg` on `mesh` ({axis: size}, or a mesh), AdamW-style.
+    """Per-device memory of training `cfg` on `mesh` ({axis: size}, or a mesh), AdamW-style,
+    on batches [batch_size, seq_len].
 
     optimizer_moments: float arrays the optimizer keeps per parameter (AdamW: 2, SGD-momentum: 1).
     """
@@ -180,29 +233,64 @@ def plan_memory(
     if unknown:
         raise ValueError(f"mesh axes must be among {MESH_AXES}, got {sorted(unknown)}")
     planning_mesh = abstract_mesh(**sizes)
-    abstract = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))
-    state = nnx.state(abstract, nnx.Param)
-    params_bytes, shards, num_params = 0.0, [], 0
-    for path, variable in jax.tree_util.tree_flatten_with_path(
-        state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )[0]:
+    model = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))
+    stacked = {str(i) for i, group in enumerate(model.plan) if group.repeats > 1}
+
+    def local_elements(variable: nnx.Variable, gathered: bool = False) -> float:
         names = variable.get_metadata().get("out_sharding") or (None,) * len(variable.shape)
+        if gathered:
+            names = tuple(None if name in GATHERED_AXES else name for name in names)
         spec = logical_to_mesh(names, variable.shape, planning_mesh)
-        local = math.prod(variable.shape) / _shard_factor(spec, sizes)
-        params_bytes += local * variable.dtype.itemsize
+        return math.prod(variable.shape) / _shard_factor(spec, sizes)
+
+    def leaves(state):
+        return jax.tree_util.tree_flatten_with_path(
+            state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+
+    params_bytes, other_bytes, shards, num_params = 0.0, 0.0, [], 0
+    gathered_by_unit: dict[tuple, float] = {}
+    for path, variable in leaves(nnx.state(model)):
+        local = local_elements(variable) * variable.dtype.itemsize
+        if not isinstance(variable, nnx.Param):
+            other_bytes += local
+            continue
+        params_bytes += local
         num_params += math.prod(variable.shape)
-        shards.append((jax.tree_util.keystr(path), local * variable.dtype.itemsize))
+        shards.append((jax.tree_util.keystr(path), local))
+        keys = tuple(str(getattr(part, "key", getattr(part, "idx", part))) for part in path)
+        unit = keys[:4] if keys[0] == "groups" else keys[:1]
+        layers = variable.shape[0] if keys[0] == "groups" and keys[1] in stacked else 1
+        whole = local_elements(variable, gathered=True)
+        if whole > local_elements(variable):  # split over fsdp or expert at rest: gathered
+            gathered_by_unit[unit] = gathered_by_unit.get(unit, 0.0) + whole / layers
+    copies_bytes = sum(
+        local_elements(param) * module.dtype.itemsize
+        for _, module in nnx.iter_modules(model) if isinstance(module, StableLatentMoE)
+        for param in module.kernel_weights().values()
+        if jnp.dtype(param.dtype).itemsize > jnp.dtype(module.dtype).itemsize)
+    rows = rows_per_device(batch_size, planning_mesh)
+    tokens = rows * seq_len
+    # A gathered weight in the compute dtype, and its gradient in float32 before the
+    # reduce-scatter, for the largest layer (one layer's weights are gathered at a time).
+    gathered = max(gathered_by_unit.values(), default=0.0) * (
+        cfg.compute_dtype.itemsize + cfg.parameter_dtype.itemsize)
     local_params = params_bytes / cfg.parameter_dtype.itemsize
     return MemoryPlan(
         mesh={name: sizes.get(name, 1) for name in MESH_AXES},
         batch_size=batch_size,
         seq_len=seq_len,
+        rows_per_device=rows,
         remat=cfg.remat,
         num_params=num_params,
         params=params_bytes,
-        gradients=params_bytes,
         optimizer=optimizer_moments * local_params * jnp.dtype(moment_dtype).itemsize,
-        activations=estimate_activation_bytes(cfg, sizes, batch_size, seq_len),
+        compute_copies=copies_bytes,
+        other_state=other_bytes,
+        batch=tokens * BATCH_BYTES_PER_TOKEN,
+        gradients=params_bytes,
+        activations=estimate_activation_bytes(cfg, sizes, tokens),
+        router_stats=router_stats_bytes(cfg, tokens),
+        gathered_weights=gathered,
         largest=tuple(sorted(shards, key=lambda s: -s[1])[:top]),
     )
 

@@ -1,4 +1,4 @@
-"""Sharding: the rules table, meshes, annotations, sharded == unsharded, the memory planner."""
+"""Sharding: the rules table, meshes, annotations, sharded == unsharded."""
 
 
 import jax
@@ -12,7 +12,6 @@ from kda.layer import KDAConfig
 from models.attention import MLAConfig
 from models.config import count_params, preset
 from models.lm import HybridLM, aux_loss
-from models.memory import _parse_mesh, plan_memory, print_memory_plan
 from core.sharding import (
     LOGICAL_AXIS_RULES,
     abstract_mesh,
@@ -156,27 +155,3 @@ def test_state_shardings_place_parameters_by_name():
     moe = shardings["groups"][1]["layers"][0]["ffn"]  # layer 2: Gated MLA + MoE
     assert moe["expert_w_in"].get_value().spec == P("expert", "fsdp", None, "tensor")
     assert shardings["lm_head"]["kernel"].get_value().spec == P(("fsdp", "expert"), "tensor")
-
-
-def test_memory_plan_parameters_are_exact():
-    cfg = preset("tiny")
-    counts = count_params(cfg)
-    single = plan_memory(cfg, {}, batch_size=2, seq_len=16)
-    assert single.num_params == counts["total"] + counts["embedding"]
-    assert single.params == single.num_params * 4 and single.optimizer == 2 * single.params
-    split = plan_memory(cfg, dict(fsdp=2, expert=2, tensor=2), batch_size=2, seq_len=16)
-    assert single.params / 8 <= split.params < single.params / 2
-    assert split.activations < single.activations
-
-
-@pytest.mark.parametrize("devices, mesh", [(1024, "fsdp=64,expert=16"),
-                                           (4096, "data=4,fsdp=64,expert=16")])
-def test_k3_memory_plan_on_large_meshes(capsys, devices, mesh):
-    cfg = preset("k3", scan_layers=True, remat="full")
-    plan = print_memory_plan(cfg, _parse_mesh(mesh), batch_size=devices, seq_len=8192)
-    assert f"({devices} devices)" in capsys.readouterr().out
-    # 2.78T float32 parameters split over every axis but data (pure replicas), plus a little
-    # that stays replicated.
-    ideal = plan.num_params * 4 / (devices // plan.mesh["data"])
-    assert ideal <= plan.params < 1.1 * ideal
-    assert plan.total < 141e9  # fits an H200 with these settings
