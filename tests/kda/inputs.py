@@ -1,16 +1,11 @@
-"""Random KDA inputs in fla's test style, and the error metric fla's tolerances are stated in."""
+"""Random KDA inputs in fla's test style: q, k, v ~ U[0, 1), beta = sigmoid(N(0, 1)), log-decay
+gates of either form from a raw projection ~ N(0, 1), and optionally an initial state and packed
+documents. Errors against them are `experiments.harness.relative_error` (fla's relative RMSE)."""
 
 import jax
 import jax.numpy as jnp
 
 from kda.gate import lower_bound_gate, softplus_gate
-
-
-def relative_error(actual, expected) -> float:
-    """`||actual - expected|| / ||expected||` over all elements (fla's relative RMSE)."""
-    actual = jnp.asarray(actual, jnp.float32)
-    expected = jnp.asarray(expected, jnp.float32)
-    return float(jnp.linalg.norm(actual - expected) / jnp.linalg.norm(expected))
 
 
 def make_gate(key, shape, form):
@@ -48,3 +43,9 @@ def make_inputs(seed, batch, length, heads, value_heads, key_dim, value_dim, *, 
         positions = jnp.arange(length)
         inputs["segment_ids"] = (positions[None, :, None] >= cuts[:, None, :]).sum(-1) * 7 + 3
     return inputs
+
+
+def bf16_inputs(seed, batch, length, heads, value_heads, dim, **options):
+    """`make_inputs` with K = V = dim and q, k, v in bf16 (as the GPU kernels take them)."""
+    return make_inputs(seed, batch, length, heads, value_heads, dim, dim, dtype=jnp.bfloat16,
+                       **options)

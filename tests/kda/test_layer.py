@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+from experiments.harness import relative_error
 from kda.layer import KDA, KDAConfig, causal_depthwise_conv, count_kda_params
-from tests.kda.inputs import relative_error
 
 CONFIGS = {
     "k3": KDAConfig(num_heads=2, head_dim=16, gate="lower_bound", full_rank_gate=True),

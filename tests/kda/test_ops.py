@@ -10,17 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kda
+from experiments.harness import relative_error
 from kda.common import prepare_qk, prepare_qk_vjp
-from tests.kda.inputs import make_inputs, relative_error
-
-F32_TOLERANCE = 1e-5
-# fla's bf16 bars (relative RMSE): outputs and state, dq/dk/dv/dh0, dg/dbeta.
-BF16_TOLERANCE = {"o": 5e-3, "state": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3,
-                  "initial_state": 8e-3, "g": 2e-2, "beta": 2e-2}
-
-
-def run(impl, inputs, **options):
-    return kda.kda_attention(**inputs, output_final_state=True, impl=impl, **options)
+from tests.kda.calls import loss_and_grads, run
+from tests.kda.inputs import make_inputs
+from tests.kda.tolerances import BF16_TOLERANCE, F32_TOLERANCE, assert_within_bf16_tolerances
 
 
 @pytest.mark.slow
@@ -59,38 +53,12 @@ def test_chunk_sizes_agree(gate_lower_bound):
         assert relative_error(s, s64) <= F32_TOLERANCE
 
 
-def _loss_and_grads(impl, inputs, lower_bound):
-    """fla's test loss `sum(o * do) + sum(state * dstate)` and its gradients (the initial
-    state's where `inputs` has one)."""
-    names = [name for name in ("q", "k", "v", "g", "beta", "initial_state") if name in inputs]
-    cotangents = make_inputs(99, *inputs["v"].shape[:2], inputs["q"].shape[2],
-                             *inputs["v"].shape[2:3], inputs["q"].shape[3], inputs["v"].shape[3],
-                             initial_state=True)
-    d_o = cotangents["v"] - 0.5
-    d_state = cotangents["initial_state"]
-
-    def loss(differentiable):
-        o, state = run(impl, {**inputs, **differentiable}, gate_lower_bound=lower_bound)
-        return jnp.sum(o.astype(jnp.float32) * d_o) + jnp.sum(state * d_state), (o, state)
-
-    grads, (o, state) = jax.jit(jax.grad(loss, has_aux=True))({n: inputs[n] for n in names})
-    return {"o": o, "state": state, **grads}
-
-
-def assert_within_bf16_tolerances(actual, expected):
-    """Every output and gradient of `_loss_and_grads` within fla's bf16 bars, and the same ones
-    (an initial state's gradient only where the call had one)."""
-    assert actual.keys() == expected.keys()
-    for name in expected:
-        assert relative_error(actual[name], expected[name]) <= BF16_TOLERANCE[name], name
-
-
 @pytest.mark.parametrize("gate,lower_bound", [("lower_bound", -5.0), ("softplus", None)])
 def test_bfloat16_within_fla_tolerances(gate, lower_bound):
     inputs = make_inputs(3, 2, 200, 2, 4, 64, 64, gate=gate, dtype=jnp.bfloat16,
                          initial_state=True, segments=True)
-    expected = _loss_and_grads("reference", inputs, None)
-    actual = _loss_and_grads("chunked", inputs, lower_bound)
+    expected = loss_and_grads("reference", inputs, None)
+    actual = loss_and_grads("chunked", inputs, lower_bound)
     assert actual["o"].dtype == jnp.bfloat16 and actual["state"].dtype == jnp.float32
     assert_within_bf16_tolerances(actual, expected)
 
@@ -98,8 +66,8 @@ def test_bfloat16_within_fla_tolerances(gate, lower_bound):
 @pytest.mark.parametrize("gate,lower_bound", [("lower_bound", -5.0), ("softplus", None)])
 def test_chunked_gradients_match_reference_in_float32(gate, lower_bound):
     inputs = make_inputs(4, 1, 80, 1, 2, 16, 16, gate=gate, initial_state=True, segments=True)
-    expected = _loss_and_grads("reference", inputs, None)
-    actual = _loss_and_grads("chunked", inputs, lower_bound)
+    expected = loss_and_grads("reference", inputs, None)
+    actual = loss_and_grads("chunked", inputs, lower_bound)
     for name in expected:
         assert relative_error(actual[name], expected[name]) <= 1e-4, name
 
@@ -121,15 +89,15 @@ def test_reference_gradients_match_finite_differences():
                                   atol=1e-6, rtol=1e-6, eps=1e-6)
 
 
-def test_reference_in_rematerialised_blocks_gives_what_the_plain_scan_gives(monkeypatch):
+def test_reference_in_rematerialised_blocks_equals_the_plain_scan(monkeypatch):
     """Past `KEPT_STATES_MAX_BYTES` the oracle scans blocks of tokens whose states its gradient
     recomputes: the output, final state and every gradient are the plain scan's, to the bit
     (T = 150 pads the last block; documents restart inside blocks)."""
     inputs = make_inputs(7, 2, 150, 1, 2, 16, 16, gate="softplus", initial_state=True,
                          segments=True)
-    plain = _loss_and_grads("reference", inputs, None)
+    plain = loss_and_grads("reference", inputs, None)
     monkeypatch.setattr(kda.reference, "KEPT_STATES_MAX_BYTES", 0)
-    blocked = _loss_and_grads("reference", inputs, None)
+    blocked = loss_and_grads("reference", inputs, None)
     assert blocked.keys() == plain.keys()
     for name in plain:
         np.testing.assert_array_equal(blocked[name], plain[name], err_msg=name)
@@ -174,7 +142,7 @@ def test_extreme_gates_stay_finite_and_exact(dtype):
     saturated = {**base, "g": jnp.full_like(base["g"], -5.0)}
     huge = {**base, "g": -1000.0 * jax.random.uniform(jax.random.PRNGKey(0), base["g"].shape)}
     for inputs, lower_bound in ((saturated, -5.0), (huge, None)):
-        grads = _loss_and_grads("chunked", inputs, lower_bound)
+        grads = loss_and_grads("chunked", inputs, lower_bound)
         chex.assert_tree_all_finite(grads)
         o_ref, state_ref = run("reference", inputs)
         assert relative_error(grads["o"], o_ref) <= (F32_TOLERANCE if dtype == jnp.float32

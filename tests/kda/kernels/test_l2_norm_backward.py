@@ -1,5 +1,5 @@
-"""The one-pass L2-norm backward (`kda.kernels.mosaic_gpu.l2_norm_backward.l2_norm_vjp_kernel`) against
-`kda.common.prepare_qk_vjp` (the oracle), for q (scaled) and k.
+"""The one-pass L2-norm backward (`kda.kernels.mosaic_gpu.l2_norm_backward.l2_norm_vjp_kernel`)
+against `kda.common.prepare_qk_vjp` (the oracle), for q (scaled) and k.
 
 Both evaluate the same float32 expression and round it to bf16 once; the order of the two row
 sums differs (and on the GPU perhaps rsqrt's approximation and fused products), so each element
@@ -19,11 +19,9 @@ import pytest
 
 from kda.common import prepare_qk_vjp
 from kda.kernels.mosaic_gpu.l2_norm_backward import l2_norm_vjp_kernel
-from tests.kda.kernels.test_recurrence_cotangents import bf16_ulp
-from tests.kda.kernels.test_mosaic_gpu import interpreted_on_simulated_hopper, lowering_for_hopper_within
-
-# An H100/H200 SM has 228 KiB of shared memory and reserves 1 KiB a program.
-FOUR_PROGRAMS_PER_SM = 56 * 1024
+from tests.kda.kernels.hopper import (FOUR_PROGRAMS_PER_SM, interpreted_on_simulated_hopper,
+                                      lowering_for_hopper_within)
+from tests.kda.tolerances import bf16_ulp
 
 
 def l2_norm_inputs(seed, batch, length, padded_length, heads, key_dim):

@@ -7,121 +7,30 @@ On a GPU (`gpu` marker) they run for real at the shapes the dispatcher hands the
 Triton path (`kda.kernels.triton.op`), whose GPU tests are these, parametrized over both paths.
 """
 
-import contextlib
 import functools
-import warnings
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
-from jax.experimental import io_callback, pallas as pl
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.sharding import AbstractDevice, AbstractMesh
-
-# Interpret mode has no public race report yet, nor wgmma with a left operand in registers; jax is
-# pinned, so the private modules used for both are stable here.
-from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, jaxpr_interpret
-from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
-from jax._src.state import types as jax_state
 
 import kda
 import kda.api
+from experiments.harness import relative_error
 from kda.chunked import prepare_chunks
-from kda.common import l2_normalize
 from kda.kernels.mosaic_gpu import op as mosaic_gpu
-from kda.kernels.triton import op as triton_path
 from kda.kernels.mosaic_gpu.common import recurrence_operands
 from kda.kernels.mosaic_gpu.prepare import prepare_chunks_kernel
 from kda.kernels.mosaic_gpu.tiles import COMPILER_PARAMS, scanned_cumulative_sum
-from tests.kda.inputs import make_inputs, relative_error
-from tests.kda.test_ops import BF16_TOLERANCE, _loss_and_grads, assert_within_bf16_tolerances, run
-
-HOPPER = AbstractMesh((), (), abstract_device=AbstractDevice(
-    device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
-
-
-def _wgmma_with_lhs_in_registers(*, token, mesh_location, thread, acc_allocation_key_as_array,
-                                 acc_transforms, lhs, b_allocation_key_as_array, b_transforms,
-                                 source_info=None):
-    """Interpret mode's wgmma (`gpu_callbacks.wgmma`) with the left operand an array."""
-    memory = gpu_callbacks._get_shared_memory()
-    logging_info = gpu_callbacks.memory.GPULoggingInfo(mesh_location, thread, source_info)
-
-    def buffer(key_as_array, transforms):
-        key = gpu_callbacks.HostAllocationKey.from_array(key_as_array)
-        region = memory.access(key, jax.tree.map(
-            int, gpu_callbacks._remove_noop_transforms(transforms)))
-        return key, region, memory.get_buffer_content(key, region, thread,
-                                                      logging_info=logging_info)[0]
-
-    _, _, rhs = buffer(b_allocation_key_as_array, b_transforms)
-    acc_key, acc_region, acc = buffer(acc_allocation_key_as_array, acc_transforms)
-    memory.store_buffer_content(acc_key, acc_region,
-                                acc + np.matmul(np.asarray(lhs), rhs, dtype=acc.dtype), thread,
-                                logging_info=logging_info)
-    return token
-
-
-def _interpret_wgmma(original):
-    """`JaxprInterpreter._interpret_wgmma_ref_p`, which takes both operands from shared memory,
-    extended to a left operand in registers (as Hopper's wgmma takes it, and the recurrence
-    kernels give it)."""
-
-    def interpret(self, eqn, token, get_invals):
-        if isinstance(eqn.invars[1].aval, jax_state.AbstractRef):
-            return original(self, eqn, token, get_invals)
-        acc, lhs, rhs, *leaves = get_invals()
-        trees = [eqn.params[f"{name}_transforms_tree"] or jax.tree.structure([])
-                 for name in ("acc", "a", "b")]
-        acc_transforms, _, rhs_transforms = jax.tree.unflatten(
-            jax.tree_util.treedef_tuple(trees), leaves)
-        acc, acc_transforms = jaxpr_interpret.resolve_ref(eqn.invars[0].aval, acc,
-                                                          acc_transforms)
-        rhs, rhs_transforms = jaxpr_interpret.resolve_ref(eqn.invars[2].aval, rhs,
-                                                          rhs_transforms)
-        return io_callback(
-            functools.partial(_wgmma_with_lhs_in_registers, source_info=eqn.source_info),
-            gpu_callbacks.TOKEN_SHAPE_DTYPE, token=token, mesh_location=self.mesh_location,
-            thread=self.thread, acc_allocation_key_as_array=acc, acc_transforms=acc_transforms,
-            lhs=lhs, b_allocation_key_as_array=rhs, b_transforms=rhs_transforms), []
-
-    return interpret
-
-
-@contextlib.contextmanager
-def interpreted_on_simulated_hopper():
-    """Runs Mosaic GPU kernels in interpret mode on CPU and fails on any data race.
-
-    Interpret mode reads both of wgmma's operands from shared memory; here it also takes the
-    left one from registers (`_interpret_wgmma`). Its numpy products warn of no overflow: the
-    preparation's score tiles overflow by design in entries that its causal mask selects away
-    (`kda.kernels.mosaic_gpu.tiles.transposed_scores`)."""
-    gpu_interpret.reset_gpu_interpret_mode_state()
-    interpreter = jaxpr_interpret.JaxprInterpreter
-    with (warnings.catch_warnings(),
-          jax.sharding.use_abstract_mesh(HOPPER),
-          plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)),
-          mock.patch.object(interpreter, "_interpret_wgmma_ref_p",
-                            _interpret_wgmma(interpreter._interpret_wgmma_ref_p))):
-        warnings.filterwarnings("ignore", "overflow encountered in matmul", RuntimeWarning)
-        yield
-    assert not gpu_interpret.get_races().races_found, "the kernel has a data race"
-
-
-@pytest.fixture
-def kernel_on_any_backend(monkeypatch):
-    """Lets `kda_attention(impl="mosaic_gpu")` reach the kernel on CPU (for interpret mode)."""
-    kernel = kda.api.Implementation(mosaic_gpu.NAME, mosaic_gpu.mosaic_gpu_kda,
-                                    lambda call: True)
-    monkeypatch.setattr(kda.api, "_KERNELS", [kernel])
-
-
-def bf16_inputs(seed, batch, length, heads, value_heads, dim, **options):
-    return make_inputs(seed, batch, length, heads, value_heads, dim, dim, dtype=jnp.bfloat16,
-                       **options)
+from kda.kernels.triton import op as triton_path
+from tests.kda.calls import loss_and_grads, run
+from tests.kda.inputs import bf16_inputs
+from tests.kda.kernels.hopper import (HOPPER, TWO_PROGRAMS_PER_SM, interpreted_on_simulated_hopper,
+                                      lowering_for_hopper_within)
+from tests.kda.kernels.preparation import preparation_options, with_unit_keys
+from tests.kda.tolerances import BF16_TOLERANCE, assert_within_bf16_tolerances
 
 
 @pytest.mark.slow
@@ -151,15 +60,10 @@ def test_interpreted_kernel_gradients_match_reference(kernel_on_any_backend, ini
     """Without an initial state the recurrence kernel starts from zeros it does not read, and
     the backward gives the missing state no cotangent."""
     inputs = bf16_inputs(1, 1, 128, 2, 2, 64, initial_state=initial_state, segments=True)
-    expected = _loss_and_grads("reference", inputs, None)
+    expected = loss_and_grads("reference", inputs, None)
     with interpreted_on_simulated_hopper():
-        actual = _loss_and_grads(mosaic_gpu.NAME, inputs, -5.0)
+        actual = loss_and_grads(mosaic_gpu.NAME, inputs, -5.0)
     assert_within_bf16_tolerances(actual, expected)
-
-
-def preparation_options(inputs, dim, lower_bound=-5.0):
-    return dict(scale=dim**-0.5, segment_ids=inputs.get("segment_ids"),
-                use_qk_l2norm=inputs["use_qk_l2norm"], gate_lower_bound=lower_bound)
 
 
 def assert_preparation_matches_plain_jax(inputs, dim, prepare_kernel=prepare_chunks_kernel):
@@ -191,10 +95,8 @@ def test_interpreted_preparation_matches_plain_jax(dim, batch, length, heads, us
     inputs = bf16_inputs(9, batch, length, *heads, dim, segments=True)
     if saturated:
         inputs["g"] = jnp.full_like(inputs["g"], -5.0)
-    if not use_qk_l2norm:  # unit keys as the caller's own norm makes them (else beta |k|^2 >> 2)
-        for name in ("q", "k"):
-            inputs[name] = l2_normalize(inputs[name].astype(jnp.float32)).astype(jnp.bfloat16)
-        inputs["use_qk_l2norm"] = False
+    if not use_qk_l2norm:
+        inputs = with_unit_keys(inputs)
 
     def prepare_kernel(*args, **options):  # the operands, whether or not residuals come too
         prepared = prepare_chunks_kernel(*args, save_for_backward=save_for_backward, **options)
@@ -205,7 +107,7 @@ def test_interpreted_preparation_matches_plain_jax(dim, batch, length, heads, us
 
 
 @pytest.mark.slow
-def test_interpreted_preparation_without_segment_ids_is_that_of_one_document_a_row():
+def test_interpreted_preparation_without_segment_ids_is_one_document():
     """Without segment ids the kernel reads no document index and its masks are constants: every
     output and residual as with segment ids that never change (no document starts)."""
     inputs = bf16_inputs(4, 2, 200, 1, 2, 64, segments=False)
@@ -246,23 +148,6 @@ def test_kernel_lowers_for_hopper(dim, gate_lower_bound):
         lowered = kernel_path.trace(inputs).lower(lowering_platforms=("cuda",))
     # Bounded gates: the preparation kernel and the recurrence kernel.
     assert lowered.as_text().count("mosaic_gpu") >= (1 if gate_lower_bound is None else 2)
-
-
-# An H100/H200 SM has 228 KiB of shared memory and reserves 1 KiB a program.
-TWO_PROGRAMS_PER_SM = 113 * 1024
-
-
-@contextlib.contextmanager
-def lowering_for_hopper_within(shared_memory_bytes):
-    """Lowers Mosaic GPU kernels for Hopper, failing any kernel over `shared_memory_bytes`.
-
-    Mosaic GPU checks the limit as it lowers a kernel, and jit caches a lowered kernel without
-    the limit in its key, so the caches are cleared first: a kernel another test had lowered
-    would otherwise pass unchecked."""
-    jax.clear_caches()
-    with (jax.sharding.use_abstract_mesh(HOPPER),
-          mosaic_gpu_core.artificial_shared_memory_limit(shared_memory_bytes)):
-        yield
 
 
 @pytest.mark.parametrize("save_for_backward", [False, True])
@@ -318,7 +203,7 @@ def test_unsupported_head_sizes_are_refused():
         mosaic_gpu.mosaic_gpu_kda(**inputs, scale=0.2)
 
 
-def test_dispatcher_uses_the_kernel_only_on_hopper_for_bf16_heads_of_64_or_128(monkeypatch):
+def test_kernel_is_chosen_only_on_hopper_for_bf16_heads_of_64_or_128(monkeypatch):
     assert mosaic_gpu.NAME in kda.available_implementations()
     supported = kda.KDACall(
         batch=2, seq_len=8192, num_heads=16, num_value_heads=16, key_dim=128, value_dim=128,
@@ -348,17 +233,18 @@ def test_on_cpu_auto_falls_back_and_asking_by_name_is_refused():
 
 
 # Both kernel paths: Mosaic GPU (Hopper) and Triton (any NVIDIA GPU from Ampere on, with
-# jax-triton installed; `tests/kda/kernels/test_triton.py::test_gpu_triton_path_is_available` says why not).
+# jax-triton installed; `tests/kda/kernels/test_triton.py::test_gpu_triton_path_is_available` says
+# why not).
 KERNEL_PREPARATIONS = {mosaic_gpu.NAME: prepare_chunks_kernel,
                        triton_path.NAME: triton_path.prepare_chunks_kernel}
 every_kernel = pytest.mark.parametrize("impl", list(KERNEL_PREPARATIONS))
 
 
 @functools.cache
-def reference_loss_and_grads(*case, **options):
+def referenceloss_and_grads(*case, **options):
     """The oracle's loss and gradients on `bf16_inputs(*case, **options)`, computed once for both
     kernel paths (at 2 x 8192 the per-token scan's gradient dominates a GPU test's time)."""
-    return _loss_and_grads("reference", bf16_inputs(*case, **options), None)
+    return loss_and_grads("reference", bf16_inputs(*case, **options), None)
 
 
 @pytest.mark.gpu
@@ -367,8 +253,8 @@ def reference_loss_and_grads(*case, **options):
 def test_gpu_kernel_matches_reference(impl, gate, lower_bound):
     case = (5, 2, 8192, 16, 16, 128)
     inputs = bf16_inputs(*case, gate=gate, initial_state=True)
-    expected = reference_loss_and_grads(*case, gate=gate, initial_state=True)
-    actual = _loss_and_grads(impl, inputs, lower_bound)
+    expected = referenceloss_and_grads(*case, gate=gate, initial_state=True)
+    actual = loss_and_grads(impl, inputs, lower_bound)
     assert_within_bf16_tolerances(actual, expected)
 
 
@@ -392,8 +278,8 @@ def test_gpu_forward_of_many_heads_matches_reference(gate, lower_bound, initial_
 def test_gpu_kernel_packed_documents_and_grouped_heads(impl, gate, lower_bound):
     case = (6, 2, 8192, 8, 16, 128)
     inputs = bf16_inputs(*case, gate=gate, initial_state=True, segments=True)
-    expected = reference_loss_and_grads(*case, gate=gate, initial_state=True, segments=True)
-    actual = _loss_and_grads(impl, inputs, lower_bound)
+    expected = referenceloss_and_grads(*case, gate=gate, initial_state=True, segments=True)
+    actual = loss_and_grads(impl, inputs, lower_bound)
     assert_within_bf16_tolerances(actual, expected)
 
 
@@ -404,8 +290,8 @@ def test_gpu_gradients_without_an_initial_state(gate, lower_bound):
     cotangent (packed documents and grouped heads, as the model calls it)."""
     case = (12, 2, 2048, 8, 16, 128)
     inputs = bf16_inputs(*case, gate=gate, segments=True)
-    expected = _loss_and_grads("reference", inputs, None)
-    actual = _loss_and_grads(mosaic_gpu.NAME, inputs, lower_bound)
+    expected = loss_and_grads("reference", inputs, None)
+    actual = loss_and_grads(mosaic_gpu.NAME, inputs, lower_bound)
     assert "initial_state" not in actual
     assert_within_bf16_tolerances(actual, expected)
 

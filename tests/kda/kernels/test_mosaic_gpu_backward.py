@@ -13,22 +13,22 @@ import numpy as np
 import pytest
 
 import kda
-from kda.chunked import CHUNK_SIZE, ChunkedInputs, chunk_recurrence, prepare_chunks
+from experiments.harness import relative_error
+from kda.chunked import CHUNK_SIZE, ChunkedInputs, prepare_chunks
 from kda.kernels.mosaic_gpu import op as mosaic_gpu
-from kda.kernels.mosaic_gpu.reversed_recurrence import recurrence_cotangents, run_reversed_recurrence
-from kda.kernels.mosaic_gpu.common import (RecurrenceOperands, RecurrenceResiduals,
-                                           recurrence_operands)
+from kda.kernels.mosaic_gpu.common import RecurrenceResiduals, recurrence_operands
 from kda.kernels.mosaic_gpu.prepare_backward import ROUNDED_COTANGENTS
 from kda.kernels.mosaic_gpu.recurrence import (BLOCK_V, NARROW_BLOCK_V, choose_block_v,
-                                              run_recurrence)
+                                               run_recurrence)
+from kda.kernels.mosaic_gpu.reversed_recurrence import (recurrence_cotangents,
+                                                        run_reversed_recurrence)
 from kda.kernels.mosaic_gpu.sequence_parallel import sequence_parallel_reversed_recurrence
-from tests.kda.inputs import relative_error
-from tests.kda.kernels.test_mosaic_gpu import (  # noqa: F401 (kernel_on_any_backend: a fixture, used by name)
-    HOPPER, bf16_inputs, interpreted_on_simulated_hopper, kernel_on_any_backend)
-from tests.kda.test_ops import BF16_TOLERANCE, _loss_and_grads, assert_within_bf16_tolerances
-
-# fla's bar for first-order gradients in bf16 (dq, dk, dv, dh0), for every recurrence cotangent.
-GRADIENT_TOLERANCE = BF16_TOLERANCE["q"]
+from tests.kda.calls import loss_and_grads
+from tests.kda.inputs import bf16_inputs
+from tests.kda.kernels.hopper import HOPPER, interpreted_on_simulated_hopper
+from tests.kda.kernels.recurrences import (abstract_operands, jitted_vjp, kernel_recurrence,
+                                           plain_recurrence)
+from tests.kda.tolerances import BF16_TOLERANCE, GRADIENT_TOLERANCE, assert_within_bf16_tolerances
 
 
 def prepared_chunks(seed, batch, length, heads, value_heads, dim, *, gate="lower_bound",
@@ -46,20 +46,6 @@ def prepared_chunks(seed, batch, length, heads, value_heads, dim, *, gate="lower
     d_o = jax.random.normal(keys[0], chunks.U.shape).astype(jnp.bfloat16)
     d_final_state = jax.random.normal(keys[1], inputs["initial_state"].shape)
     return chunks, inputs["initial_state"], (d_o, d_final_state)
-
-
-def plain_recurrence(chunks, initial_state):
-    return chunk_recurrence(chunks, initial_state, jnp.bfloat16)
-
-
-def kernel_recurrence(chunks, initial_state):
-    return mosaic_gpu.kernel_recurrence(chunks, initial_state, jnp.bfloat16)
-
-
-def jitted_vjp(recurrence):
-    """`(chunks, initial_state, cotangents) -> (d_chunks, d_initial_state)` under one jit."""
-    return jax.jit(lambda chunks, initial_state, cotangents: jax.vjp(
-        recurrence, chunks, initial_state)[1](cotangents))
 
 
 def chunk_slice(chunks: ChunkedInputs, start, stop) -> ChunkedInputs:
@@ -118,7 +104,7 @@ def test_interpreted_narrow_state_tiles_give_what_the_wide_ones_give(save_for_ba
     The bf16 results are bit-identical. The float32 final state is compared to float32 rounding:
     on some CPUs XLA compiles the interpreted products of the two widths differently (seen: at
     most 1.8e-7 apart, at 3% of the entries, already after one chunk; a column mixed in would be
-    off by O(1)). On the H200 they agree to the bit
+    off by O(1)). On a Hopper GPU they agree to the bit
     (`test_gpu_narrow_state_tiles_give_what_the_wide_ones_give`)."""
     chunks, initial_state, _ = prepared_chunks(9, 1, 256, 1, 2, 64, segments=True)
     operands = recurrence_operands(chunks)
@@ -136,18 +122,6 @@ def test_interpreted_narrow_state_tiles_give_what_the_wide_ones_give(save_for_ba
             np.testing.assert_allclose(x, want, rtol=1e-6, atol=0)
         else:
             np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(want, np.float32))
-
-
-def abstract_operands(batch, heads, num_chunks, dim):
-    """(`RecurrenceOperands`, initial state) as `jax.ShapeDtypeStruct`s, K = V = dim: what
-    lowering a recurrence kernel for Hopper needs."""
-    shapes = dict(W=(CHUNK_SIZE, dim), U=(CHUNK_SIZE, dim), q_from_state=(CHUNK_SIZE, dim),
-                  k_to_state_t=(dim, CHUNK_SIZE), Aqk=(CHUNK_SIZE, CHUNK_SIZE), chunk_decay=(dim,))
-    operands = RecurrenceOperands(**{
-        name: jax.ShapeDtypeStruct((batch, heads, num_chunks, *shape),
-                                   jnp.float32 if name in ("U", "chunk_decay") else jnp.bfloat16)
-        for name, shape in shapes.items()})
-    return operands, jax.ShapeDtypeStruct((batch, heads, dim, dim), jnp.float32)
 
 
 def test_narrow_state_tiles_lower_for_hopper():
@@ -191,7 +165,7 @@ def test_interpreted_reversed_kernel_matches_plain_jax():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("num_segments", [1, 2])
-def test_interpreted_reversed_kernel_d_v_new_in_bf16_is_the_float32_one_rounded(num_segments):
+def test_interpreted_reversed_kernel_bf16_d_v_new_is_float32_rounded(num_segments):
     """Asked for dV_new in bf16 (written so by the kernel at P = 1, rounded after the float32
     corrections at P = 2), the reversed recurrence gives the float32 dV_new rounded, bit for bit,
     and the same dS."""
@@ -268,9 +242,9 @@ def test_interpreted_gradients_match_reference(kernel_on_any_backend, gate, lowe
                                                heads, segments):
     inputs = bf16_inputs(3, 1, length, *heads, 64, gate=gate, initial_state=True,
                          segments=segments)
-    expected = _loss_and_grads("reference", inputs, None)
+    expected = loss_and_grads("reference", inputs, None)
     with interpreted_on_simulated_hopper():
-        actual = _loss_and_grads(mosaic_gpu.NAME, inputs, lower_bound)
+        actual = loss_and_grads(mosaic_gpu.NAME, inputs, lower_bound)
     assert_within_bf16_tolerances(actual, expected)
 
 
@@ -310,7 +284,7 @@ def test_backward_lowers_for_hopper(gate_lower_bound):
 @pytest.mark.usefixtures("kernel_on_any_backend")
 def test_bounded_backward_reads_the_cotangent_of_o_token_major():
     """At T a multiple of 64, d_o [B, T, HV, V] reaches both kernels of the recurrence's VJP as
-    it is: no transpose to chunk-major [B, HV, N, 64, V] in XLA (the one this path once had)."""
+    it is: no transpose to chunk-major [B, HV, N, 64, V] in XLA."""
     batch, length, heads, value_heads, dim = 2, 4 * CHUNK_SIZE, 2, 4, 128
     inputs = bf16_inputs(4, batch, length, heads, value_heads, dim, initial_state=True)
     use_qk_l2norm = inputs.pop("use_qk_l2norm")
@@ -333,15 +307,15 @@ def test_bounded_backward_reads_the_cotangent_of_o_token_major():
 
 def test_identical_layers_share_each_lowered_kernel():
     """Two KDA layers of one shape lower each of their kernels once, as one layer does
-    (`kda.kernels.mosaic_gpu.common.lowered_once`); lowering a copy a call site took 168 s of the
-    `1b` training step's 174 s of lowering."""
+    (`kda.kernels.mosaic_gpu.common.lowered_once`): lowering a copy at every call site dominated
+    the `1b` training step's lowering (`benchmarks/train_h200.md`)."""
     one, two = (_gradient_lowered_for_hopper(-5.0, layers) for layers in (1, 2))
     assert two.count("mosaic_gpu_v2") == one.count("mosaic_gpu_v2") >= 3
 
 
 # On the GPU: real shapes. The recurrence's VJP against the plain-JAX one, and gradients where
-# `tests/kda/kernels/test_mosaic_gpu.py` does not already check them (T = 65536: against the chunked op,
-# float32-exact, since the oracle's per-token scan would be too slow to differentiate).
+# `tests/kda/kernels/test_mosaic_gpu.py` does not already check them (T = 65536: against the
+# chunked op, float32-exact, since the oracle's per-token scan would be too slow to differentiate).
 
 
 @pytest.mark.gpu
@@ -362,14 +336,14 @@ def test_gpu_recurrence_vjp_matches_plain_jax(gate, segments):
 @pytest.mark.parametrize("dim", [64, 128])
 def test_gpu_gradients_long_sequence(dim):
     inputs = bf16_inputs(7, 1, 65536, 2, 2, dim, initial_state=True, segments=True)
-    expected = _loss_and_grads("chunked", inputs, None)
-    actual = _loss_and_grads(mosaic_gpu.NAME, inputs, -5.0)
+    expected = loss_and_grads("chunked", inputs, None)
+    actual = loss_and_grads(mosaic_gpu.NAME, inputs, -5.0)
     assert_within_bf16_tolerances(actual, expected)
 
 
 @pytest.mark.gpu
 def test_gpu_narrow_state_tiles_give_what_the_wide_ones_give():
-    """On the H200 the two tile widths agree to the bit, the float32 final state included."""
+    """On a Hopper GPU the two tile widths agree to the bit, the float32 final state included."""
     chunks, initial_state, _ = prepared_chunks(11, 2, 8192, 16, 16, 128)
     operands = recurrence_operands(chunks)
 

@@ -1,5 +1,5 @@
-"""The one-pass cotangent kernel (`kda.kernels.mosaic_gpu.recurrence_cotangents.chunk_cotangents`) against
-the XLA products it replaces (`recurrence_cotangents`, the oracle).
+"""The one-pass cotangent kernel (`kda.kernels.mosaic_gpu.recurrence_cotangents.chunk_cotangents`)
+against the XLA products it replaces (`recurrence_cotangents`, the oracle).
 
 Both compute the same bf16 products with float32 sums in another order: float32 outputs agree to
 float32 rounding, bf16 outputs (rounded once from those sums) to one bf16 ulp, more only where
@@ -14,14 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments.harness import relative_error
 from kda.chunked import CHUNK_SIZE, ChunkedInputs, chunks_to_tokens
-from kda.kernels.mosaic_gpu.reversed_recurrence import recurrence_cotangents
 from kda.kernels.mosaic_gpu.common import RecurrenceResiduals
-from kda.kernels.mosaic_gpu.recurrence_cotangents import chunk_cotangents
 from kda.kernels.mosaic_gpu.prepare_backward import ROUNDED_COTANGENTS
-from tests.kda.inputs import relative_error
-from tests.kda.kernels.test_mosaic_gpu import (TWO_PROGRAMS_PER_SM, interpreted_on_simulated_hopper,
-                              lowering_for_hopper_within)
+from kda.kernels.mosaic_gpu.recurrence_cotangents import chunk_cotangents
+from kda.kernels.mosaic_gpu.reversed_recurrence import recurrence_cotangents
+from tests.kda.kernels.hopper import (TWO_PROGRAMS_PER_SM, interpreted_on_simulated_hopper,
+                                      lowering_for_hopper_within)
+from tests.kda.tolerances import bf16_ulp
 
 # float32 sums of the same bf16 products in another order (observed on CPU: below 1e-7).
 FLOAT32_TOLERANCE = 1e-6
@@ -43,14 +44,6 @@ def cotangent_inputs(seed, batch, heads, num_chunks, key_dim, value_dim, rounded
     d_o = jax.random.normal(keys[2], (*chunked, CHUNK_SIZE, value_dim), cotangent_dtype)
     d_v_new = jax.random.normal(keys[4], (*chunked, CHUNK_SIZE, value_dim), cotangent_dtype)
     return residuals, d_o, d_states, d_v_new
-
-
-def bf16_ulp(x):
-    """The spacing of bf16 numbers (8 significant bits) at each element of bf16 x, in float32."""
-    magnitude = np.abs(np.asarray(x, np.float32))
-    tiniest = np.float32(2.0**-133)  # bf16's smallest subnormal
-    return np.where(magnitude > 0, 2.0 ** (np.floor(np.log2(np.maximum(magnitude, tiniest))) - 7),
-                    tiniest)
 
 
 def summation_order_bounds(residuals, d_o, d_states, d_v_new):

@@ -15,22 +15,20 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.extend import core as jax_core
 
+from experiments.harness import relative_error
 from kda.kernels.mosaic_gpu.prepare_backward import _inverse_norms
 from kda.kernels.mosaic_gpu.score_backward import score_backward
 from kda.kernels.mosaic_gpu.tiles import CHUNK, documents_in_chunk, pad_to_chunks
-from tests.kda.inputs import relative_error
-from tests.kda.kernels.test_mosaic_gpu import (TWO_PROGRAMS_PER_SM, interpreted_on_simulated_hopper,
-                              lowering_for_hopper_within)
-from tests.kda.kernels.test_prepare_backward import (LOWER_BOUND, assert_vjp_matches_plain_jax,
-                                               chunk_cumulative_sum, preparation_case)
+from tests.kda.kernels.hopper import (ONE_PROGRAM_PER_SM, TWO_PROGRAMS_PER_SM,
+                                      interpreted_on_simulated_hopper, lowering_for_hopper_within)
+from tests.kda.kernels.preparation import (LOWER_BOUND, assert_vjp_matches_plain_jax,
+                                           chunk_cumulative_sum, preparation_case)
 
 OUTPUT_NAMES = ("dq", "dk", "dg")
 # Set before any GPU run: the same operations on each slab, but two warpgroups run one slab's
 # code and four another's (a loop over two slabs, or one slab), which ptxas may contract into
 # FMAs differently.
 GPU_WARPGROUPS_TOLERANCE = 1e-6
-# An H100/H200 SM has 228 KiB of shared memory and reserves 1 KiB a program.
-ONE_PROGRAM_PER_SM = 227 * 1024
 
 
 def score_kernel_inputs(seed, batch, length, heads, dim, *, saturated=False):
@@ -169,12 +167,3 @@ def test_gpu_four_warpgroups_match_two():
     assert_warpgroup_counts_agree(*score_kernel_inputs(24, 2, 4100, (8, 16), 128),
                                   context=contextlib.nullcontext,
                                   tolerance=GPU_WARPGROUPS_TOLERANCE)
-
-
-@pytest.mark.slow  # about 10 s: one kernel in interpret mode
-def test_benchmark_smoke_runs_and_prints_each_variant(capsys):
-    from experiments import bench_score_backward
-
-    bench_score_backward.main(["--smoke", "--shape", "1x128x1x64"])
-    printed = capsys.readouterr().out
-    assert "2 warpgroups a chunk:" in printed and " ms (relative to two warpgroups" in printed

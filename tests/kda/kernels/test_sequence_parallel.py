@@ -23,23 +23,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from experiments.harness import relative_error
 from kda.chunked import (CHUNK_SIZE, ChunkedInputs, chunk_recurrence, chunks_to_tokens,
                          prepare_chunks)
 from kda.common import einsum
+from kda.kernels.mosaic_gpu import sequence_parallel
 from kda.kernels.mosaic_gpu.common import recurrence_operands
 from kda.kernels.mosaic_gpu.prepare import prepare_chunks_kernel
-from kda.kernels.mosaic_gpu import sequence_parallel
 from kda.kernels.mosaic_gpu.sequence_parallel import (choose_num_segments, combine_segments,
-                                           recurrence_in_segments,
-                                           reversed_recurrence_in_segments,
-                                           sequence_parallel_recurrence,
-                                           sequence_parallel_reversed_recurrence,
-                                           split_into_segments)
-from tests.kda.inputs import make_inputs, relative_error
-from tests.kda.kernels.test_mosaic_gpu import HOPPER, interpreted_on_simulated_hopper
-from tests.kda.kernels.test_mosaic_gpu_backward import (GRADIENT_TOLERANCE, abstract_operands, jitted_vjp,
-                                       kernel_recurrence, plain_recurrence)
-from tests.kda.test_ops import BF16_TOLERANCE, F32_TOLERANCE, run
+                                                      recurrence_in_segments,
+                                                      reversed_recurrence_in_segments,
+                                                      sequence_parallel_recurrence,
+                                                      sequence_parallel_reversed_recurrence,
+                                                      split_into_segments)
+from tests.kda.calls import run
+from tests.kda.inputs import make_inputs
+from tests.kda.kernels.hopper import HOPPER, interpreted_on_simulated_hopper
+from tests.kda.kernels.recurrences import (abstract_operands, jitted_vjp, kernel_recurrence,
+                                           plain_recurrence)
+from tests.kda.tolerances import BF16_TOLERANCE, F32_TOLERANCE, GRADIENT_TOLERANCE
 
 SLOW_GATE_FACTOR = 0.01
 
@@ -215,10 +217,10 @@ def test_reversed_segments_in_plain_jax_equal_the_whole_vjp(case):
 
 
 @pytest.mark.parametrize("batch_heads,num_chunks,dim,expected", [
-    (16, 512, 128, 1),  # measured: P = 2 took 7.82 ms forward+backward against 5.82 unsplit
-    (16, 1024, 128, 1),  # P = 2 saves 512 steps (1.7 ms) for 5.1 ms of extras
-    (8, 1024, 128, 1),  # P = 4 saves 768 steps (2.6 ms) for 2.6 ms of extras
-    (4, 1024, 128, 8),  # 16 programs; P = 8: 128 programs, N/8 steps (3.5 -> 1.7 ms)
+    (16, 512, 128, 1),  # P = 2 measured slower than unsplit (`benchmarks/kda_h200.md`)
+    (16, 1024, 128, 1),  # P = 2 would save 512 steps for more time in the extra passes
+    (8, 1024, 128, 1),  # P = 4 would save 768 steps for as much time in the extra passes
+    (4, 1024, 128, 8),  # 16 programs; P = 8: 128 programs, N/8 steps (half the estimated time)
     (2, 1024, 128, 16),  # 4 programs; P = 16: 128
     (1, 1024, 128, 32),
     (1, 256, 128, 16),  # segments of MIN_SEGMENT_CHUNKS at most 16 of them
@@ -313,7 +315,7 @@ def test_interpreted_token_major_output_is_the_chunk_output_transposed(num_segme
 
 
 @pytest.mark.parametrize("num_segments", [1, 2])
-def test_interpreted_reversed_kernel_reads_token_major_d_o_as_the_chunk_major_one(num_segments):
+def test_interpreted_reversed_kernel_reads_token_major_d_o_as_chunk_major(num_segments):
     """d_o given token-major, [B, N C, HV, V]: the kernel's reads of its token rows (P = 1) or the
     transpose before the split (P = 2) give exactly what the [B, HV, N, C, V] d_o gives."""
     inputs = slow_gate_inputs(6, 4 * CHUNK_SIZE, 2, 64, 64, dtype=jnp.bfloat16,
@@ -353,7 +355,7 @@ def test_sequence_parallel_reversed_kernel_lowers_for_hopper(num_segments, d_o_t
     assert "_reversed_recurrence_kernel" in lowered.as_text()
 
 
-def test_recurrence_vjp_splits_the_reversed_recurrence_as_the_forward_splits():
+def test_vjp_splits_the_reversed_recurrence_as_the_forward():
     """At B * HV = 2, N = 32 both directions of the kernels' VJP take P = 2 on Hopper: both
     kernels run HV * 2 segment heads of N / 2 chunks with V + K value columns."""
     batch, heads, num_chunks, dim = 1, 2, 32, 128
@@ -384,7 +386,7 @@ def test_recurrence_vjp_splits_the_reversed_recurrence_as_the_forward_splits():
     (19, 8, 2, True),
     (5, 7, 4, False),  # N not a multiple of P: one inert chunk
 ])
-def test_interpreted_reversed_kernel_on_segments_matches_one_segment_and_plain_jax(
+def test_interpreted_reversed_kernel_on_segments_matches_one_and_plain_jax(
         seed, num_chunks, num_segments, segments):
     inputs = slow_gate_inputs(seed, num_chunks * CHUNK_SIZE - 5, 2, 64, 64, dtype=jnp.bfloat16,
                               initial_state=True, segments=segments)
@@ -434,7 +436,7 @@ def sequence_parallel_forward(inputs, num_segments):
 
 
 # Few heads, so that the cost model splits the sequence (on an H100 or H200, 132 SMs): at 16
-# heads it no longer does (e34d1f7), and these tests would check the unsplit path only.
+# heads it does not, and these tests would check the unsplit path only.
 LONG_HEADS, LONG_SEGMENTS = 4, 8
 
 

@@ -1,5 +1,6 @@
 """The Triton path (`impl="triton"`, jax-triton): its dispatch and launch contracts on CPU (its GPU
-tests against the oracle are those of `tests/kda/kernels/test_mosaic_gpu.py`, run for both kernel paths).
+tests against the oracle are those of `tests/kda/kernels/test_mosaic_gpu.py`, run for both kernel
+paths).
 
 Triton kernels run only on a GPU here (jax-triton needs a CUDA jaxlib); on CPU these tests check
 that `import kda` needs neither triton nor jax-triton, that the path is refused with a clear error,
@@ -14,10 +15,11 @@ import pytest
 
 import kda
 from kda.chunked import prepare_chunks
-from kda.kernels.triton import op as triton_path
 from kda.kernels.mosaic_gpu.common import recurrence_operands
-from tests.kda.kernels.test_mosaic_gpu import bf16_inputs, preparation_options
-from tests.kda.test_ops import run
+from kda.kernels.triton import op as triton_path
+from tests.kda.calls import run
+from tests.kda.inputs import bf16_inputs
+from tests.kda.kernels.preparation import preparation_options
 
 SUPPORTED_CALL = kda.KDACall(
     batch=2, seq_len=8192, num_heads=16, num_value_heads=16, key_dim=128, value_dim=128,
@@ -38,7 +40,7 @@ def test_auto_never_chooses_triton(monkeypatch):
     assert kda.api._choose(triton_path.NAME, SUPPORTED_CALL).name == triton_path.NAME
 
 
-def test_dispatcher_uses_triton_only_for_bf16_heads_of_64_or_128_on_ampere_or_later(monkeypatch):
+def test_triton_only_for_bf16_heads_of_64_or_128_on_ampere_or_later(monkeypatch):
     monkeypatch.setattr(triton_path, "_on_ampere_or_later", lambda: True)
     monkeypatch.setattr(triton_path, "_jax_triton_importable", lambda: True)
     assert triton_path.supports(SUPPORTED_CALL)
@@ -96,8 +98,8 @@ def test_kernel_launches_have_the_plain_jax_operands_shapes(dim):
         ((2, 2, 4, 64, dim), jnp.bfloat16), ((2, 2, dim, dim), jnp.float32)]
 
 
-# On the GPU, the Triton path runs the GPU tests of `tests/kda/kernels/test_mosaic_gpu.py` (parametrized over
-# both kernel paths); this one says why they would be refused.
+# On the GPU, the Triton path runs the GPU tests of `tests/kda/kernels/test_mosaic_gpu.py`
+# (parametrized over both kernel paths); this one says why they would be refused.
 
 
 @pytest.mark.gpu
