@@ -8,7 +8,7 @@ documents, implementation by implementation, and writes a markdown table.
 The `--gpu` shape is the `1b` step's (`experiments.bench_train`): [B, T, H] = [4, 4096, 16], q/k
 heads of 192, v heads of 128, bf16; the documents of each row are cut at random points, 1, 4
 (bench_train's layout) or 16 a row. Contenders: "xla" and "cudnn" (a dense [B, 1, T, T] document
-mask; "cudnn" is what the step runs today and the baseline of the ratios), "cudnn_segments" at
+mask; "cudnn" is the baseline of the ratios), "cudnn_segments" at
 each `--max-segments` M (cuDNN's packed layout, the `lax.cond` and its dense fallback included:
 a layout with more than M documents a row takes the fallback), and the packed call alone
 (`packed_cudnn_attention`, no cond, at the largest M) to price the cond (below M = 16 it computes
@@ -16,14 +16,14 @@ the 16-document layout wrong, and its error column says so).
 
 Each contender is compiled once (the segment ids are an argument) and timed on every layout:
 the forward, then the forward+backward (gradients of sum(out * d_out) in q, k and v), medians
-of `--repeats` calls after `--warmup`. Errors are relative L2 against XLA in float32 on the same
+of `--repeats` calls after `--warmup`. Errors are relative L2 against `plain_attention`, the
+softmax formula written out here (independent of `models.attention`), in float32 on the same
 (bf16-rounded) numbers: the output, and the worst of dq, dk and dv. Model TFLOP/s count only the
 causal, within-document score and value products: 2 (Dqk + Dv) FLOPs per (query, key) pair of a
 document with the key not after the query, per head; forward+backward 3x the forward
 (`train.metrics`' convention).
 """
 
-import argparse
 import dataclasses
 import sys
 from collections.abc import Callable
@@ -34,9 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
 
-from experiments.bench_kda import (cell, compiled_once, compiled_peak_mib, package_version,
-                                  report_preamble, table_row, timing_cells)
-from experiments.profiling import command_line, median_seconds
+from experiments.harness import (cell, command_line, compiled_once, compiled_peak_mib,
+                                 gpu_or_smoke_args, median_seconds, package_version,
+                                 relative_error, report_preamble, table_row, timing_cells,
+                                 write_markdown)
 from models.attention import (
     causal_document_attention,
     document_segments,
@@ -136,17 +137,25 @@ def contenders(gpu: bool, max_segments: list[int]) -> dict[str, Attention]:
     return table
 
 
+def plain_attention(q, k, v, segment_ids):
+    """The oracle: softmax(q k^T / sqrt(Dqk)) v over the keys not after the query with the same
+    segment id, as one dense einsum and mask. q, k [B, T, H, Dqk], v [B, T, H, Dv], segment_ids
+    [B, T] -> [B, T, H, Dv]."""
+    highest = jax.lax.Precision.HIGHEST  # no TF32 rounding in the oracle on a GPU
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=highest) * q.shape[-1] ** -0.5
+    length = q.shape[1]
+    causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
+    same_document = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+    weights = jax.nn.softmax(jnp.where(causal & same_document, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v, precision=highest)
+
+
 def gradients(attend: Attention) -> Callable:
     """`(q, k, v, segment_ids, d_out) -> (out, (dq, dk, dv))`, gradients of sum(out * d_out)."""
     def run(q, k, v, segment_ids, d_out):
         out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, segment_ids), q, k, v)
         return out, vjp(d_out.astype(out.dtype))
     return run
-
-
-def relative_l2(got, want) -> float:
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
 def make_inputs(setup: Setup, seed: int = 0) -> tuple[jax.Array, ...]:
@@ -164,7 +173,7 @@ def run(setup: Setup, layouts: dict[int, np.ndarray], table: dict[str, Attention
     `on_progress(results)` after each one."""
     inputs = make_inputs(setup)
     exact_inputs = [t.astype(jnp.float32) for t in inputs]
-    reference = jax.jit(gradients(implementation("xla")))
+    reference = jax.jit(gradients(plain_attention))
     programs: dict[str, tuple] = {}
     results: dict[tuple[int, str], Timing] = {}
     for documents, layout in layouts.items():
@@ -183,8 +192,8 @@ def run(setup: Setup, layouts: dict[int, np.ndarray], table: dict[str, Attention
                                                     repeats, warmup),
                     forward_backward_ms=1e3 * median_seconds(
                         lambda: backward(q, k, v, segment_ids, d_out), repeats, warmup),
-                    output_error=relative_l2(out, want_out),
-                    gradient_error=max(map(relative_l2, grads, want_grads)),
+                    output_error=relative_error(out, want_out),
+                    gradient_error=relative_error(grads, want_grads),
                     peak_mib=compiled_peak_mib(backward))
             except Exception as error:  # noqa: BLE001 (reported in the table's note)
                 first_line = (str(error).splitlines() or [""])[0]
@@ -215,7 +224,8 @@ def write_table(path: Path, results, setup: Setup, flops: dict[int, float], name
         f"q, k and v. 'vs {BASELINE}' = {BASELINE}'s time / this row's (above 1: faster).",
         "- TFLOP/s: model FLOPs of the causal, within-document score and value products only "
         "(2 (Dqk + Dv) a pair a head; fwd+bwd = 3x fwd) over the time.",
-        "- Errors: relative L2 against XLA in float32 on the same numbers; grad = the worst of "
+        "- Errors: relative L2 against a plain softmax formula (`plain_attention`) in float32 on "
+        "the same numbers; grad = the worst of "
         "dq, dk, dv. Memory: arguments, outputs and temporaries of the fwd+bwd (XLA's analysis).",
         "",
         f"| documents a row | implementation | fwd ms | fwd+bwd ms | fwd vs {BASELINE} | "
@@ -235,39 +245,33 @@ def write_table(path: Path, results, setup: Setup, flops: dict[int, float], name
                 cell(rate(t.forward_backward_ms, TRAIN_FLOPS_PER_FORWARD), ".3g"),
                 cell(t.output_error, ".1e"), cell(t.gradient_error, ".1e"),
                 cell(t.peak_mib, ".0f"), t.note))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    write_markdown(path, lines)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    size = parser.add_mutually_exclusive_group(required=True)
-    size.add_argument("--gpu", action="store_true",
-                      help="the H200 shape and every implementation; needs a CUDA backend")
-    size.add_argument("--smoke", action="store_true",
-                      help="a tiny float32 shape through XLA alone (a CPU check)")
-    parser.add_argument("--max-segments", nargs="+", type=int, default=[4, 16], metavar="M",
-                        help="the M of each cudnn_segments contender (default: 4 16)")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--out", type=Path,
-                        help="markdown file (default benchmarks/attention_<h200|smoke>.md)")
-    args = parser.parse_args(argv)
-    if args.gpu and jax.default_backend() != "gpu":
-        parser.error(f"--gpu needs a CUDA backend, but JAX runs on {jax.default_backend()!r}")
+    def max_segments_option(parser):
+        parser.add_argument("--max-segments", nargs="+", type=int, default=[4, 16], metavar="M",
+                            help="the M of each cudnn_segments contender (default: 4 16)")
+
+    args = gpu_or_smoke_args(argv, __doc__.split("\n\n")[0], "attention_h200.md",
+                             gpu_help="the H200 shape and every implementation",
+                             smoke_help="a tiny float32 shape through XLA alone (a CPU check)",
+                             add_options=max_segments_option)
     if min(args.max_segments) < 1:
-        parser.error(f"--max-segments: each M must be a positive int, got {args.max_segments}")
+        raise SystemExit(f"--max-segments: each M must be a positive int, got {args.max_segments}")
     setup = GPU if args.gpu else SMOKE
     table = contenders(args.gpu, args.max_segments)
-    out = args.out or Path("benchmarks") / f"attention_{'h200' if args.gpu else 'smoke'}.md"
     command = command_line("experiments.bench_attention", argv)
     layouts = document_layouts(setup)
     flops = {documents: document_attention_flops(layout, setup.heads, setup.qk_dim, setup.v_dim)
              for documents, layout in layouts.items()}
-    run(setup, layouts, table, args.repeats, args.warmup,
-        lambda results: write_table(out, results, setup, flops, list(table), command))
-    print(f"wrote {out}")
+    on_progress = ((lambda results: None) if args.out is None else
+                   (lambda results: write_table(args.out, results, setup, flops, list(table),
+                                                command)))
+    results = run(setup, layouts, table, args.repeats, args.warmup, on_progress)
+    if args.out is not None:
+        print(f"wrote {args.out}")
+    return results
 
 
 if __name__ == "__main__":

@@ -11,12 +11,11 @@ stream. Each sub-layer is a stand-in, its input times a learned [D] vector, so t
 reads, seals and adds. Layouts (`models.attn_res.ResidualStream`):
 
 - "planes": the tuple of exactly the filled snapshots, what layers in a Python loop use;
-- "buffer": the fixed [S, B, T, D] buffer with unfilled slots masked, what scanned layers use
-  (and, before 59c98e2, every layer).
+- "buffer": the fixed [S, B, T, D] buffer with unfilled slots masked, what scanned layers use.
 
 Forward, and forward+backward (gradients in the embedding, every read's gain and query and every
-stand-in's vector), medians of `--repeats` calls; the outputs and gradients of the layouts are
-compared.
+stand-in's vector), medians of `--repeats` calls after `--warmup`; the outputs and gradients of
+the layouts are compared (the largest relative L2 difference over them, `harness.relative_error`).
 """
 
 import dataclasses
@@ -26,11 +25,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from experiments.bench_kda import (cell, compiled_once, compiled_peak_mib, gpu_or_smoke_args,
-                                  package_version, report_preamble, table_row, timing_cells)
-from experiments.profiling import command_line, median_seconds
+from experiments.harness import (cell, command_line, compiled_once, compiled_peak_mib,
+                                 gpu_or_smoke_args, median_seconds, package_version,
+                                 relative_error, report_preamble, table_row, timing_cells,
+                                 write_markdown)
 from models.attn_res import (ResidualStream, attn_res_read, num_seal_slots, seal_period,
                              sublayer_input)
 
@@ -121,15 +120,7 @@ def measure(setup: Setup, repeats: int, warmup: int) -> tuple[dict, float]:
             peak_mib=compiled_peak_mib(both),
         )
         print(f"{layout}: {results[layout]}", flush=True)
-    return results, max_relative_difference(outputs["planes"], outputs["buffer"])
-
-
-def max_relative_difference(got, want) -> float:
-    """Largest relative L2 difference over matching leaves, in float32."""
-    def relative(a, b):
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-    return max(jax.tree.leaves(jax.tree.map(relative, got, want)))
+    return results, relative_error(outputs["planes"], outputs["buffer"])
 
 
 def write_table(path: Path, results: dict, difference: float, setup: Setup, command: str):
@@ -146,8 +137,7 @@ def write_table(path: Path, results: dict, difference: float, setup: Setup, comm
     for layout, timing in results.items():
         lines.append(table_row(layout, *timing_cells(timing, base, ".3f"),
                                cell(timing.peak_mib, ".0f")))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    write_markdown(path, lines)
 
 
 def main(argv=None):

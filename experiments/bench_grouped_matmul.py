@@ -1,41 +1,32 @@
-"""Benchmark: the row-ragged grouped GEMMs of the MoE step, ours against JAX's bundled kernel.
+"""Benchmark: the MoE step's grouped GEMMs, ours against JAX's bundled kernels and dense XLA.
 
-    python -m experiments.bench_grouped_matmul --gpu     # one H200: 131072 rows (16384 tokens x
-                                                         # top-8), 64 groups; writes
-                                                         # benchmarks/grouped_matmul_h200.md
+    python -m experiments.bench_grouped_matmul --gpu     # H200: 131072 rows (16384 tokens x
+                                                         # top-8), 64 groups
+                                                         # -> benchmarks/grouped_matmul_h200.md
     python -m experiments.bench_grouped_matmul --smoke   # tiny sizes on CPU (interpret mode)
     python -m experiments.bench_grouped_matmul --gpu --expert-mlp   # the expert MLP, GLU fused
-                                                         # into the GEMM epilogues or not; writes
-                                                         # benchmarks/expert_mlp_h200.md
+                                                         # or not -> benchmarks/expert_mlp_h200.md
 
-The four products are those of the MoE layer's expert matmuls that are ragged in their rows: the
-two forward products and their input gradients (rhs transposed). Each is timed for
-`moe.kernels.mosaic_gpu.ragged_matmul.ragged_matmul` under every config of `SWEEP_CONFIGS`, for JAX's bundled
-`ragged_dot_mgpu` with the tiles `moe.grouped_matmul` used before our kernel replaced it (swept on
-an H200), and for XLA's dense `jnp.dot`
-of the same FLOPs ([M, K] x [K, N]). Group sizes are one multinomial draw of M rows over G equal
-groups (fixed seed), as uniform routing gives. Every grouped result is checked against XLA's
-`ragged_dot` with float32 output on the rows the groups cover.
+Row-ragged products (lhs [M, K] x rhs [G, K, N], rows grouped; the two forward products of the
+expert MLP and their input gradients, rhs transposed): ours (`ragged_matmul`) under every config
+of `SWEEP_CONFIGS`, JAX's bundled `ragged_dot_mgpu` with its best tiles at these shapes
+(`BUNDLED_NARROW_TILES`, `BUNDLED_WIDE_TILES`), and XLA's dense `jnp.dot` of the same FLOPs.
+Weight gradients (lhs [M, K]^T x out_grad [M, N] reduced per group, [G, K, N]): ours
+(`transposed_ragged_matmul`) under every config of `TRANSPOSED_SWEEP_CONFIGS`, the bundled
+`transposed_ragged_dot_mgpu` (`BUNDLED_WEIGHT_GRAD_TILES`; GPU only, it has no interpret mode) and
+XLA's dense lhs^T x out_grad. Group sizes: one multinomial draw of M rows over G equal groups
+(seed 0), as uniform routing gives. Every grouped result is checked (max-norm relative error,
+`harness.relative_error`) against XLA's `ragged_dot` with float32 output on the covered rows, or
+one dense float32 product a group for the weight gradients; `AGREEMENT_TOLERANCE` or the run fails.
 
-The two weight gradients (lhs [M, K]^T x out_grad [M, N] reduced over each group's rows, [G, K,
-N]: the gradients of the two forward products' weights) are timed for
-`moe.kernels.mosaic_gpu.ragged_matmul.transposed_ragged_matmul` under every config of
-`TRANSPOSED_SWEEP_CONFIGS` (the default one is what `moe.grouped_matmul.weight_gradient` runs),
-for JAX's bundled `transposed_ragged_dot_mgpu` with its best tiles from our sweeps
-(`BUNDLED_WEIGHT_GRAD_TILES`; GPU only: it has no interpret mode), and for
-XLA's dense lhs^T x out_grad; they are checked against one XLA dense product a group, float32
-output.
+`--expert-mlp`: `moe.dispatch.expert_mlp` (131072 rows, 64 experts, width = hidden = 1024,
+SiTU-GLU) unfused (our GEMM, the Pallas GLU kernel, our GEMM) against `fused_expert_mlp` (the GLU
+in the GEMMs' epilogues), forward and forward+backward, checked to agree on y and the three
+gradients. On CPU only the forward runs, the unfused path on XLA.
 
-`--expert-mlp` times the whole expert MLP (`moe.dispatch.expert_mlp`: 131072 rows, 64 experts,
-width = hidden = 1024, SiTU-GLU) forward and forward+backward, unfused (our GEMM, the Pallas GLU
-kernel, our GEMM: `backend="mosaic_gpu"`) against `moe.dispatch.fused_expert_mlp` (the GLU in the
-GEMMs' epilogues), and checks that the two agree (output and the three gradients). On CPU
-(`--smoke`) only the forward runs, the unfused path on XLA (`moe.grouped_matmul` takes XLA off
-Hopper; the fused backward in interpret mode is a slow test's job).
-
-On GPU the time is the median over `--iters` calls of the device time of the call's kernels
-(CUPTI through `jax.experimental.mosaic.gpu.profiler`; our table preparation included), or of its
-wall time if CUPTI is not available (the table says which). TFLOP/s counts 2 M K N.
+On GPU a time is the median over `--iters` calls of the device time of the call's kernels (CUPTI
+through `jax.experimental.mosaic.gpu.profiler`; our work-table preparation included), or of its
+wall time where CUPTI is not available (the table says which). TFLOP/s counts 2 M K N.
 """
 
 from __future__ import annotations
@@ -43,9 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import functools
-import platform
 import statistics
 
 import jax
@@ -53,20 +42,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
-from experiments.profiling import command_line, median_seconds
+from experiments.harness import (command_line, median_seconds, package_version, relative_error,
+                                 report_preamble, write_markdown)
 from moe import dispatch
 from moe.activations import GLUActivation
-from moe.kernels.mosaic_gpu.ragged_matmul import (
-    SWEEP_CONFIGS,
-    TRANSPOSED_SWEEP_CONFIGS,
-    interpreted_on_cpu,
-    ragged_matmul,
-    transposed_ragged_matmul,
-    work_table,
-)
+from moe.kernels.mosaic_gpu.ragged_matmul import ragged_matmul, work_table
+from moe.kernels.mosaic_gpu.simulation import interpreted_on_cpu
+from moe.kernels.mosaic_gpu.tiling import SWEEP_CONFIGS, TRANSPOSED_SWEEP_CONFIGS
+from moe.kernels.mosaic_gpu.transposed_ragged_matmul import transposed_ragged_matmul
 
-# The bundled weight-gradient kernel's best tiles in sweeps on an H200 at the benchmark shapes
-# (131072 rows, 64 groups; widths 1024 and 2048): 631-659 TFLOP/s.
+# The bundled weight-gradient kernel's best tiles in sweeps at the GPU shapes (131072 rows, 64
+# groups; widths 1024 and 2048).
 BUNDLED_WEIGHT_GRAD_TILES = dict(
     block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1
 )
@@ -76,8 +62,8 @@ BUNDLED = "bundled ragged_dot_mgpu"
 BUNDLED_TRANSPOSED = "bundled transposed_ragged_dot_mgpu"
 ROW_RAGGED, WEIGHT_GRADIENT = "row-ragged", "weight-gradient"
 DENSE = "XLA dense jnp.dot"
-# The bundled kernel's best tiles from an earlier sweep on an H200 at these shapes: narrow for
-# products whose widths are all at most 1024, wide otherwise.
+# The bundled kernel's best tiles in a sweep at the GPU shapes: narrow for products whose widths
+# are all at most 1024, wide otherwise.
 BUNDLED_NARROW_TILES = dict(
     block_m=128, block_n=128, block_k=64, max_concurrent_steps=5, grid_block_n=4
 )
@@ -253,13 +239,6 @@ def reference(lhs, rhs, group_sizes, transpose_rhs: bool) -> jax.Array:
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
 
 
-def relative_error(out: jax.Array, expected: jax.Array, rows: int) -> float:
-    """max |out - expected| / max |expected| over the first `rows` rows."""
-    out = np.asarray(out[:rows].astype(jnp.float32))
-    expected = np.asarray(expected[:rows])
-    return float(np.max(np.abs(out - expected)) / np.max(np.abs(expected)))
-
-
 def timed_ms(jitted, args: tuple, iters: int, use_cupti: bool) -> tuple[float, str]:
     """(median milliseconds of `jitted(*args)`, which timer): CUPTI device time where it works.
 
@@ -324,7 +303,7 @@ def run(size: BenchSize, config_names, weight_grad_config_names, iters: int, use
         try:
             out = kernel(*args)
             if name != DENSE:
-                row["error"] = relative_error(out, expected, checked)
+                row["error"] = relative_error(out[:checked], expected[:checked], norm="max")
             del out
             row["ms"], row["timer"] = timed_ms(kernel, args, iters, use_cupti)
             use_cupti = use_cupti and row["timer"] != "wall time"  # fall back once
@@ -398,18 +377,15 @@ def expert_mlp_calls(size: ExpertMLPSize, unfused_backend: str, passes) -> list:
 def run_expert_mlp(size: ExpertMLPSize, unfused_backend: str, passes, iters: int,
                    use_cupti: bool, report=None) -> list[dict]:
     """One row per (path, pass): ms, the unfused path's ms / ms, and for the fused path the
-    largest relative error (`relative_error` over covered rows) of its outputs against the
-    unfused path's."""
+    max-norm relative error (`harness.relative_error`, the worst of y and the gradients) of its
+    outputs against the unfused path's."""
     rows, results, unfused_ms = [], {}, {}
     for path, pass_name, jitted, args in expert_mlp_calls(size, unfused_backend, passes):
         row = dict(product=pass_name, kernel=path, config="situ", order=(0, len(rows)))
         try:
             outs = jax.tree.map(lambda a: a.astype(jnp.float32), jitted(*args))
             if pass_name in results:
-                row["error"] = max(
-                    relative_error(ours, ref, ours.shape[0])
-                    for ours, ref in zip(jax.tree.leaves(outs), jax.tree.leaves(results[pass_name]))
-                )
+                row["error"] = relative_error(outs, results[pass_name], norm="max")
             else:
                 results[pass_name] = outs
             del outs
@@ -429,14 +405,9 @@ def run_expert_mlp(size: ExpertMLPSize, unfused_backend: str, passes, iters: int
 def expert_mlp_markdown(size: ExpertMLPSize, rows: list[dict], command: str) -> str:
     sizes = routed_group_sizes(size.rows, size.experts)
     timers = sorted({row["timer"] for row in rows if "timer" in row})
-    lines = [
-        "# Expert MLP: the GLU fused into the grouped GEMMs' epilogues vs unfused",
-        "",
-        f"Command: `{command}`",
-        "",
-        f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
-        f"- device: {jax.devices()[0].device_kind} ({jax.default_backend()})",
-        f"- versions: jax {jax.__version__}, jaxlib {jax.lib.__version__}",
+    lines = report_preamble(
+        "Expert MLP: the GLU fused into the grouped GEMMs' epilogues vs unfused", command,
+        f"jaxlib {package_version('jaxlib')}") + [
         f"- x [{size.rows}, {size.width}], w_in [{size.experts}, {size.width}, 2, {size.hidden}], "
         f"w_out [{size.experts}, {size.hidden}, {size.width}] bf16, SiTU-GLU; group sizes "
         f"{sizes.min()}-{sizes.max()} (multinomial, seed 0)",
@@ -460,17 +431,10 @@ def expert_mlp_markdown(size: ExpertMLPSize, rows: list[dict], command: str) -> 
 
 def markdown(size: BenchSize, rows: list[dict], command: str) -> str:
     sizes = routed_group_sizes(size.rows, size.groups)
-    device = jax.devices()[0]
     timers = sorted({row["timer"] for row in rows if "timer" in row})
-    lines = [
-        "# Grouped GEMMs of the MoE: ours (moe.kernels.mosaic_gpu.ragged_matmul) vs JAX's bundled kernels",
-        "",
-        f"Command: `{command}`",
-        "",
-        f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
-        f"- device: {device.device_kind} ({jax.default_backend()})",
-        f"- versions: jax {jax.__version__}, jaxlib {jax.lib.__version__}, "
-        f"python {platform.python_version()}",
+    lines = report_preamble(
+        "Grouped GEMMs of the MoE: ours (moe.kernels.mosaic_gpu) vs JAX's bundled kernels",
+        command, f"jaxlib {package_version('jaxlib')}") + [
         f"- groups: {size.groups}, multinomial over {size.rows} rows (seed 0): sizes "
         f"{sizes.min()}-{sizes.max()}, {sizes.sum()} rows covered",
         f"- timer: {', '.join(timers)} (median); TFLOP/s = 2 M K N / time",
@@ -623,8 +587,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     def write_table(rows):
         if out:
-            with open(out, "w") as f:
-                f.write(render(rows))
+            write_markdown(out, render(rows))
 
     with contextlib.nullcontext() if args.gpu else interpreted_on_cpu(num_sms=4):
         rows = measure(write_table)

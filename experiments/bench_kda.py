@@ -6,25 +6,24 @@
     python -m experiments.bench_kda --gpu --device-time   # also each call's summed device time
     python -m experiments.bench_kda --gpu --resume        # after a cut-short run: the other shapes
 
-Every contender gets the same inputs (bf16 q/k/v on GPU, float32 on CPU; lower-bound gates in
-[-5, 0); L2-normalised q and k); forward and forward+backward are timed after a warm-up, all
-contenders of a shape in turns (`time_contenders`: a drift of the GPU's clocks falls on all), the
-outputs are compared with our chunked op (or, in a run without it, with the first other KDA
-contender's, `error_anchor`), and peak memory is recorded. Peers that are not
-installed are skipped with a note. The table goes to `benchmarks/kda_<backend>.md`, and each
-shape's results, once timed, to the JSON file beside it (`OUT.json`), from which `--resume` takes
-them instead of timing those shapes again (a run cut short, or shapes spread over several jobs:
-all contenders of a shape are always timed in one process).
+Shapes are BxTxHxD (q, k, v [B, T, H, D], K = V = D). Every contender gets the same inputs (bf16
+q/k/v on GPU, float32 on CPU; lower-bound gates in [-5, 0); L2-normalised q and k); forward and
+forward+backward (the gradient of sum(o * do)) are timed after a warm-up, all contenders of a
+shape in turns (`time_contenders`: a drift of the GPU's clocks falls on all), the outputs'
+relative L2 error is measured against our chunked op (or, in a run without it, the first other
+KDA contender's, `error_anchor`), and memory comes from XLA's analysis of the compiled
+forward+backward (torch's peak for fla). Peers that are not installed are skipped with a note.
+The table goes to `benchmarks/kda_h200.md` with `--gpu` (`benchmarks/kda_<backend>.md` else),
+and each shape's results, once timed, to the JSON file beside it (`OUT.json`), from which
+`--resume` takes them instead of timing those shapes again (a run cut short, or shapes spread
+over several jobs: all contenders of a shape are always timed in one process).
 """
 
 import argparse
 import collections
 import dataclasses
-import datetime
 import functools
-import importlib.metadata
 import json
-import platform
 import statistics
 import sys
 import time
@@ -36,7 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import kda
-from experiments.profiling import command_line, ops_markdown, profile_device_ops
+from experiments.harness import (cell, command_line, compiled_once, compiled_peak_mib, device_ms,
+                                 package_version, relative_error, report_preamble, speedup,
+                                 table_row, timing_cells, write_json, write_markdown)
+from experiments.profiling import ops_markdown, profile_device_ops
 from kda.chunked import CHUNK_SIZE, chunk_recurrence, prepare_chunks
 from kda.kernels.triton import op as triton_path
 from kda.kernels.mosaic_gpu.op import kernel_recurrence
@@ -111,10 +113,9 @@ class Contender:
     timing: "Timing"
 
 
-# Warm-up before the rounds, in seconds: an idle GPU clocks down (the H200 to 345 MHz), and a few
-# calls of a millisecond do not bring it back up. Rounds: the contenders are timed in turns, so
-# that a drift of the clocks in the run (0.1 and more in a ratio from one run to the next at
-# small grids) falls on all of them alike.
+# Warm-up before the rounds, in seconds: an idle GPU clocks down, and a few calls of a millisecond
+# do not bring it back up. Rounds: the contenders are timed in turns, so that a drift of the
+# clocks in the run falls on all of them alike (`benchmarks/kda_notes.md` has the numbers).
 WARMUP_SECONDS, ROUNDS = 0.25, 5
 
 
@@ -155,19 +156,6 @@ def time_contenders(contenders: dict[str, Contender], repeats: int, rounds: int 
         setattr(contenders[name].timing, field, statistics.median(times))
 
 
-def compiled_once(fn: Callable, *args) -> jax.stages.Compiled:
-    """`fn` compiled once for `args`: timed and memory-analysed from the same executable. Every
-    array is an argument, never a closed-over constant (XLA would fold it into the program)."""
-    return jax.jit(fn).lower(*args).compile()
-
-
-def compiled_peak_mib(compiled: jax.stages.Compiled) -> float:
-    """Arguments + outputs + temporaries of one compiled call, from XLA's memory analysis."""
-    stats = compiled.memory_analysis()
-    total = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
-    return total / 2**20
-
-
 def _operands(inputs) -> list[jax.Array]:
     """[q, k, v, g, beta] on the device."""
     return [jnp.asarray(inputs[name]) for name in ("q", "k", "v", "g", "beta")]
@@ -183,13 +171,6 @@ def gradient(attention: Callable) -> Callable:
     def loss(xs, d_o):
         return jnp.sum(attention(*xs).astype(jnp.float32) * d_o.astype(jnp.float32))
     return jax.grad(loss)
-
-
-def device_ms(fn: Callable, args: tuple) -> float | None:
-    """The summed device-op time of one call of `fn(*args)`, from a profiler trace of three calls
-    (`experiments.profiling.profile_device_ops`); None if the trace held no ops."""
-    ops = profile_device_ops(jax.jit(fn), args, steps=3)
-    return ops["total_ms"] if ops["rows"] else None
 
 
 def bench_jax(attention: Callable, inputs, device_time: bool = False) -> Contender:
@@ -331,13 +312,6 @@ def bench_fla(inputs) -> Contender:
     return Contender(forward, forward_backward, sync, forward().float().cpu().numpy(), timing)
 
 
-def package_version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
 PEERS = ("jla", "fla", "cudnn")
 # The row of cuDNN's causal softmax attention: a speed reference that computes something else,
 # so no output error is measured for it or against it.
@@ -442,10 +416,8 @@ def load_timed_shapes(path: Path) -> dict[str, dict[str, Timing]]:
 
 def save_timed_shapes(path: Path, timed: dict[str, dict[str, Timing]]):
     """Writes the rows of the shapes timed so far (shape -> {name: Timing}) as JSON."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({shape: {name: dataclasses.asdict(timing)
-                                        for name, timing in rows.items()}
-                                for shape, rows in timed.items()}, indent=1) + "\n")
+    write_json(path, {shape: {name: dataclasses.asdict(timing) for name, timing in rows.items()}
+                      for shape, rows in timed.items()})
 
 
 def profile_markdown(shape: Shape, dtype, impls: list[str], peers) -> list[str]:
@@ -488,63 +460,7 @@ def _fill_errors(results, shape, outputs, anchor: str | None):
     reference = outputs[anchor]
     for name, output in outputs.items():
         if name != SOFTMAX_ATTENTION:
-            error = np.linalg.norm(output - reference) / np.linalg.norm(reference)
-            results[(str(shape), name)].error = float(error)
-
-
-def speedup(ours, theirs):
-    """theirs / ours (above 1: ours is faster), or None where either time is missing."""
-    return None if ours is None or theirs is None else theirs / ours
-
-
-def timing_cells(timing, base, fmt: str) -> list[str]:
-    """A row's forward and forward+backward times (format `fmt`) and their speedups over the
-    baseline row's `base` (any objects with `forward_ms` and `forward_backward_ms`)."""
-    return [cell(timing.forward_ms, fmt), cell(timing.forward_backward_ms, fmt),
-            cell(speedup(timing.forward_ms, base.forward_ms), ".2f"),
-            cell(speedup(timing.forward_backward_ms, base.forward_backward_ms), ".2f")]
-
-
-def table_row(*cells) -> str:
-    """One markdown table row."""
-    return "| " + " | ".join(cells) + " |"
-
-
-def cell(value, fmt):
-    return "–" if value is None else format(value, fmt)
-
-
-def report_preamble(title: str, command: str, versions: str) -> list[str]:
-    """A benchmark table's first lines: `title` and the device, the command, the date and the
-    versions (python and jax, then `versions`)."""
-    return [
-        f"# {title} on {jax.devices()[0].device_kind}",
-        "",
-        f"- Command: `{command}`",
-        f"- Date: {datetime.date.today().isoformat()}",
-        f"- Versions: python {platform.python_version()}, jax {jax.__version__}, {versions}",
-    ]
-
-
-def gpu_or_smoke_args(argv, description: str, table: str, gpu_help: str, smoke_help: str,
-                      add_options=lambda parser: None) -> argparse.Namespace:
-    """The options of a small benchmark: --gpu or --smoke, --repeats, --warmup, --out (its
-    markdown table; with --gpu, benchmarks/`table` unless given), and what `add_options(parser)`
-    adds."""
-    parser = argparse.ArgumentParser(description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    size = parser.add_mutually_exclusive_group(required=True)
-    size.add_argument("--gpu", action="store_true", help=gpu_help)
-    size.add_argument("--smoke", action="store_true", help=smoke_help)
-    add_options(parser)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--out", type=Path,
-                        help=f"markdown table (--gpu default: benchmarks/{table})")
-    args = parser.parse_args(argv)
-    if args.out is None and args.gpu:
-        args.out = Path("benchmarks") / table
-    return args
+            results[(str(shape), name)].error = relative_error(output, reference)
 
 
 def anchor_words(anchor: str | None) -> str:
@@ -612,8 +528,7 @@ def write_table(path: Path, results, shapes, names, baseline: str, command: str,
             lines.append(table_row(str(shape), name, *timing_cells(t, base, ".2f"),
                                    cell(t.error, ".1e"), cell(t.peak_mib, ".0f"), device,
                                    device_ratios, t.note))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    write_markdown(path, lines)
 
 
 def main(argv=None):
@@ -641,7 +556,9 @@ def main(argv=None):
                         help="also sum the device ops of one call of each whole-op JAX contender "
                              "from a profiler trace (one more compile each)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path, help="markdown file (default benchmarks/kda_<backend>.md)")
+    parser.add_argument("--out", type=Path,
+                        help="markdown file (default: benchmarks/kda_h200.md with --gpu, else "
+                             "benchmarks/kda_<backend>.md); the timed shapes go beside it as JSON")
     parser.add_argument("--resume", action="store_true",
                         help="keep the shapes that an earlier run with the same --out timed (in "
                              "OUT.json, beside the table) and time only the others")

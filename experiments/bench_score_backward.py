@@ -2,10 +2,10 @@
 
 `kda.kernels.mosaic_gpu.score_backward.score_backward` ([token, key] orientation, one program a
 chunk) with two warpgroups (two programs an SM) and, where K = 128, with four (one program an SM),
-on random inputs of the shapes and dtypes the preparation's VJP hands it (dAkk masked like kernel
-1's), and the relative difference of the four-warpgroup outputs from the two-warpgroup ones. The
-[key, token] kernel it replaced ("kernel 2") is gone; its numbers are in `benchmarks/kda_h200.md`
-(on these inputs at 8x2048x16x128 on the H200: 2.533 ms, this kernel's first version 1.098 ms).
+on random inputs of the shapes and dtypes the preparation's VJP hands it (q, k [B, T, H, K] bf16;
+per-chunk gates and cotangents [B, H, T/64, 64, K]; dAkk [B, H, T/64, 64, 64] bf16, zero on and
+above the diagonal), and the relative L2 difference of each variant's dq, dk and
+dg from the two-warpgroup ones. Earlier kernels' numbers: `benchmarks/kda_notes.md`.
 
     python -m experiments.bench_score_backward                  # a Hopper GPU: 8x2048x16x128
     MOSAIC_GPU_DUMP_PTXAS=1 python -m experiments.bench_score_backward --repeats 1  # + registers
@@ -13,7 +13,7 @@ on random inputs of the shapes and dtypes the preparation's VJP hands it (dAkk m
 
 At K = 128 it compiles two kernels, in this order (ptxas's reports come in it): two warpgroups
 (two programs an SM need at most 128 registers a thread), then four (one program an SM,
-likewise).
+likewise). It prints its times; it writes no table.
 """
 
 import argparse
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from experiments.profiling import median_seconds
+from experiments.harness import median_seconds, relative_error
 from kda.chunked import ChunkedInputs
 from kda.kernels.mosaic_gpu.score_backward import SLAB, score_backward
 from kda.kernels.mosaic_gpu.tiles import CHUNK
@@ -62,10 +62,6 @@ def kernel_inputs(seed, batch, length, heads, dim):
             dakk.astype(jnp.bfloat16), normal((*chunked, CHUNK, dim)), cotangents)
 
 
-def relative_difference(actual, expected):
-    return float(jnp.linalg.norm(actual - expected) / jnp.linalg.norm(expected))
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="8x2048x16x128", help="BxTxHxK (T a multiple of 64)")
@@ -93,7 +89,7 @@ def main(argv=None):
             outputs = jax.block_until_ready(run(*inputs))
             if reference is None:
                 reference = outputs
-            differences = ", ".join(f"{output} {relative_difference(new, old):.1e}"
+            differences = ", ".join(f"{output} {relative_error(new, old):.1e}"
                                     for output, new, old in zip(("dq", "dk", "dg"), outputs,
                                                                 reference))
             print(f"  {name}: {milliseconds:.3f} ms (relative to two warpgroups: {differences})")

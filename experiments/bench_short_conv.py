@@ -26,12 +26,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from experiments.bench_kda import (cell, compiled_once, compiled_peak_mib, device_ms,
-                                  gpu_or_smoke_args, package_version, report_preamble, table_row,
-                                  timing_cells)
-from experiments.profiling import command_line, median_seconds
+from experiments.harness import (cell, command_line, compiled_once, compiled_peak_mib, device_ms,
+                                 gpu_or_smoke_args, median_seconds, package_version,
+                                 relative_error, report_preamble, table_row, timing_cells,
+                                 write_markdown)
 from kda.common import document_index
 from kda.layer import conv_silu_parts
 from kda.kernels.triton import short_conv
@@ -114,14 +113,6 @@ def exact(x, weight, segment_ids, grads, widths):
                             tuple(g.astype(jnp.float32) for g in grads))
 
 
-def max_relative_error(got, want) -> float:
-    """Largest relative max-norm error over matching leaves, in float64."""
-    def relative(a, b):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-    return max(jax.tree.leaves(jax.tree.map(relative, got, want)))
-
-
 def measure(setup: Setup, repeats: int, warmup: int, interpret: bool,
             kernels: list[short_conv.KernelOptions]) -> dict:
     """{path: (PathTiming, largest relative error of its outputs and cotangents)}: "xla", then
@@ -134,7 +125,7 @@ def measure(setup: Setup, repeats: int, warmup: int, interpret: bool,
         forward, forward_backward = path_functions(options, setup.widths, interpret)
         fwd = compiled_once(forward, x, weight, segment_ids)
         both = compiled_once(forward_backward, x, weight, segment_ids, grads)
-        error = max_relative_error(both(x, weight, segment_ids, grads), truth)
+        error = relative_error(both(x, weight, segment_ids, grads), truth, norm="max")
         timing = PathTiming(
             forward_ms=1e3 * median_seconds(lambda: fwd(x, weight, segment_ids), repeats,
                                             warmup),
@@ -175,8 +166,7 @@ def write_table(path: Path, results: dict, setup: Setup, command: str):
         lines.append(table_row(name, *timing_cells(timing, base, ".3f"),
                                *timing_cells(_device(timing), _device(base), ".3f"),
                                cell(timing.peak_mib, ".0f"), cell(error, ".1e")))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    write_markdown(path, lines)
 
 
 def parse_options(text: str) -> short_conv.KernelOptions:

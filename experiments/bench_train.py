@@ -1,116 +1,37 @@
 """Benchmark: the full training step of the hybrid on one device, in tokens/s and MFU, with a
 breakdown of where the time goes (KDA, Gated MLA attention, MoE, rest).
 
-    python -m experiments.bench_train --gpu     # H200: `1b` preset, 6 rows x 4096 tokens,
-                                                # bf16 compute, remat dots_kernels, unrolled
-                                                # -> benchmarks/train_h200.md
-    python -m experiments.bench_train --smoke   # `tiny` preset at a tiny size (CPU check)
-    python -m experiments.bench_train --gpu --cpu-plan   # compile only, here: memory plan
+    python -m experiments.bench_train --gpu              # `1b`, 6 x 4096 tokens, bf16, remat
+                                                         # dots_kernels, unrolled -> benchmarks/
+    python -m experiments.bench_train --smoke            # `tiny` at a tiny size (CPU check)
+    python -m experiments.bench_train --gpu --cpu-plan   # compile only, here: XLA's memory plan
     python -m experiments.bench_train --gpu --profile    # + device time by part and top ops
-    python -m experiments.bench_train --gpu --no-layers --versus model.kda.conv_kernels=false
-                                                # the step, then the step with the override,
-                                                # in one process (an A/B on one machine)
+    python -m experiments.bench_train --gpu --versus model.kda.conv_kernels=false
+                                                         # A/B of an override in one process
     python -m experiments.bench_train --gpu --set model.mla.implementation=cudnn
-                                                # any TrainConfig field (`train.cli`); this
-                                                # one: the dense-mask attention
 
 The step is the real one (`train.loop.Trainer`: forward, backward, AdamW, the QB router-bias
-update, the non-finite check) on one reused synthetic batch (random bytes, four packed documents
-per row), so the input pipeline is not measured. Step time = the median of `--steps` steps after
-`--warmup` compiled ones, issued as `train.loop` issues them: each step dispatched before waiting
-for the previous one (`experiments.profiling.pipelined_seconds`), so the host's dispatch overlaps
-the device's work; tokens/s and MFU come from it. The table also gives the median of steps each
-waited for before the next is issued (`median_seconds`: dispatch included; this benchmark's only
-step time before 2026-11-30's ninth session). MFU = model FLOPs (`train.metrics.train_flops_per_token`: 6 per active
-parameter plus the KDA recurrence and causal attention scores) per second over 989 TFLOP/s, the
-H100/H200 dense bf16 peak.
+update, the non-finite check) on one reused synthetic batch (random bytes, four packed documents a
+row), so the input pipeline is not measured. Step time is the median of `--steps` steps issued as
+`train.loop` issues them, each dispatched before the previous one is waited for
+(`pipelined_seconds`); the table also gives the waited median (`median_seconds`). MFU = model
+FLOPs (`train.metrics.train_flops_per_token`) per second over the dense bf16 peak of the device.
 
-Preflight: before any step runs, the step is compiled ahead of time and XLA's memory analysis is
-printed (arguments, outputs, temporaries, the peak they add up to, and the device's limit), so a
-run reports its memory even if it then fails; a peak over the limit stops the run there, and an
-out-of-memory error names the options that shrink the step (`--remat full`, a smaller `--batch`).
-The timed steps reuse that compiled program. Every number is printed as soon as it is measured
-and the table and .json are rewritten each time, so a run cut short keeps the step time and MFU.
+Preflight: the step is compiled ahead of time and XLA's memory analysis printed (arguments,
+outputs, temporaries, peak, the device's limit) before any step runs; a plan over the limit stops
+there, and an out-of-memory error names the options that shrink the step (`--remat full`, a
+smaller `--batch`). `--cpu-plan` compiles the same step on the CPU with abstract state and the GPU
+kernels replaced by opaque stand-ins of the same operands and results (`gpu_kernel_stand_ins`), so a
+memory plan for a GPU shape needs no GPU (an upper bound: XLA:CPU fuses less). Every number is
+printed as soon as it is measured and the table and JSON rewritten each time, so a run cut short
+keeps what it measured. Why the `--gpu` defaults (remat, rows, unrolled layers) are what they are,
+with the plans and timings behind them: `benchmarks/train_notes.md`.
 
-Why the `--gpu` setup uses remat `dots_kernels` (each layer keeps its matmul outputs and its GPU
-kernels' outputs and recomputes the rest in the backward pass, `models.lm.REMAT`): with no remat
-the first H200 run failed, XLA asking for 66.4 GiB of temporaries on top of the 41.6 GiB of arguments (float32 parameters, 13.9 GiB,
-and AdamW moments, 27.7 GiB, of 3.72B parameters) against the 104 GiB that JAX's allocator takes
-by default (75% of 139 GiB). `--cpu-plan` compiles the step on the CPU at the same shapes, its
-state abstract, with the GPU kernels (Mosaic GPU KDA, grouped GEMMs, cuDNN attention) replaced
-by opaque calls that read their operands and write their results and residuals
-(`gpu_kernel_stand_ins`); XLA then plans these temporaries besides the arguments (float32
-gradients included; CPU compile 24-31 s each):
-
-    remat            layers      4 x 4096     2 x 4096     1 x 4096
-    dots             unrolled     28.8 GiB     28.8 GiB
-    dots             scanned      37.7 GiB     28.0 GiB     28.0 GiB
-    dots_no_batch    scanned      37.7 GiB
-    dots_kernels     scanned      61.2 GiB
-    dots_kernels     unrolled     40.6 GiB
-    full             scanned      29.6 GiB
-
-(Before the AttnRes reads were written as reductions (`models.attn_res.attn_res_read`), the
-scanned rows were 45.2, 30.9 and 28.0 GiB with `dots`, 41.2 with `dots_no_batch` and 33.0 with
-`full`: each read wrote its normalised float32 candidates out for a batched matmul.)
-
-Unrolled, the optimizer update's 28.8 GiB is the peak (the backward's was 27.0 GiB with `dots`
-and 23.8 with `full` in an earlier estimate by the same method, where no remat needed 133.5 GiB
-at 4 rows and 70.4 at 2). XLA:CPU fuses less than XLA:GPU (with no remat it keeps every float32
-intermediate of the norms, gates and routing): for the step as it was then (moments copied, KDA
-preparation differentiated in plain JAX) this estimate gave 180 GiB of temporaries where the GPU
-planned 66.4, so these are upper bounds. The scanned step planned 69.8 GiB at 4 rows (42.5 at 2,
-58.7 with `full`) while each scanned group of four layers was one checkpoint: its backward
-rematerialised the four layers' intermediates together (8.5 GB of dtype conversions alone at
-2 rows). Each layer is now its own checkpoint, scanned or not (`models.lm`). What the scanned plan
-still has over the unrolled one is XLA:CPU's packing of the while loops' buffers, not live data:
-at the peak of the 4-row plans (the end of the forward loop scanned, the optimizer update
-unrolled) the buffers live add up to 71.3 GiB scanned and 70.6 GiB unrolled (XLA's live-range
-dump), but the scanned program's allocation spanned 86.8 GiB and the unrolled one's 70.4 (79.2
-GiB scanned since the AttnRes change). With `dots` (79.2 GiB scanned by this upper bound, the
-H200's own plan 77.3 GiB) the backward pass ran every kernel's forward again (KDA's preparation
-and recurrence, the MoE's grouped GEMMs, cuDNN attention): custom VJPs are opaque to the other
-policies. `dots_kernels` keeps those outputs too (102.7 GiB scanned and 82.1 unrolled by this
-estimate; the H200 planned 108.4 and 85.7), so `--gpu` gives JAX's allocator
-`GPU_MEMORY_FRACTION` of the GPU (128 of 139 GiB) unless XLA_PYTHON_CLIENT_MEM_FRACTION says
-otherwise. The step also no longer copies the AdamW moments (27.7 GiB) for its non-finite-step
-check: `train.step` applies the update under `lax.cond`. Since the train state keeps the expert
-weights' bf16 compute copies (`train.step.TrainState`), the arguments are 47.20 GiB (41.57
-before); `--cpu-plan --batch` 4, 6 and 8 (`dots_kernels`, unrolled) planned 44.13, 63.33 and
-81.97 GiB of temporaries, peaks of 91.3, 110.5 and 129.2 GiB (the H200's plan at 4 rows, before
-the copies: 49.72 GiB of temporaries against the CPU's 44.13).
-
-Why the `--gpu` setup runs 6 rows: the optimizer update and the non-finite check (~29 ms on the
-H200) cost the same at any number of rows, and the router-bias update little more (2.3 ms at 4
-rows, 3.0 at 6), so more rows spend a smaller share of the step on them. 6 is the most that fits:
-the H200 planned a 113.3 GiB peak at 6 rows (91.3 at 4), and `--cpu-plan` 129.2 GiB at 8, over the
-128.6 GiB the allocator is given. On one H200 (2026-11-30, ae618f8) 6 rows ran at 36.8% MFU and 4
-rows at 35.0-35.1% (`--batch 4`).
-
-Why the `--gpu` setup compiles every layer on its own: `--scanned` (`scan_layers`,
-`models.lm.layer_plan`) runs layers 1-12 of the `1b` preset as three repeats of one four-layer
-group under `lax.scan`, so XLA compiles 8 layer bodies instead of 16, but the backward pass then
-reads what each layer saved from the while loop's stacked buffers. XLA fills those stacks with
-zeros, copies every saved kernel output into them (a custom call cannot write into a slice) and
-copies each back out for the backward's kernels. On the H200 (2026-11-30, same build, `--profile`)
-the scanned step took 473.0 ms and the unrolled one 379.5 ms (-20%): the ops outside every named
-part fell from 64.0 to 3.6 ms, the MoE from 166.4 to 134.9 ms and AttnRes from 35.1 to 24.8 ms;
-the plan's peak fell from 108.4 to 85.7 GiB. The price is compile time: 330 s unrolled against
-244-251 s scanned, so a GPU run needs about 6 minutes.
-
-Breakdown: one KDA, one Gated MLA and one MoE layer of the same configuration are timed alone
-(forward and backward of a fixed random input and cotangent, under the same remat policy, median
-of the same number of steps), times their number of layers; "rest" is the step minus those parts:
-the dense FFN, the embedding and LM head, norms, AttnRes, the loss, the optimizer and the bias
-update. An estimate: each layer alone, compiled on its own.
-
-In-step breakdown (`--profile`): a few steps are traced and every device op's time is summed
-under the innermost named scope of `models.lm.PROFILE_SCOPES` in its HLO op_name
-(`experiments.profiling.scope_times`; the model and `train.step` run each part under its scope):
-the time each part takes inside the real step, all of it, "rest" included. The costliest device
-ops follow, then the device's idle time in each traced step (the time between its ops, from the
-trace's timestamps), its longest gaps with the ops on either side, and idle time grouped by the op
-that ends each gap (`experiments.profiling.idle_summary`).
+Breakdown: one KDA, one Gated MLA and one MoE layer are timed alone (forward and backward under the
+same remat policy) times their number of layers; "rest" is the step minus those. `--profile` traces
+a few steps and sums each device op's time under the innermost named scope of
+`models.lm.PROFILE_SCOPES` (`experiments.profiling.scope_times`): the parts inside the real step,
+then the costliest ops and the device's idle time between ops.
 """
 
 import argparse
@@ -118,7 +39,6 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-import json
 import os
 import platform
 import time
@@ -131,9 +51,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.profiling import (command_line, idle_markdown, idle_summary_line, median_seconds,
-                                  ops_markdown, pipelined_seconds, profile_compiler_options,
-                                  scope_ops_markdown, scopes_markdown, trace_device_ops)
+from experiments.harness import (command_line, median_seconds, pipelined_seconds, write_json,
+                                 write_markdown)
+from experiments.profiling import (idle_markdown, idle_summary_line, ops_markdown,
+                                   profile_compiler_options, scope_ops_markdown, scopes_markdown,
+                                   trace_device_ops)
 from kda import api as kda_api
 from kda.kernels.mosaic_gpu import op as kda_mosaic_gpu
 from kda.kernels.mosaic_gpu import sequence_parallel
@@ -197,9 +119,8 @@ class BenchSetup:
 # The module docstring says why the GPU setup runs 6 rows, unrolled, with `dots_kernels`.
 GPU = BenchSetup("1b", batch=6, seq_len=4096, steps=20, warmup=3, remat="dots_kernels")
 # Of the GPU's memory, what `--gpu` lets JAX's allocator take unless XLA_PYTHON_CLIENT_MEM_FRACTION
-# is set (JAX's default, 0.75, is 104 of the H200's 139 GiB; the step planned 85.7 GiB unrolled
-# and 108.4 scanned with `dots_kernels`). Read when the backend starts, so set before the first
-# device call.
+# is set: JAX's default, 0.75, leaves too little for the `dots_kernels` step's plan
+# (`benchmarks/train_notes.md`). Read when the backend starts, so set before the first device call.
 GPU_MEMORY_FRACTION = "0.92"
 SMOKE = BenchSetup("tiny", batch=2, seq_len=64, steps=3, warmup=1, remat="none")
 
@@ -540,7 +461,7 @@ def timed_step(step: Callable[[], dict], setup: BenchSetup, flops_per_token: flo
 def versus_step(setup: BenchSetup, optimizer: str) -> dict:
     """The step with `setup.versus` applied on top of its settings, built, compiled and timed
     in this process after the first one is freed: an A/B on one machine (two machines of one
-    kind have timed one program 10 ms apart)."""
+    kind time one program apart by more than many changes are worth)."""
     settings = setup.settings + setup.versus
     print("versus: the same step with --set " + " --set ".join(setup.versus), flush=True)
     config = train_config(dataclasses.replace(setup, settings=settings), optimizer)
@@ -707,11 +628,8 @@ def markdown(result: dict, command: str) -> str:
 
 def write_result(result: dict, command: str, out: str) -> None:
     """The markdown table at `out`, the numbers next to it as .json (both replaced whole)."""
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        f.write(markdown(result, command))
-    with open(os.path.splitext(out)[0] + ".json", "w") as f:
-        json.dump(result, f, indent=2)
+    write_markdown(out, markdown(result, command))
+    write_json(os.path.splitext(out)[0] + ".json", result)
 
 
 def main(argv=None) -> dict:

@@ -6,7 +6,7 @@ and MQAR accuracy at every stage boundary.
     python -m experiments.context_extension --set lengths=8192,65536,262144,1048576 \\
         --set tokens_per_step=8388608 --set stage_steps=4000,1000,300,100 --set train.model=...
 
-K3 extends 8K -> 64K -> 256K -> 1M (moe_arch.md §7); the CPU default is that recipe scaled down.
+K3 extends its context 8K -> 64K -> 256K -> 1M; the CPU default is that recipe scaled down.
 Each stage keeps batch_size x seq_len = tokens_per_step, raises the share of corpus chunks drawn
 from documents longer than the row (`long_document_bias`) and of synthetic MQAR and needle rows.
 The learning-rate schedule runs once over all stages. At the end of every stage the model is

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 import kda
+from experiments.harness import relative_error
 
 
 def random_inputs(key, batch, length, heads, dim, gate):
@@ -65,8 +66,7 @@ def main(argv=None):
             results[impl] = timed(fn, inputs)
         (o_ref, s_ref), _ = results["reference"]
         for impl, ((o, s), seconds) in results.items():
-            error_o = float(jnp.linalg.norm(o - o_ref) / jnp.linalg.norm(o_ref))
-            error_s = float(jnp.linalg.norm(s - s_ref) / jnp.linalg.norm(s_ref))
+            error_o, error_s = relative_error(o, o_ref), relative_error(s, s_ref)
             print(f"{gate:<12} {impl:<10} {seconds * 1e3:9.1f} {error_o:13.2e} {error_s:17.2e}")
         speedup = results["reference"][1] / results["chunked"][1]
         print(f"{'':<12} speed of chunked relative to the token-by-token scan: {speedup:.2f}x")

@@ -2,15 +2,13 @@
 
     python -m experiments.mosaic_trace TRACE.json[.gz] [--period REGION]
 
-How to take one (no change to a kernel's code on main is needed beyond a copy of it): in a copy
-of the kernel's module, put `with jax.named_scope("name"):` around the steps to time, and give the
-launch's `plgpu.CompilerParams` `profile_space=S` (ranges recorded a warpgroup; a scope in a loop
-records one range an iteration) and `profile_dir=DIR`. Each call then writes a Perfetto trace
-per kernel into DIR. The region times are `%clock` cycles in thousands although the trace
-labels them microseconds (only each program's start uses the global timer), so this module
-reports cycles. The KDA notes (`benchmarks/kda_h200.md`) took their traces of the preparation
-and recurrence kernels this way with scratch code that this module replaces (it gives the same
-numbers from the recurrence kernel's trace).
+How to take one: in a copy of the kernel's module, put `with jax.named_scope("name"):` around the
+steps to time, and give the launch's `plgpu.CompilerParams` `profile_space=S` (ranges recorded a
+warpgroup; a scope in a loop records one range an iteration) and `profile_dir=DIR`. Each call
+then writes a Perfetto trace per kernel into DIR. The region times are `%clock` cycles in
+thousands although the trace labels them microseconds (only each program's start uses the
+global timer), so this module reports cycles. The KDA notes (`benchmarks/kda_notes.md`) read the
+preparation and recurrence kernels' traces this way.
 
 For each region it gives the median and mean cycles over all its ranges (every program, every
 iteration); for each pair of consecutive regions in one warpgroup's stream the median gap

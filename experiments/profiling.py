@@ -1,10 +1,12 @@
-"""How long a step takes (`median_seconds`) and where it spends its device time
-(`profile_device_ops`: a `jax.profiler` trace of a few calls, read back with
-`jax.profiler.ProfileData`, summed per op and labelled with the op's HLO opcode, shape and JAX
-source op, and summed per named scope of the program, `scope_times`), and when the device runs
-nothing (`step_idle`: the idle gaps between the device's op events within each traced step, with
-the ops on either side, `idle_summary`). Used by the benchmarks, and by their `--profile`
-options."""
+"""Where a step spends its device time, read from a `jax.profiler` trace of a few calls.
+
+`profile_device_ops` / `trace_device_ops` trace the calls, read the trace back with
+`jax.profiler.ProfileData` and sum the device ops' time per op, each labelled with its HLO
+opcode, shape and JAX source op (`hlo_instructions`), and per named scope of the program and pass
+(forward, recompute, backward: `scope_times`). `step_idle` and `idle_summary` give when the device
+runs nothing: the idle gaps between its op events within each traced step, with the ops on either
+side. The `*_markdown` functions render these for the benchmarks' `--profile` tables; wall-clock
+timing lives in `experiments.harness`."""
 
 from __future__ import annotations
 
@@ -15,53 +17,11 @@ import glob
 import itertools
 import os
 import re
-import statistics
-import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import jax
-
-
-def command_line(module: str, argv: Sequence[str] | None) -> str:
-    """The command a benchmark was run with, for its table: `python -m <module> <arguments>`
-    (argv None: this process's own arguments)."""
-    return " ".join(["python -m", module, *(sys.argv[1:] if argv is None else argv)])
-
-
-def median_seconds(run: Callable[[], object], steps: int, warmup: int) -> float:
-    """Median wall time of `run()` (which must return arrays to wait for) after warm-up calls."""
-    for _ in range(warmup):
-        jax.block_until_ready(run())
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        jax.block_until_ready(run())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def pipelined_seconds(run: Callable[[], object], steps: int, warmup: int) -> float:
-    """Median time between the ends of consecutive `run()` calls issued as `train.loop` issues
-    training steps: each one dispatched before waiting for the one before it (one call in
-    flight), so the host's dispatch of a call overlaps the device's work on the previous one.
-    `median_seconds` waits for each call before issuing the next, so it counts the dispatch too.
-    """
-    for _ in range(warmup):
-        jax.block_until_ready(run())
-    jax.block_until_ready(run())
-    last, in_flight = time.perf_counter(), run()
-    intervals = []
-    for _ in range(steps + 1):  # the first interval holds the dispatch of a call: dropped
-        following = run()
-        jax.block_until_ready(in_flight)
-        now = time.perf_counter()
-        intervals.append(now - last)
-        last, in_flight = now, following
-    jax.block_until_ready(in_flight)
-    return statistics.median(intervals[1:])
 
 
 def profile_compiler_options() -> dict:
@@ -517,7 +477,8 @@ def scopes_markdown(ops: dict, title: str) -> list[str]:
     time (none without a trace)."""
     if not ops["scopes"]:
         return []
-    lines = [title, "", "| part | " + " | ".join(PASSES) + " | ms per step | share of device time |",
+    header = "| part | " + " | ".join(PASSES) + " | ms per step | share of device time |"
+    lines = [title, "", header,
              "|---|" + "---:|" * (len(PASSES) + 2)]
     lines += [
         f"| {scope} | " + " | ".join(f"{ops['passes'][scope][name]:.3f}" for name in PASSES)

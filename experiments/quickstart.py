@@ -75,7 +75,7 @@ def sample(model, prompt: str, num_bytes: int, seed: int = 0) -> str:
 
 
 def _rate(summary: dict) -> str:
-    if summary["tokens_per_second"] is None:  # nothing trained in this session
+    if summary["tokens_per_second"] is None:  # nothing trained in this process (a finished run resumed)
         return "n/a"
     return (f"{summary['tokens_per_second']:,.0f} bytes/s (first step, with compilation: "
             f"{summary['first_step_seconds']:.0f} s)")

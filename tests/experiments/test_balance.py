@@ -10,11 +10,16 @@ from moe.config import MoEConfig
 
 
 @pytest.mark.slow
-def test_balance_experiment_writes_plot_table_and_log(tmp_path):
+def test_balance_qb_beats_no_balancing_and_writes_its_files(tmp_path):
     argv = ["--steps", "3", "--batch", "2", "--seq-len", "16", "--out", str(tmp_path)]
     rows = balance.main(argv + ["--methods", "qb", "none"])
     assert [row["method"] for row in rows] == ["qb", "none"]
     assert all(len(row["final_max_vio"]) == balance.ModelShape().layers for row in rows)
+    # Same seed, same batches, same first routing: from the second step on, QB's bias must
+    # spread the load. Over these 3 steps QB averages 0.54 against no balancing's 0.92; with
+    # QB's bias update disabled both rows are equal and this fails.
+    qb, none = (np.asarray(row["final_max_vio"]) for row in rows)
+    assert np.all(qb < none) and qb.mean() < 0.8 * none.mean(), (qb, none)
     assert (tmp_path / "balance_maxvio.png").stat().st_size > 0
     table = (tmp_path / "balance_table.md").read_text()
     assert "| qb |" in table and "| none |" in table

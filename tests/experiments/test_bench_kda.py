@@ -1,31 +1,72 @@
 """`python -m experiments.bench_kda` on CPU: it times our implementations, checks their outputs
-against the chunked op (or, without it, the first other KDA contender) and writes the table; bad
-shapes are refused."""
+against the chunked op (or, without it, the first other KDA contender) and writes the table; each
+row's output also against a float64 token-by-token recurrence written out here; bad shapes are
+refused."""
 
 import numpy as np
 import pytest
 
 from experiments import bench_kda
+from experiments.harness import relative_error
+
+SHAPE = "1x80x2x16"
+
+
+def token_by_token(inputs) -> np.ndarray:
+    """The oracle, in numpy float64: per head, with L2-normalised q and k and q scaled by
+    D^-0.5, S <- S exp(g_t); S <- S + beta_t k_t (v_t - k_t^T S)^T; o_t = S^T q_t."""
+    q, k, v, g, beta = (np.asarray(inputs[name], np.float64) for name in ("q", "k", "v", "g",
+                                                                           "beta"))
+    q = q / np.linalg.norm(q, axis=-1, keepdims=True) * q.shape[-1] ** -0.5
+    k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    batch, length, heads, dim = q.shape
+    out = np.zeros((batch, length, heads, v.shape[-1]))
+    for b, h in np.ndindex(batch, heads):
+        state = np.zeros((dim, v.shape[-1]))
+        for t in range(length):
+            state *= np.exp(g[b, t, h])[:, None]
+            state += beta[b, t, h] * np.outer(k[b, t, h], v[b, t, h] - k[b, t, h] @ state)
+            out[b, t, h] = state.T @ q[b, t, h]
+    return out
+
+
+def table_rows(out, shape=SHAPE) -> list[list[str]]:
+    return [[cell.strip() for cell in line.split("|")[1:-1]]
+            for line in out.read_text().splitlines() if line.startswith(f"| {shape} ")]
 
 
 def test_cpu_benchmark_writes_a_table_with_errors(tmp_path):
     out = tmp_path / "kda.md"
-    bench_kda.main(["--shapes", "1x80x2x16", "--repeats", "1", "--out", str(out)])
-    rows = [line for line in out.read_text().splitlines() if line.startswith("| 1x80x2x16")]
-    assert [row.split("|")[2].strip() for row in rows] == ["reference", "chunked"]
-    reference_error = float(rows[0].split("|")[7])
-    assert reference_error < 1e-5  # float32 reference against the chunked op
-    assert all(row.split("|")[9].strip() == "–" for row in rows)  # no --device-time
+    bench_kda.main(["--shapes", SHAPE, "--repeats", "1", "--out", str(out)])
+    rows = table_rows(out)
+    assert [row[1] for row in rows] == ["reference", "chunked"]
+    assert float(rows[0][6]) < 1e-5  # the token-by-token scan against the chunked op
+    assert float(rows[1][6]) == 0.0  # the anchor itself
+    assert all(row[8] == "–" for row in rows)  # no --device-time
+
+
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_each_cpu_row_matches_the_float64_oracle(impl):
+    """The output a row's error is computed from, against `token_by_token` on the same inputs:
+    a wrong implementation fails here even where it agrees with the anchor."""
+    inputs = bench_kda.make_inputs(bench_kda.Shape.parse(SHAPE), np.float32)
+    contender = bench_kda.contenders(gpu=False, impls=[impl])[impl](inputs)
+    assert relative_error(contender.output, token_by_token(inputs)) < 1e-5
 
 
 def test_device_time_sums_the_traced_ops_of_each_call(tmp_path):
     out = tmp_path / "kda.md"
-    bench_kda.main(["--shapes", "1x80x2x16", "--impls", "chunked", "--repeats", "1",
+    bench_kda.main(["--shapes", SHAPE, "--impls", "reference", "chunked", "--repeats", "1",
                     "--device-time", "--out", str(out)])
-    [row] = [line for line in out.read_text().splitlines() if line.startswith("| 1x80x2x16")]
-    forward_ms, forward_backward_ms = (float(x) for x in row.split("|")[9].split("/"))
-    assert 0 < forward_ms < forward_backward_ms
-    assert [float(x) for x in row.split("|")[10].split("/")] == [1.0, 1.0]  # its own baseline
+    rows = {row[1]: row for row in table_rows(out)}
+    device = {name: [float(x) for x in row[8].split("/")] for name, row in rows.items()}
+    for forward_ms, forward_backward_ms in device.values():
+        assert 0 < forward_ms < forward_backward_ms
+    # The ratios are the chunked baseline's device time over the row's.
+    ratios = [float(x) for x in rows["reference"][9].split("/")]
+    expected = [c / r for c, r in zip(device["chunked"], device["reference"])]
+    assert ratios == pytest.approx(expected, rel=0.05, abs=0.01)
+    assert [float(x) for x in rows["chunked"][9].split("/")] == [1.0, 1.0]
 
 
 @pytest.mark.parametrize("names, anchor", [
@@ -35,11 +76,11 @@ def test_device_time_sums_the_traced_ops_of_each_call(tmp_path):
     (["reference", "cuDNN attention", "jla mosaic_gpu"], "jla mosaic_gpu"),
     (["reference"], None),
 ])
-def test_errors_are_measured_against_the_chunked_op_else_the_first_kda_row(names, anchor):
+def test_errors_are_against_the_chunked_op_else_the_first_kda_row(names, anchor):
     assert bench_kda.error_anchor(names) == anchor
 
 
-def test_a_run_without_the_chunked_op_still_checks_that_outputs_agree(capsys):
+def test_run_without_the_chunked_op_still_checks_outputs_agree(capsys):
     """--impls mosaic_gpu --peers jla fla (the GPU runs' usual choice) has no chunked row: the
     peers' errors are measured against our kernel's output instead. Each row's getting ready is
     announced, as fla's autotuning makes it minutes long."""
@@ -108,7 +149,7 @@ def test_a_resumed_run_times_only_the_shapes_not_yet_timed(tmp_path, monkeypatch
     assert made == ["1x96x2x16", "1x80x2x16"]
 
 
-def test_a_resumed_run_with_other_contenders_keeps_the_earlier_rows(tmp_path):
+def test_resumed_run_with_other_contenders_keeps_earlier_rows(tmp_path):
     """A shape kept by --resume shows the rows it was timed with, also those of contenders this
     run leaves out (they read "not run" at the shapes timed now), and the preamble names what each
     shape's errors were measured against."""

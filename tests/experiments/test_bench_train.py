@@ -90,7 +90,8 @@ def test_out_of_memory_error_says_what_to_change():
 
 
 @pytest.mark.slow
-def test_smoke_benchmark_reports_throughput_memory_breakdown_and_profile(tmp_path, capsys, monkeypatch):
+def test_smoke_run_reports_throughput_memory_breakdown_and_profile(tmp_path, capsys,
+                                                                    monkeypatch):
     out = tmp_path / "bench.md"
     # The GPU setup's recomputation policy, at the smoke size.
     reported = []

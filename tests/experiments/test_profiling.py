@@ -200,7 +200,7 @@ def _gaps_in_order(*ops_and_gaps) -> list[OpEvent]:
     return events
 
 
-def test_idle_summary_names_the_ops_around_the_longest_gaps_and_groups_the_rest():
+def test_idle_summary_names_ops_around_longest_gaps_and_groups_rest():
     instructions = profiling.hlo_instructions(GAP_HLO)
     steps = [
         profiling.step_idle(_gaps_in_order("conditional.3", 50_000, "mosaic.1", 2_000,
@@ -287,32 +287,3 @@ def test_both_benchmarks_render_the_idle_table(cpu_ops):
                        moe=dict(ms=3.0), ops=cpu_ops)
     moe_text = "\n".join(bench_moe.profile_markdown(moe_results))
     assert "### When the device runs nothing" in moe_text and "| gap us |" in moe_text
-
-
-class LoggedCall:
-    """What a `run()` returns in the test below: logs when it is waited for."""
-
-    def __init__(self, index, log):
-        self.index, self.log = index, log
-
-    def block_until_ready(self):
-        self.log.append(("wait", self.index))
-        return self
-
-
-def test_pipelined_seconds_dispatches_each_call_before_waiting_for_the_last():
-    log = []
-
-    def run():
-        call = LoggedCall(sum(kind == "dispatch" for kind, _ in log), log)
-        log.append(("dispatch", call.index))
-        return call
-
-    seconds = profiling.pipelined_seconds(run, steps=3, warmup=1)
-    assert seconds >= 0
-    dispatches = [index for kind, index in log if kind == "dispatch"]
-    assert dispatches == list(range(7))  # warm-up, a synchronised call, then 3 + 2 in flight
-    # After the synchronised start, call k + 1 is dispatched before call k is waited for.
-    for index in range(2, 6):
-        assert log.index(("dispatch", index + 1)) < log.index(("wait", index))
-    assert log[-1] == ("wait", 6)
