@@ -1,6 +1,5 @@
 """Sharding: the rules table, meshes, annotations, sharded == unsharded."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,10 +7,6 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from kda.layer import KDAConfig
-from models.attention import MLAConfig
-from models.config import count_params, preset
-from models.lm import HybridLM, aux_loss
 from core.sharding import (
     LOGICAL_AXIS_RULES,
     abstract_mesh,
@@ -22,6 +17,10 @@ from core.sharding import (
     shard_module,
     state_shardings,
 )
+from kda.layer import KDAConfig
+from models.attention import MLAConfig
+from models.config import preset
+from models.lm import HybridLM, aux_loss
 from moe.config import MoEConfig
 
 VOCABULARY = {"batch", "seq", "embed", "heads", "kv", "mlp", "expert", "latent", "vocab"}
