@@ -26,9 +26,10 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from experiments.profiling import command_line
+from core.norms import rms_norm
+from experiments.harness import command_line
 from moe.config import BALANCERS, MoEConfig
-from moe.experts import StableLatentMoE, rms_norm, update_router_biases
+from moe.experts import StableLatentMoE, update_router_biases
 from moe.routing import max_violation, sequence_max_violation
 from train.corpus import stdlib_corpus
 
@@ -141,7 +142,7 @@ def train(method: str, args: argparse.Namespace, shape: ModelShape, progress: tq
             jnp.stack([metric(s.expert_ids, cfg.num_experts, s.copy_mask) for s in stats])
             for metric in (max_violation, sequence_max_violation)
         )
-        update_router_biases(model, stats)  # after the step, from the stats routed with old bias
+        update_router_biases(model.moes, stats)  # after the step, on the stats routed with old bias
         return ce, max_vio, seq_vio
 
     log = dict(loss=[], max_vio=[], seq_max_vio=[])

@@ -10,7 +10,7 @@ sharding rules, memory planning and generation.
 
 Modules: `models.config` (ModelConfig, presets, count_params), `models.attention` (GatedMLA),
 `models.paged_cache` (paged latent cache and its allocator), `models.attn_res` (Block/Full
-AttnRes), `models.lm` (HybridLM, DecodeState, update_router_biases), `models.generate`
+AttnRes), `models.lm` (HybridLM, DecodeState), `models.generate`
 (generate, Sampling), `core.sharding` (logical axis rules, meshes, placement), `models.memory`
 (per-device memory plans: `python -m models.memory --preset k3 --mesh fsdp=64,expert=16`).
 """

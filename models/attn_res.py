@@ -160,8 +160,8 @@ def _mix(sealed, live, direction, score_bias, eps):
     Every contraction here is an elementwise product summed over D or over the C candidates,
     which XLA fuses into passes over the stream; the backward is written out (`_mix_backward`)
     so that the direction's gradient, a sum over all B*T tokens, is a matrix product reading each
-    bf16 plane once: as autodiff's column reduction fused with the plane's cotangent it took
-    6.6 ms a step on the H200 (46 fusions, ~5x what their bytes take).
+    bf16 plane once: autodiff's column reductions fused with each plane's cotangent run several
+    times slower than their bytes take (`benchmarks/attn_res_h200.md`).
     """
     return _mix_forward(sealed, live, direction, score_bias, eps)[0]
 

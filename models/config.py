@@ -3,6 +3,7 @@
     cfg = preset("k3")                 # the released 2.8T-total / 104B-active configuration
     count_params(cfg)                  # {"total": ..., "active": ..., "embedding": ..., parts}
     preset("tiny", scan_layers=True)   # any field can be overridden
+    released_k3_json()                 # the released config.json, shipped as models/configs/k3.json
 
 `ModelConfig` nests the layer configs (`KDAConfig`, `MLAConfig`, `MoEConfig`) rather than copying
 their fields. Layer indices in `kda_layers` / `full_attn_layers` are 1-based, as in the released
@@ -10,7 +11,9 @@ config; everything else in the code base counts layers from 0.
 """
 
 import dataclasses
+import importlib.resources
 import json
+import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -50,8 +53,7 @@ class ModelConfig:
       param_dtype: dtype parameters are stored in.
       scan_layers: run repeated layer groups with `lax.scan`: faster compiles of deep models,
         slower steps (what each scanned layer saves for the backward is copied into and out of
-        the loop's stacked buffers: the `1b` step on an H200 took 473 ms scanned against 380
-        unrolled, `benchmarks/train_h200.md`).
+        the loop's stacked buffers; `benchmarks/train_h200.md` has the `1b` step both ways).
       remat: recomputation policy of each layer in the backward pass (scanned layers too).
     """
 
@@ -172,11 +174,21 @@ class ModelConfig:
         return cls(**fields)
 
     @classmethod
-    def from_json(cls, path: str, **overrides: Any) -> "ModelConfig":
-        """`from_hf_config` of the `text_config` in a JSON file such as `k3_config.json`."""
+    def from_json(cls, path: str | os.PathLike, **overrides: Any) -> "ModelConfig":
+        """`from_hf_config` of the `text_config` in a JSON file such as `models/configs/k3.json`."""
         with open(path) as f:
             config = json.load(f)
         return cls.from_hf_config(config.get("text_config", config), **overrides)
+
+
+def released_k3_json() -> dict[str, Any]:
+    """The released K3 `config.json`, packaged as `models/configs/k3.json`.
+
+    Keys: "text_config" (what `ModelConfig.from_hf_config` and `MoEConfig.from_hf_config` read),
+    "vision_config", and "reported" (the published total / active parameter counts).
+    """
+    text = importlib.resources.files("models").joinpath("configs", "k3.json").read_text()
+    return json.loads(text)
 
 
 def _require(ok: bool, field: str, value: Any, expected: str) -> None:
@@ -244,7 +256,7 @@ def _small() -> ModelConfig:
 
 
 def _one_b() -> ModelConfig:
-    # About 1B parameters active per token, every matmul dimension a multiple of 128 (H200).
+    # About 1B parameters active per token, every matmul dimension a multiple of 128 (GPU tiles).
     kda, full = hybrid_layout(16, _every(4, 16))
     return ModelConfig(
         vocab_size=32768,
@@ -285,8 +297,8 @@ def _kimi_linear_48b() -> ModelConfig:
 
 
 def _k3() -> ModelConfig:
-    # Kimi K3's released text tower (moe_arch.md §0): 3 KDA : 1 Gated MLA, the 93rd layer an
-    # extra MLA; one dense layer then 92 Stable LatentMoE layers; Block AttnRes of 12 layers.
+    # Kimi K3's released text tower (models/configs/k3.json): 3 KDA : 1 Gated MLA, the 93rd
+    # layer an extra MLA; one dense layer then 92 Stable LatentMoE layers; Block AttnRes of 12.
     kda, full = hybrid_layout(93, _every(4, 93, extra=(93,)))
     return ModelConfig(
         vocab_size=163840,

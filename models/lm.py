@@ -14,7 +14,7 @@ recomputes of each layer, scanned or not.
     model = HybridLM(preset("tiny"), rngs=nnx.Rngs(0))
     logits = model(tokens, segment_ids)                      # [B, T, vocab] float32
     logits, router_stats = model.forward(tokens, segment_ids) # stats for the MoE balancer
-    update_router_biases(model, router_stats)                # after the optimizer step
+    moe.experts.update_router_biases([layer for layer, _ in model.moe_sites()], router_stats)
 
 Generation continues sequences through `DecodeState` (KDA conv/recurrent state, paged MLA
 latents): `state = model.init_decode_state(...)`, then `logits, state = model.extend(tokens,
@@ -44,7 +44,7 @@ from models.config import ModelConfig
 from core.norms import RMSNorm
 from models.paged_cache import PagedLatentCache, init_pages
 from core.sharding import constrain, logical
-from moe.experts import EXPERT_WEIGHTS_NAME, DenseFFN, StableLatentMoE, update_router_bias
+from moe.experts import EXPERT_WEIGHTS_NAME, DenseFFN, StableLatentMoE
 from moe.routing import PERMUTATION_NAME, RouterStats
 
 # The primitives that launch the GPU kernels: Pallas (a Mosaic GPU kernel is an `mpmd_map`),
@@ -84,8 +84,8 @@ def dots_and_kernels_saveable(prim, *avals, **params) -> bool:
     weights cast to the compute dtype (`moe.experts.EXPERT_WEIGHTS_NAME`) are kept.
 
     A kernel's `custom_vjp` forward is opaque to the other policies, so under `dots` the backward
-    pass ran every kernel's forward again to rebuild its residuals (the `1b` step on the H200:
-    KDA's preparation and recurrence, the MoE grouped GEMMs and cuDNN attention, each twice).
+    pass ran every kernel's forward again to rebuild its residuals (KDA's preparation and
+    recurrence, the MoE grouped GEMMs and cuDNN attention, each twice).
     A whole call that launches a kernel counts as one (`launches_kernel`): its outputs are kept.
     """
     return (jax.checkpoint_policies.checkpoint_dots(prim, *avals, **params)
@@ -296,10 +296,9 @@ def lm_head_logits(x: jax.Array, kernel: jax.Array) -> jax.Array:
 
     Its backward rounds the float32 cotangent to x's dtype before both of its products, so they
     run at the forward's speed. JAX's own transpose would multiply the float32 cotangent by the
-    bf16 operands, which XLA does as float32 products: on the H200 the `1b` step's LM head took
-    16.3 ms for 6.6 TFLOP that way, the weight gradient at 260 TFLOP/s
-    (`benchmarks/train_h200.md`). Rounding d logits to bf16 is the precision of every other
-    product's cotangent in the model; the weight gradient comes back float32-accumulated.
+    bf16 operands, which XLA does as float32 products, several times slower than bf16 ones.
+    Rounding d logits to bf16 is the precision of every other product's cotangent in the model;
+    the weight gradient comes back float32-accumulated.
     """
     return jnp.dot(x, kernel.astype(x.dtype), preferred_element_type=jnp.float32)
 
@@ -443,9 +442,8 @@ class HybridLM(nnx.Module):
 def _rematted(layer: DecoderLayer, remat, period, segment_ids, page_table):
     """`(stream, index, cache) -> layer(...)`, recomputed in the backward pass as the checkpoint
     policy `remat` says (None: no recomputation). One layer per checkpoint, scanned or not: with a
-    whole scanned group under one checkpoint, its backward rematerialised all the group's layers
-    at once (the `1b` step at 4 x 4096 planned 69.8 GiB of temporaries instead of 45.2,
-    `experiments.bench_train --cpu-plan`)."""
+    whole scanned group under one checkpoint, its backward would rematerialise all the group's
+    layers at once, and hold all their recomputed activations together."""
     graphdef, state = nnx.split(layer)
 
     def call(state, stream, index, cache):
@@ -489,17 +487,3 @@ def aux_loss(router_stats: Sequence[RouterStats]) -> jax.Array:
     """Sum of the MoE auxiliary losses (zero unless `moe.balancing == "aux_loss"`)."""
     return sum((jnp.sum(s.aux_loss) for s in router_stats), jnp.zeros((), jnp.float32))
 
-
-def update_router_biases(model: HybridLM, router_stats: Sequence[RouterStats]) -> None:
-    """Applies the MoE balancer to every MoE layer in place (after the optimizer step).
-
-    router_stats: as returned by `model.forward`, one entry per `model.moe_sites()` entry.
-    """
-    sites = model.moe_sites()
-    if len(sites) != len(router_stats):
-        raise ValueError(
-            f"got {len(router_stats)} RouterStats for {len(sites)} MoE sites; pass the stats "
-            "model.forward returned"
-        )
-    for (moe, stacked), stats in zip(sites, router_stats):
-        update_router_bias(moe, stats, stacked=stacked)

@@ -6,10 +6,10 @@ returns `(y [B, T, D], RouterStats)`; `DenseFFN` for the first dense layers. `Mo
 every knob; `count_moe_params` gives the analytic parameter counts.
 
 Balancer, the single entry point the trainer calls after each optimizer step, outside the
-gradient (identical on every replica):
+gradient (identical on every replica; derivation in `docs/quantile_balancing.md`):
 
-    new_bias = moe.routing.updated_bias(cfg, bias, stats)     # one layer
-    moe.experts.update_router_biases(model, stats_per_layer)  # every MoE layer, in place
+    new_bias = moe.routing.updated_bias(cfg, bias, stats)      # one layer
+    moe.experts.update_router_biases(layers, stats_per_layer)  # every MoE layer, in place
 
 The router bias is a `RouterBias` variable, not an `nnx.Param`: optimizers built with
 `wrt=nnx.Param` and `nnx.grad` never touch it. Metrics: `moe.routing.balance_metrics`.
@@ -18,9 +18,9 @@ Dispatch: dropless (sort by expert, two grouped matmuls, un-sort) on each device
 an `expert` axis (`jax.set_mesh`) the layer runs expert parallel with fixed-capacity all-to-all
 (`MoEConfig.capacity_factor`, None = never drop; dropped copies are counted in `stats.dropped`).
 Grouped matmuls (`MoEConfig.gmm_backend`, `moe.grouped_matmul`) run on Hopper through our
-warp-specialized Mosaic GPU kernels (`moe.kernels.mosaic_gpu.ragged_matmul`: the row-ragged products and the
-weight gradient), and through `jax.lax.ragged_dot` elsewhere. Its GLU-fused epilogues
-(`MoEConfig.fuse_glu_epilogues`) stay off: the H200 measured them slower
+warp-specialized Mosaic GPU kernels (`moe.kernels.mosaic_gpu`: the row-ragged products and the
+weight gradient), and through `jax.lax.ragged_dot` elsewhere. Their GLU-fused epilogues
+(`MoEConfig.fuse_glu_epilogues`) stay off: slower than the unfused path
 (`benchmarks/expert_mlp_h200.md`).
 """
 
@@ -32,7 +32,6 @@ from moe.experts import (
     RouterBias,
     StableLatentMoE,
     moe_layers,
-    update_router_bias,
     update_router_biases,
 )
 from moe.routing import (
@@ -63,7 +62,6 @@ __all__ = [
     "route",
     "situ_glu",
     "swiglu",
-    "update_router_bias",
     "update_router_biases",
     "updated_bias",
 ]

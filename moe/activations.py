@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from core.sharding import arrays_are_whole_on_each_device
-from moe.kernels.triton import glu as glu_kernel
 from moe.config import ACTIVATIONS
+from moe.kernels.triton import glu as glu_kernel
 
 
 def softcap(z: jax.Array, cap: float) -> jax.Array:
@@ -80,15 +80,14 @@ def fused_glu(activation: Callable[[jax.Array, jax.Array], jax.Array], gate_up: 
 
     Plain autodiff of the float32 activation keeps its intermediates (SiTU-GLU: tanh(g/b1),
     sigmoid(g), tanh(u/b2) and their products, seven [..., M] arrays) as float32 residuals; XLA
-    may store those that hold transcendentals rather than recompute them in the backward (its CPU
-    compile of the benchmark layer stores four). For the routed experts of that layer (131072
-    rows, M = 1024) each is 512 MiB written and read back. Here the only residual is gate_up,
+    may store those that hold transcendentals rather than recompute them in the backward, each a
+    float32 copy of the routed rows written and read back. Here the only residual is gate_up,
     which the grouped matmul wrote anyway, and the backward recomputes the intermediates in its
     elementwise pass over gate_up.
 
-    On GPUs, for shapes that `moe.kernels.triton.glu.supports` and arrays not sharded by `jit` over a
-    mesh, both passes are Pallas kernels that read their operands and write their results once
-    (XLA's backward writes and re-reads float32 intermediates); elsewhere they are the XLA
+    On GPUs, for shapes that `moe.kernels.triton.glu.supports` and arrays not sharded by `jit`
+    over a mesh, both passes are Pallas kernels that read their operands and write their results
+    once (XLA's backward writes and re-reads float32 intermediates); elsewhere they are the XLA
     computation below.
     """
     return _fused_glu(activation, gate_up)
@@ -96,7 +95,8 @@ def fused_glu(activation: Callable[[jax.Array, jax.Array], jax.Array], gate_up: 
 
 def glu_kernel_runs(gate_up) -> bool:
     """Whether `fused_glu` runs its Pallas kernels for this gate_up [..., 2, M] (array or
-    ShapeDtypeStruct): on a GPU, for shapes `moe.kernels.triton.glu.supports`, arrays whole on the device."""
+    ShapeDtypeStruct): on a GPU, for shapes `moe.kernels.triton.glu.supports`, arrays whole on
+    the device."""
     return (jax.default_backend() == "gpu" and glu_kernel.supports(gate_up)
             and arrays_are_whole_on_each_device())
 

@@ -65,9 +65,8 @@ class MoEConfig:
             (`jax.lax.ragged_dot`), or "mosaic_gpu".
         fuse_glu_epilogues: compute the routed experts' activation in the grouped matmuls'
             epilogues (`moe.dispatch.fused_expert_mlp`) where the Mosaic GPU kernels run;
-            elsewhere it has no effect. False by default: the H200 measured the fused path at
-            0.73x the unfused forward and 0.82x forward+backward
-            (`python -m experiments.bench_grouped_matmul --gpu --expert-mlp`).
+            elsewhere it has no effect. False by default: the fused path is slower than the
+            unfused one (`benchmarks/expert_mlp_h200.md`).
     """
 
     num_experts: int = 64
@@ -192,7 +191,8 @@ class MoEConfig:
 
     @classmethod
     def from_hf_config(cls, text_config: Mapping[str, Any], **overrides: Any) -> MoEConfig:
-        """The MoE settings of a Kimi-style `text_config` (see `k3_config.json`), plus overrides."""
+        """The MoE settings of a Kimi-style `text_config` (as in `models/configs/k3.json`), plus
+        overrides."""
         activation = text_config.get("hidden_act", "situ")
         fields = dict(
             num_experts=text_config["num_experts"],
@@ -213,7 +213,7 @@ class MoEConfig:
 
     @classmethod
     def from_json(cls, path: str, **overrides: Any) -> MoEConfig:
-        """`from_hf_config` of the `text_config` in a JSON file such as `k3_config.json`."""
+        """`from_hf_config` of the `text_config` in a JSON file such as `models/configs/k3.json`."""
         with open(path) as f:
             config = json.load(f)
         return cls.from_hf_config(config.get("text_config", config), **overrides)

@@ -29,13 +29,11 @@ from moe import grouped_matmul as grouped
 from moe.activations import fused_glu, glu_kernel_runs
 from moe.grouped_matmul import ROW_MULTIPLE, grouped_matmul, mosaic_gpu_supports
 from moe.kernels.mosaic_gpu.ragged_matmul import (
-    GLU_CONFIG,
-    config_for,
-    glu_config_for,
     ragged_matmul,
     ragged_matmul_glu,
     ragged_matmul_glu_grad,
 )
+from moe.kernels.mosaic_gpu.tiling import GLU_CONFIG, config_for, glu_config_for
 from moe.routing import PERMUTATION_NAME, load_counts
 
 EXPERT_AXIS = "expert"
@@ -155,9 +153,9 @@ def fused_expert_mlp(
     The forward's first product writes gate_up (the backward's residual, as `fused_glu` keeps it)
     and h = activation(gate, up) in its epilogue (`ragged_matmul_glu`), and the second reads h.
     The backward's input gradient of the second product writes d(gate_up), the activation's VJP
-    at the saved gate_up, instead of d_h (`ragged_matmul_glu_grad`). Against the unfused path no
-    GLU kernel runs: the forward no longer re-reads gate_up, the backward no longer writes and
-    re-reads d_h. The bf16 roundings are the unfused path's (gate_up, h, y; d_h, d(gate_up)).
+    at the saved gate_up, instead of d_h (`ragged_matmul_glu_grad`). Unlike the unfused path, no
+    GLU kernel runs: the forward does not re-read gate_up, the backward does not write and
+    re-read d_h. The bf16 roundings are the unfused path's (gate_up, h, y; d_h, d(gate_up)).
 
     Args:
         activation: `act(gate, up)` -> float32, elementwise.

@@ -1,13 +1,18 @@
 """Flax NNX modules: the Stable LatentMoE layer, the dense GLU FFN, and the router-bias update.
 
-Stable LatentMoE (Kimi K3 report Eq. 11-13):
+Stable LatentMoE (Kimi K3 report Eq. 11-13; derivation in `docs/latent_moe.md`):
 
     s, (ids, p) = sigmoid(W_r x), top-k of s + b        router on the full-width x
     u = sum_{j in ids} p_j · E_j(W_down x)              routed experts in latent width l
     y = W_up · RMSNorm_l(u) + Shared(x)                 one norm on the aggregated u
 
-Experts and the shared expert are GLU MLPs with the configured activation (SiTU-GLU by default).
-With `latent_dim=None` it is a plain MoE (experts read x directly, no W_down / W_up / norm).
+x, y: [B, T, D]; the router runs in float32, experts and projections in `dtype` (bf16 by
+default) with float32 parameters. Experts and the shared expert are GLU MLPs with the configured
+activation (SiTU-GLU by default). With `latent_dim=None` it is a plain MoE (experts read x
+directly, no W_down / W_up / norm).
+
+The balancer (`update_router_biases`) runs after the optimizer step on the `RouterStats` each
+layer returns, outside the gradient: it writes the `RouterBias` variables in place.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from core.norms import rms_norm
+from core.sharding import logical
 from moe.activations import GLUActivation, fused_glu
 from moe.config import MoEConfig
 from moe.dispatch import EXPERT_AXIS, dropless_moe, expert_parallel_moe
@@ -36,10 +43,9 @@ from moe.routing import (
 )
 
 # The `checkpoint_name` of the expert weights cast to the compute dtype, which `models.lm`'s
-# `dots_kernels` remat policy keeps: recasting them for the backward pass re-reads every float32
-# expert weight (the `1b` step on the H200: 2.9 ms a step for the [64, 1024, 2, 1024]
-# up-projections alone), against 6 GB kept for all 15 layers' bfloat16 copies. (`train.step`
-# goes further: its state keeps the bf16 copies, so the training forward casts nothing.)
+# `dots_kernels` remat policy keeps: recasting them for the backward pass would re-read every
+# float32 expert weight. (`train.step` goes further: its state keeps the bf16 copies, so the
+# training forward casts nothing.)
 EXPERT_WEIGHTS_NAME = "moe_expert_weights"
 
 
@@ -52,21 +58,9 @@ class RouterBias(nnx.Variable):
     """
 
 
-# Variables carry logical axis names only; `core.sharding` places them on a mesh explicitly, so a
-# layer builds with or without one.
-_logical = functools.partial(nnx.with_partitioning, eager_sharding=False)
-
-
 def _fan_in_normal(fan_in: int, axes: tuple[str | None, ...]):
     """Normal(0, 1/fan_in) initializer with logical axis names (variance-preserving)."""
-    return _logical(nnx.initializers.normal(stddev=fan_in**-0.5), axes)
-
-
-def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis in float32, cast back to x.dtype. x: [..., W], gain: [W]."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-    return (normed * gain.astype(jnp.float32)).astype(x.dtype)
+    return logical(nnx.initializers.normal(stddev=fan_in**-0.5), axes)
 
 
 class DenseFFN(nnx.Module):
@@ -169,7 +163,7 @@ class StableLatentMoE(nnx.Module):
             )
         if cfg.latent_norm:
             self.latent_gain = nnx.Param(
-                _logical(nnx.initializers.ones_init(), ("latent",))(
+                logical(nnx.initializers.ones_init(), ("latent",))(
                     rngs.params(), (width,), param_dtype
                 )
             )
@@ -302,42 +296,35 @@ class StableLatentMoE(nnx.Module):
 
 
 def moe_layers(model: nnx.Module) -> list[StableLatentMoE]:
-    """The `StableLatentMoE` layers of a model, in NNX graph order (the order stats are given)."""
+    """The `StableLatentMoE` layers of a model, in NNX graph order: the order their stats come in
+    when the model calls them in that order (`update_router_biases(moe_layers(model), stats)`)."""
     return [module for _, module in nnx.iter_modules(model) if isinstance(module, StableLatentMoE)]
 
 
-def update_router_biases(model: nnx.Module, stats: Sequence[RouterStats]) -> None:
-    """Apply the balancer to every MoE layer, in place (after the optimizer step, no gradient).
+def update_router_biases(
+    layers: Sequence[StableLatentMoE], stats: Sequence[RouterStats]
+) -> None:
+    """Apply the balancer (`moe.routing.updated_bias`) to every MoE layer, in place.
+
+    Runs after the optimizer step, outside any gradient, on the stats routed with the old bias.
 
     Args:
-        model: an NNX module containing `StableLatentMoE` layers.
-        stats: one `RouterStats` per layer, in `moe_layers(model)` order.
+        layers: the MoE layers in the order their stats were produced (`models.lm.HybridLM.
+            moe_sites`, `moe_layers`). A layer stacked by `nnx.vmap` (router bias [L, E], stats
+            with a leading L axis) is updated slice by slice; a plain one has bias [E].
+        stats: one `RouterStats` per layer.
+
+    The updates run layer by layer on purpose, not as one update vmapped over every layer: the
+    exact quantile's counting passes then read one layer's scores at a time, which stay in the
+    L2 cache, instead of all layers' scores at once (`benchmarks/train_notes.md`).
     """
-    layers = moe_layers(model)
     if len(layers) != len(stats):
         raise ValueError(
-            f"got {len(stats)} RouterStats for {len(layers)} MoE layers; pass one per layer in "
-            "moe_layers(model) order."
+            f"got {len(stats)} RouterStats for {len(layers)} MoE layers; pass one per layer, in "
+            "the order the stats were produced."
         )
     for layer, layer_stats in zip(layers, stats):
-        update_router_bias(layer, layer_stats)
-
-
-def update_router_bias(
-    layer: StableLatentMoE, stats: RouterStats, *, stacked: bool = False
-) -> None:
-    """Apply the balancer to one MoE layer in place (after the optimizer step, no gradient).
-
-    `stacked`: the layer is a stack built by `nnx.vmap` over layers (bias [L, E], stats with a
-    leading L axis); each slice is updated on its own.
-
-    The trainer calls this layer by layer on purpose: one vmapped update of all 15 MoE layers of
-    the `1b` preset took 17.4 ms of H200 time a step against 2.2 ms layer by layer (plus 5.9 ms
-    of launch gaps), because the exact quantile's counting passes then read every layer's scores
-    at once (63 MB, more than the L2 cache holds) instead of one layer's 4 MB
-    (`benchmarks/train_h200.md`).
-    """
-    update = functools.partial(updated_bias, layer.cfg)
-    if stacked:
-        update = jax.vmap(update)
-    layer.router_bias[...] = update(layer.router_bias[...], stats)
+        update = functools.partial(updated_bias, layer.cfg)
+        if layer.router_bias[...].ndim == 2:  # [L, E]: a stack of layers
+            update = jax.vmap(update)
+        layer.router_bias[...] = update(layer.router_bias[...], layer_stats)

@@ -1,13 +1,14 @@
 """Grouped matmul `out[rows of group g] = lhs[rows of group g] @ rhs[g]`, with gradients.
 
-Two backends:
-- "xla": `jax.lax.ragged_dot`. Correct everywhere and fine on CPU, but on an H200 XLA runs it at
-  about 12 TFLOP/s (measured at 131072 x 1024 x 2048, 64 groups), so it is not used on Hopper.
-- "mosaic_gpu": Hopper kernels under a custom VJP: our warp-specialized `moe.kernels.mosaic_gpu.ragged_matmul`
-  for the forward and the input gradient (row-ragged products: 673-721 TFLOP/s on the H200 at the
-  MoE's shapes, 1.23-1.32x JAX's bundled `ragged_dot_mgpu`, `benchmarks/grouped_matmul_h200.md`),
-  and `moe.kernels.mosaic_gpu.ragged_matmul.transposed_ragged_matmul` for the weight gradient (689-690 TFLOP/s,
-  1.06x JAX's bundled `transposed_ragged_dot_mgpu` summed over the two weight products).
+lhs: [M, K] rows sorted by group, rhs: [G, K, N], group_sizes: [G] -> [M, N] in lhs.dtype,
+float32 accumulation. Two backends:
+- "xla": `jax.lax.ragged_dot`. Correct everywhere and fine on CPU, but far from the tensor cores'
+  throughput on Hopper, so it is not used there.
+- "mosaic_gpu": Hopper kernels under a custom VJP: our warp-specialized
+  `moe.kernels.mosaic_gpu.ragged_matmul` for the forward and the input gradient, and
+  `moe.kernels.mosaic_gpu.transposed_ragged_matmul` for the weight gradient, both faster than
+  JAX's bundled `ragged_dot_mgpu` / `transposed_ragged_dot_mgpu` at the MoE's shapes
+  (`benchmarks/grouped_matmul_h200.md`).
 
 "auto" takes "mosaic_gpu" when the call is on a Hopper GPU with bf16/f16 operands whose widths
 fit the kernels' tiles, and "xla" otherwise, so it is never wrong, only slower.
@@ -23,12 +24,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe.kernels.mosaic_gpu.ragged_matmul import (
-    config_for,
-    ragged_matmul,
-    transposed_config_for,
-    transposed_ragged_matmul,
-)
+from moe.kernels.mosaic_gpu.ragged_matmul import ragged_matmul
+from moe.kernels.mosaic_gpu.tiling import config_for, transposed_config_for
+from moe.kernels.mosaic_gpu.transposed_ragged_matmul import transposed_ragged_matmul
 
 _MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
 ROW_MULTIPLE = 8  # the kernels' bulk copies need the row count to be a multiple of 8

@@ -4,17 +4,15 @@ Routing (DeepSeek-V3 / Kimi K3): scores `s = sigmoid(x @ W_r)`, experts = top-k 
 weights = the selected *unbiased* scores, renormalised, times `routed_scaling_factor`. The bias
 `b [E]` only changes which experts are chosen; no gradient reaches it.
 
-Balancers (`updated_bias`, applied after the optimizer step to the bias the step routed with):
+Balancers (`updated_bias`, applied after the optimizer step to the bias the step routed with;
+derivations in `docs/quantile_balancing.md`):
 - "qb", Quantile Balancing (Su, kexue.fm/archives/11619; K3 report Eq. 14): with the old bias,
-  `alpha_i` = the (k+1)-th largest biased score of token i; the new `b_j` = minus the cut-off
-  between the q-th and (q+1)-th largest margin `s_ij - alpha_i` over the m tokens (q = m·k/E);
+  `alpha_i` = the (k+1)-th largest biased score of token i; the new `b_j` = minus the midpoint
+  of the q-th and (q+1)-th largest margins `s_ij - alpha_i` over the m tokens (q = m·k/E);
   then mean-centred. It sets the bias outright (one exact coordinate step of the
-  balanced-assignment dual), so it has no rate. Any value between those two order statistics
-  minimises the dual in b_j; we take their midpoint rather than the (q+1)-th itself: that end of
-  the interval puts one token exactly on expert j's cut-off, and the alternating steps then stall
-  short of the balanced optimum (on random 4-8 token cases, 48 of 84 stalled with the end point,
-  none with the midpoint). For the m of a training batch the two differ by half the gap between
-  neighbouring margins.
+  balanced-assignment dual), so it has no rate. The midpoint, not the (q+1)-th margin itself:
+  that end of the minimising interval puts one token exactly on expert j's cut-off, and the
+  alternating steps can then stall short of the balanced optimum.
 - "sign", DeepSeek-V3's rule `b += gamma * sign(mean load - load)`: one SignSGD step on that dual.
 - "aux_loss", a Switch-style loss added to the training loss (the bias stays 0); "none".
 - dynamic_k: expert j fires iff `s_ij > beta_j` with `beta = -b`; under "qb" beta is an EMA of the
@@ -65,9 +63,8 @@ def router_scores(x: jax.Array, router_weight: jax.Array) -> jax.Array:
     """Sigmoid router scores in float32. x: [..., D], router_weight: [D, E] -> [..., E].
 
     On GPU the logits come from bf16 tensor-core passes (`split_bf16_matmul`, about 2^-16
-    relative error): at full float32 precision the router matmuls cost 0.6 ms more per
-    forward+backward of the 64-expert benchmark layer on an H200 (8.3 ms in all) than at default
-    precision. Elsewhere they are one float32 matmul at full precision.
+    relative error), which cost far less than a full-precision float32 matmul on the tensor
+    cores. Elsewhere they are one float32 matmul at full precision.
     """
     if jax.default_backend() == "gpu":
         logits = split_bf16_matmul(x, router_weight)
@@ -410,8 +407,7 @@ def _upper_quantile(values, valid, k, num_experts, estimator, num_bins, num_mini
 def _exact_cutoff(values, valid, k, num_experts):
     """Midpoint of the q-th and (q+1)-th largest valid value per column (the (q+1)-th when
     q = 0), found by a radix select (`_key_of_rank`) rather than a sort: the same values exactly,
-    from nine passes of counts over values [T, E] instead of a sort of each column (the sort took
-    0.39 ms a layer at [16384, 64] on an H200; the select is not yet timed there)."""
+    from nine passes of counts over values [T, E] instead of a sort of each column."""
     q = (jnp.sum(valid, dtype=jnp.int32) * k) // num_experts
     keys = _order_keys(jnp.where(valid[:, None], values, -jnp.inf))
     below = _key_of_rank(keys, q + 1)  # [E]

@@ -1,4 +1,4 @@
-"""QK-Clip for the Gated MLA layers (Kimi K2, moe_arch.md §6): keep attention logits below tau.
+"""QK-Clip for the Gated MLA layers (the Kimi K2 report): keep attention logits below tau.
 
 After each optimizer step, every MLA head h whose largest pre-softmax logit S_h in the step's
 forward pass exceeded tau has its query and key weights shrunk by gamma_h = tau / S_h: the

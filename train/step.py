@@ -21,7 +21,7 @@ in-place updates). One step:
    state passes through unchanged and `skipped_steps` grows by one: a bad batch never touches
    the weights. (A `jnp.where(finite, new, old)` over the state would read the old optimizer
    moments after the in-place update has written the new ones, so XLA would copy every moment
-   first: 27.7 GiB more for the `1b` preset; the cond keeps the update in place.) Gradients
+   first; the cond keeps the update in place.) Gradients
    that a GPU kernel wrote in bfloat16 enter the cond in bfloat16 (`gradient_dtypes`).
 
 Each of these parts runs under its named scope of `models.lm.PROFILE_SCOPES` (`loss`,
@@ -39,8 +39,8 @@ import optax
 from flax import nnx
 from jax.extend import core as jax_core
 
-from models.lm import KERNEL_PRIMITIVES, aux_loss, profile_scope, update_router_biases
-from moe.experts import StableLatentMoE
+from models.lm import KERNEL_PRIMITIVES, aux_loss, profile_scope
+from moe.experts import StableLatentMoE, update_router_biases
 from moe.routing import max_violation
 from train import qk_clip
 
@@ -68,8 +68,8 @@ class TrainState(nnx.Module):
     (`state_path_key`).
 
     The grouped GEMM kernels read the expert weights in bf16, so the forward would cast them from
-    float32 every step: on the H200, 2.8 ms a step for the `1b` model's up-projections alone, a
-    float32 read and a bf16 write. The step's update writes the copies instead, from the new
+    float32 every step, a float32 read and a bf16 write of every expert weight
+    (`benchmarks/train_h200.md`). The step's update writes the copies instead, from the new
     weights it already holds, and the forward reads them (`_read_compute_copy`).
     """
 
@@ -161,9 +161,8 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     As `optax.softmax_cross_entropy_with_integer_labels`, with a backward that writes
     (softmax - one_hot(target)) * cotangent in one elementwise pass over the logits. Autodiff's
     backward scatters the target's term into the float32 [..., V] cotangent after writing it,
-    which keeps XLA from fusing the LM head's cast to bf16 into that pass: at the `1b` step's
-    [16384, 32768] that is a 2.1 GB float32 write and read (the profile's loss multiply, 1.0 ms,
-    and cast, 0.76 ms, `benchmarks/train_h200.md`).
+    which keeps XLA from fusing the LM head's cast to bf16 into that pass: one more float32
+    write and read of the whole [tokens, V] cotangent (`benchmarks/train_h200.md`).
     """
     return _cross_entropy_forward(logits, targets)[0]
 
@@ -350,7 +349,7 @@ def make_train_step(
                                            narrow_grads, grads)
                 updated.optimizer.update(model, exact_grads, grad_norm=grad_norm)
             with profile_scope("router_bias"):
-                update_router_biases(model, router_stats)
+                update_router_biases([moe for moe, _ in model.moe_sites()], router_stats)
             with profile_scope("qk_clip"):
                 for (_, layer), logits_h in zip(qk_clip.mla_layers(model), head_max):  # [] if off
                     qk_clip.clip_query_key(layer, logits_h, qk_clip_tau)

@@ -1,15 +1,14 @@
 """Model configs: presets, the released K3 numbers, validation errors that name the field."""
 
 import dataclasses
-import pathlib
+import json
 
 import pytest
 
 from kda.layer import KDAConfig
-from models.config import PRESETS, ModelConfig, count_params, format_count, preset
+from models.config import (PRESETS, ModelConfig, count_params, format_count, preset,
+                           released_k3_json)
 from moe.config import MoEConfig
-
-K3_JSON = pathlib.Path("/work/shared/reference/k3_config.json")
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -61,9 +60,12 @@ def test_small_is_about_100m():
     assert count_params(preset("small"))["total"] == pytest.approx(100e6, rel=0.1)
 
 
-@pytest.mark.skipif(not K3_JSON.exists(), reason="the shared reference config is not present")
-def test_k3_preset_equals_the_released_config_file():
-    assert ModelConfig.from_json(str(K3_JSON)) == preset("k3")
+def test_k3_preset_equals_the_released_config_file(tmp_path):
+    released = released_k3_json()
+    assert ModelConfig.from_hf_config(released["text_config"]) == preset("k3")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(released))
+    assert ModelConfig.from_json(path) == preset("k3")
 
 
 def test_preset_overrides_and_unknown_name():

@@ -22,12 +22,12 @@ from kda.layer import KDAConfig
 from models.attention import MLAConfig
 from models.config import count_params, preset
 from models.lm import (KERNEL_PRIMITIVES, PROFILE_SCOPES, REMAT, HybridLM, _called_jaxprs, aux_loss,
-                       layer_plan, lm_head_logits, update_router_biases)
+                       layer_plan, lm_head_logits)
 from models.paged_cache import PageAllocator, pages_needed
 from moe.config import MoEConfig
-from moe.experts import StableLatentMoE
+from moe.experts import StableLatentMoE, update_router_biases
 from moe.routing import updated_bias
-from tests.kda.inputs import relative_error
+from experiments.harness import relative_error
 from train.step import FAST_COMPILE_OPTIONS
 
 VOCAB = 264
@@ -251,14 +251,14 @@ def test_router_bias_update_reaches_every_moe_layer():
         for (moe, stacked), site_stats in zip(sites, stats)
         for update in [functools.partial(updated_bias, moe.cfg)]
     ]
-    update_router_biases(model, stats)
+    update_router_biases([moe for moe, _ in sites], stats)
     for (moe, stacked), old, want in zip(sites, before, expected):
         new = np.asarray(moe.router_bias[...])
         assert new.shape == old.shape == ((2,) if stacked else ()) + (8,)
         assert not np.allclose(new, old)  # QB moves the zero-initialised bias
         np.testing.assert_allclose(new, want, rtol=0, atol=1e-7)
     with pytest.raises(ValueError, match="RouterStats"):
-        update_router_biases(model, stats[:-1])
+        update_router_biases([moe for moe, _ in sites], stats[:-1])
 
 
 def test_bad_inputs_raise(tiny):

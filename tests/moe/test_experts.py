@@ -1,6 +1,7 @@
 """SiTU-GLU, MoEConfig, parameter counts and the Stable LatentMoE / DenseFFN modules."""
 
 import dataclasses
+import importlib.resources
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,8 @@ import optax
 import pytest
 from flax import nnx
 
+from core.norms import rms_norm
+from models.config import released_k3_json
 from moe.activations import GLUActivation, clamped_swiglu, situ_glu, swiglu
 from moe.config import MoEConfig, count_moe_params
 from moe.dispatch import dropless_moe
@@ -17,12 +20,11 @@ from moe.experts import (
     RouterBias,
     StableLatentMoE,
     moe_layers,
-    rms_norm,
     update_router_biases,
 )
 from moe.routing import quantile_balance, route, router_scores
 
-K3_CONFIG = "/work/shared/reference/k3_config.json"
+K3_JSON = importlib.resources.files("models").joinpath("configs", "k3.json")
 D_MODEL = 16
 SMALL = MoEConfig(
     num_experts=8,
@@ -104,7 +106,7 @@ def test_config_validation_names_the_field(field, value, message):
         MoEConfig(**{**base, field: value})
 
 
-def test_config_rejects_qb_with_k_equal_to_e_but_allows_it_without_balancing():
+def test_config_rejects_k_equal_to_e_for_qb_only():
     with pytest.raises(ValueError, match="top_k < num_experts for quantile balancing"):
         MoEConfig(num_experts=4, top_k=4)
     assert MoEConfig(num_experts=4, top_k=4, balancing="none").top_k == 4
@@ -112,7 +114,8 @@ def test_config_rejects_qb_with_k_equal_to_e_but_allows_it_without_balancing():
 
 def test_k3_config_and_its_parameter_counts():
     """The reference's numbers: 29.78B parameters and ~0.72B active per MoE layer."""
-    cfg = MoEConfig.from_json(K3_CONFIG)
+    cfg = MoEConfig.from_hf_config(released_k3_json()["text_config"])
+    assert MoEConfig.from_json(K3_JSON) == cfg
     assert (cfg.num_experts, cfg.top_k, cfg.latent_dim, cfg.expert_hidden) == (896, 16, 3584, 3072)
     assert (cfg.shared_hidden, cfg.situ_beta, cfg.situ_linear_beta) == (6144, 4.0, 25.0)
     assert cfg.latent_norm and cfg.activation == "situ" and cfg.routed_scaling_factor == 1.0
@@ -192,12 +195,35 @@ def test_stats_route_with_the_old_bias_and_the_update_uses_them():
     np.testing.assert_array_equal(
         stats.expert_ids.reshape(-1, 2), route(stats.scores.reshape(-1, 8), old_bias, 2)[0]
     )
-    update_router_biases(layer, [stats])
+    update_router_biases([layer], [stats])
     np.testing.assert_allclose(
         layer.router_bias[...], quantile_balance(stats.scores, old_bias, 2), atol=1e-7
     )
     with pytest.raises(ValueError, match="RouterStats for 1 MoE layers"):
-        update_router_biases(layer, [stats, stats])
+        update_router_biases([layer], [stats, stats])
+
+
+def test_update_of_a_stacked_layer_updates_each_slice_on_its_own():
+    """A layer stacked by nnx.vmap (bias [L, E], stats [L, ...]) next to a plain one ([E])."""
+    plain = make_layer()
+    keys = jax.random.split(jax.random.key(3), 2)
+    stacked = nnx.vmap(lambda key: make_layer(seed=key), in_axes=0)(keys)
+    assert stacked.router_bias[...].shape == (2, 8)
+    x = inputs(length=32)
+    _, plain_stats = plain(x)
+    _, stacked_stats = nnx.vmap(lambda layer, x: layer(x), in_axes=(0, None))(stacked, x)
+    old_slices = [stacked.router_bias[...][i] for i in range(2)]
+    update_router_biases([plain, stacked], [plain_stats, stacked_stats])
+    np.testing.assert_allclose(
+        plain.router_bias[...], quantile_balance(plain_stats.scores, jnp.zeros(8), 2), atol=1e-7
+    )
+    for i, old in enumerate(old_slices):
+        np.testing.assert_allclose(
+            stacked.router_bias[...][i],
+            quantile_balance(stacked_stats.scores[i], old, 2),
+            atol=1e-7,
+        )
+    assert not np.allclose(stacked.router_bias[...][0], stacked.router_bias[...][1])
 
 
 def test_padding_tokens_get_no_routed_output_and_no_load():
@@ -231,7 +257,7 @@ def test_dynamic_k_layer_fires_a_variable_number_of_experts():
     _, stats = layer(inputs(length=64))
     fired = np.asarray(stats.copy_mask.sum(-1))
     assert stats.expert_ids.shape[-1] == 5 and fired.min() < fired.max()
-    update_router_biases(layer, [stats])
+    update_router_biases([layer], [stats])
     assert np.all(np.isfinite(np.asarray(layer.router_bias[...])))
 
 
@@ -246,11 +272,35 @@ def test_expert_parallel_layer_under_a_mesh_equals_single_device():
     assert float(stats.dropped) == 0.0
 
 
-def test_plain_moe_and_annotations():
+def test_plain_moe_equals_its_formula_and_annotations():
+    """y = sum_{j in top-k(s + b)} p_j E_j(x) + Shared(x), experts reading x at full width."""
     cfg = dataclasses.replace(SMALL, latent_dim=None, latent_norm=False)
     layer = make_layer(cfg)
-    y, _ = layer(inputs())
-    assert y.shape == (2, 8, D_MODEL)
+    layer.router_bias[...] = jnp.linspace(-0.1, 0.1, 8)
+    x = inputs()
+    y, stats = layer(x)
+    tokens = np.asarray(x, np.float64).reshape(-1, D_MODEL)
+    scores = 1 / (1 + np.exp(-tokens @ np.asarray(layer.router[...], np.float64)))
+    ids = np.argsort(-(scores + np.asarray(layer.router_bias[...])), axis=1)[:, : cfg.top_k]
+    selected = np.take_along_axis(scores, ids, axis=1)
+    weights = selected / selected.sum(axis=1, keepdims=True)
+
+    def glu_mlp(z, w_in, w_out):  # z [..., W], w_in [W, 2, H], w_out [H, W]
+        return np.asarray(situ_glu(z @ w_in[:, 0], z @ w_in[:, 1]), np.float64) @ w_out
+
+    w_in, w_out = (np.asarray(w[...], np.float64) for w in (layer.expert_w_in, layer.expert_w_out))
+    expected = sum(
+        weights[:, [slot]] * np.stack([glu_mlp(tokens[n], w_in[e], w_out[e])
+                                       for n, e in enumerate(ids[:, slot])])
+        for slot in range(cfg.top_k)
+    )
+    shared_w_in, shared_w_out = (np.asarray(w[...], np.float64)
+                                 for w in (layer.shared.w_in, layer.shared.w_out))
+    expected = expected + glu_mlp(tokens, shared_w_in, shared_w_out)
+    np.testing.assert_array_equal(np.sort(stats.expert_ids.reshape(-1, 2), axis=1),
+                                  np.sort(ids, axis=1))
+    np.testing.assert_allclose(y.reshape(-1, D_MODEL), expected, rtol=1e-4, atol=1e-5)
+    assert not hasattr(layer, "w_down") and not hasattr(layer, "latent_gain")
     axes = {
         path: var.get_metadata()["out_sharding"]
         for path, var in nnx.to_flat_state(nnx.state(layer, nnx.Param))

@@ -1,7 +1,6 @@
 """Checkpoints: round trip of state and data iterator, an interrupted save, run-folder guards,
 and (slow) a process killed during a save, resumed to the uninterrupted run's exact losses."""
 
-import dataclasses
 import json
 import os
 import signal
@@ -16,11 +15,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.train.small_run import SMALL_RUN, STAGES, small_run
 from tests.train.toy_model import make_batch, split_state
 from train.checkpoint import Checkpointer, abstract_like
 from train.cli import apply_overrides
 from train.data import DataConfig, make_train_iterator
-from train.loop import Stage, TrainConfig, _prepare_run_dir, train
+from train.loop import TrainConfig, _prepare_run_dir, train
 from train.metrics import read_metrics
 from train.step import FAST_COMPILE_OPTIONS, make_train_step
 
@@ -135,25 +135,6 @@ def test_run_folder_guards(tmp_path):
     _prepare_run_dir(apply_overrides(config, ["progress=false"]), str(tmp_path), resume=True)
 
 
-# Two layers (KDA with a dense FFN, Gated MLA with MoE): every kind of state, quick to compile.
-SMALL_RUN = [
-    "model.num_layers=2", "model.kda_layers=1", "model.full_attn_layers=2",
-    "data.packing_bins=4", "steps=3", "log_every=1", "checkpoint_every=1", "eval_batches=1",
-    "fast_compile=true", "progress=false", "mesh.data=1",
-]
-# Two stages of 64 tokens per step (as in context extension): checkpoint 1 closes the first, so
-# resuming from it starts the second stage's data.
-STAGES = [(32, 2, 1), (64, 1, 2)]  # (seq_len, batch_size, steps)
-
-
-def small_run(overrides, stages):
-    config = apply_overrides(TrainConfig(), overrides)
-    return config, [
-        Stage(dataclasses.replace(config.data, seq_len=length, batch_size=rows), steps)
-        for length, rows, steps in stages
-    ]
-
-
 # Run in a child process: training that blocks forever while committing checkpoint 2 (its files
 # are written, the folder not yet renamed), after telling the parent through a marker file.
 KILLED_RUN = textwrap.dedent("""
@@ -170,7 +151,7 @@ KILLED_RUN = textwrap.dedent("""
         return await commit(self)
 
     atomicity.AtomicRenameTemporaryPath.finalize = finalize
-    from tests.train.test_checkpoint import small_run
+    from tests.train.small_run import small_run
     from train.loop import train
     config, stages = small_run(json.loads(sys.argv[3]), json.loads(sys.argv[4]))
     train(config, sys.argv[1], stages=stages)

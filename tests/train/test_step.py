@@ -18,6 +18,7 @@ from train.optim import OptimConfig
 from train.step import (FAST_COMPILE_OPTIONS, cross_entropy, gradient_dtypes, make_eval_step,
                         make_train_step)
 
+
 @pytest.fixture(scope="module")
 def adamw():
     graphdef, state = split_state()
@@ -58,7 +59,7 @@ def test_step_updates_parameters_and_balances_the_router(adamw):
     assert int(after.optimizer.step[...]) == 1
 
 
-def test_expert_weights_are_read_from_compute_copies_that_the_update_rewrites(monkeypatch):
+def test_expert_weights_are_read_from_compute_copies_the_update_writes(monkeypatch):
     """With a bf16 MoE, the state keeps its expert weights rounded to bf16; each update rewrites
     them from the new float32 weights, and the forward reads them: two steps give, bit for bit,
     the state of two steps that cast the float32 weights in the forward instead."""
@@ -214,12 +215,15 @@ def test_max_logits_ignore_other_documents_and_padding():
 
 
 def test_sharded_step_matches_one_device(adamw):
-    """Data and FSDP sharding over 4 of the 8 CPU devices compute the same step."""
+    """Data and FSDP sharding over 4 of the 8 CPU devices compute the same step: the whole train
+    state (parameters, the QB router bias, the optimizer's moments and count, the compute
+    copies, the skip counter) and every metric."""
     from core.sharding import batch_sharding, make_mesh, state_shardings
 
     graphdef, initial, step = adamw
     batch = make_batch(3)
     reference, expected = step(fresh(initial), batch)
+    bias_before = nnx.merge(graphdef, initial).model.moe.router_bias[...]
 
     mesh = make_mesh(data=2, fsdp=2, devices=jax.devices()[:4])
     shardings = state_shardings(initial, mesh)
@@ -232,9 +236,18 @@ def test_sharded_step_matches_one_device(adamw):
     embedding = nnx.merge(graphdef, state).model.embed.embedding[...]
     assert embedding.sharding.spec[1] == "fsdp"  # ("vocab", "embed") -> embed over fsdp
     np.testing.assert_allclose(float(metrics["loss"]), float(expected["loss"]), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(params_of(graphdef, state)),
-                    jax.tree.leaves(params_of(graphdef, reference)), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+    assert sorted(metrics) == sorted(expected)
+    for name in expected:
+        np.testing.assert_allclose(np.asarray(metrics[name]), np.asarray(expected[name]),
+                                   rtol=2e-4, atol=2e-6, err_msg=f"metric {name}")
+    sharded_leaves, sharded_tree = jax.tree_util.tree_flatten_with_path(state)
+    reference_leaves, reference_tree = jax.tree_util.tree_flatten_with_path(reference)
+    assert sharded_tree == reference_tree
+    for (path, a), (_, b) in zip(sharded_leaves, reference_leaves, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6,
+                                   err_msg=jax.tree_util.keystr(path))
+    bias_after = nnx.merge(graphdef, state).model.moe.router_bias[...]
+    assert np.abs(np.asarray(bias_after - bias_before)).max() > 0  # the sharded step moved it
 
 
 def kernel_copy(x):
@@ -307,7 +320,7 @@ def test_moe_expert_weight_gradients_from_the_hopper_kernels_are_narrowed(hopper
     policy (as the trainer runs each layer) the gradients come out of a checkpoint's body."""
     from models.lm import REMAT
     from moe.experts import StableLatentMoE
-    from moe.kernels.mosaic_gpu.ragged_matmul import simulated_hopper
+    from moe.kernels.mosaic_gpu.simulation import simulated_hopper
 
     layer = StableLatentMoE(256, KERNEL_SIZED_MOE, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     graph, params, rest = nnx.split(layer, nnx.Param, ...)
@@ -336,7 +349,7 @@ def test_the_hybrid_step_passes_expert_gradients_to_the_update_in_bf16(hopper_gr
     hid the kernels from the analysis.)"""
     from models.config import preset
     from models.lm import HybridLM
-    from moe.kernels.mosaic_gpu.ragged_matmul import simulated_hopper
+    from moe.kernels.mosaic_gpu.simulation import simulated_hopper
     from train.optim import make_optimizer
     from train.step import TrainState
 

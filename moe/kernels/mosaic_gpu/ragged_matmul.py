@@ -1,51 +1,35 @@
 """Row-ragged grouped GEMM for Hopper (Pallas Mosaic GPU): out[rows of g] = lhs[rows of g] @ rhs[g].
 
-One persistent program an SM walks (row block, column block) tiles of the output. A program has
-three warpgroups: a producer that only issues TMA loads (`plgpu.emit_pipeline_warp_specialized`)
-and two consumers that each own half the tile's rows (by default 64 rows by 256 columns: the
-m64n256k16 wgmma and a 128-register float32 accumulator a thread). The consumers share each
-stage's lhs and rhs tiles; while one waits for its wgmma the other's runs, so a stage is released
-as soon as its wgmma is done. Consecutive tiles of a program form a pipeline of pipelines
-(`overlap_tiles`): the producer loads the next tile's first stages while the consumers finish the
-current tile and store it, instead of waiting for the whole tile to be consumed.
+lhs [M, K] (rows sorted by group), rhs [G, K, N], bf16 or f16, float32 accumulation, out [M, N]
+in lhs.dtype; rows at or past sum(group_sizes) are left unwritten (as JAX's `ragged_dot_mgpu`).
+One persistent program an SM walks (row block, column block) tiles of the output with three
+warpgroups: a producer that only issues TMA loads (`plgpu.emit_pipeline_warp_specialized`) and
+two consumers that each own half the tile's rows (by default 64 x 256: the m64n256k16 wgmma, a
+128-register float32 accumulator a thread). The consumers share each stage's lhs and rhs tiles;
+while one waits for its wgmma the other's runs, so a stage is released as soon as its wgmma is
+done. Consecutive tiles form a pipeline of pipelines (`overlap_tiles`): the producer loads the
+next tile's first stages while the consumers finish and store the current one.
 
-Ragged rows. Work item w of the row dimension is one (group, row block) pair: a row block that
-straddles a group boundary is computed once for each of its groups, each computation storing only
-its own rows. The table of work items (group, first row, end row; `work_table`) is a few small XLA
-ops over `group_sizes` ahead of the kernel, so the kernel reads three scalars a tile instead of
-scanning all groups, and its tile loop covers exactly the valid tiles (no program computes a tile
-that nothing stores, such as blocks past sum(group_sizes)).
+Ragged rows: work item w is one (group, row block) pair; a row block straddling a group boundary
+is computed once for each of its groups, each storing only its own rows. The work table (group,
+first row, end row; `work_table`) is a few small XLA ops ahead of the kernel, so a tile reads
+three scalars instead of scanning all groups and the tile loop covers exactly the valid tiles.
 
-Epilogue. A consumer's rows wholly inside the group (nearly all tiles at real sizes) leave through
-a swizzled SMEM tile and one TMA store per epilogue chunk, double-buffered. Rows cut by a group
-boundary leave through a plain (unswizzled) SMEM tile and a ladder of power-of-two-row TMA stores
-(TMA boxes have static sizes; a swizzled tile can only be sliced at multiples of 8 rows).
+Epilogue: a consumer's rows wholly inside the group leave through a swizzled SMEM tile and one
+TMA store per epilogue chunk, double-buffered; rows cut by a group boundary leave through a plain
+SMEM tile and a ladder of power-of-two-row TMA stores (TMA boxes have static sizes; a swizzled
+tile can only be sliced at multiples of 8 rows).
 
-GLU variants (the expert MLP's activation in the epilogues, `moe.dispatch.expert_mlp`):
-`ragged_matmul_glu` computes a tile of output columns j from the gate columns j and the up columns
-N + j of rhs (two accumulators a consumer) and stores gate, up and activation(gate, up);
+GLU variants (the expert MLP's activation in the epilogues, `moe.dispatch.fused_expert_mlp`):
+`ragged_matmul_glu` computes output columns j from the gate columns j and the up columns N + j
+of rhs (two accumulators a consumer) and stores gate, up and activation(gate, up);
 `ragged_matmul_glu_grad` loads the saved gate and up tiles while its pipeline runs and stores the
-activation's VJP (`jax.vjp`'s, float32) applied to the product instead of the product.
-
-Weight gradient. `transposed_ragged_matmul` (out[g] = lhs[rows of g]^T @ out_grad[rows of g],
-[G, K, N]; JAX's bundled `transposed_ragged_dot_mgpu` computes the same) is the same design with
-the rows as the contraction: a program walks (group, K block, N block) output tiles, each
-consumer owning 64 rows of K, and a tile's pipeline walks the row steps that hold rows of its
-group (a dynamic number of them). A step that straddles a group boundary is loaded whole; each
-consumer zeroes the other groups' rows in its 64 columns of the lhs tile and in half the
-out_grad tile (which both read: a barrier) before the wgmmas, so rows past the total left
-unwritten (NaN, say) contribute nothing either. Tiles do not overlap as a pipeline of pipelines
-(Pallas allows that only for a static step count), but the producer loads a tile's first stages
-while the consumers store the previous tile.
-
-Rows at or past sum(group_sizes) are left unwritten, as JAX's bundled `ragged_dot_mgpu` leaves
-them. Testing: `interpreted_on_cpu` runs the kernel in Mosaic GPU interpret mode; under
-`simulated_hopper`, lowering for "cuda" runs Mosaic GPU's compile-time checks without a GPU.
+activation's VJP (`jax.vjp`'s, float32) applied to the product. Tiles: `.tiling`; the weight
+gradient: `.transposed_ragged_matmul` (both in `moe.kernels.mosaic_gpu`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -57,117 +41,25 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-COMPUTE_WARPGROUPS = 2  # consumers; the producer warpgroup is one more
-_PRODUCER_REGISTERS = 40  # the producer only issues TMA; the consumers share the rest
-_WGMMA_ROWS = 64
-_SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
-_TMA_ALIGNMENT = 128  # bytes: a TMA copy's SMEM address, hence the cut-slab rows
-_HOPPER_SMS = 132  # H100 / H200 SXM, used when no device or abstract mesh says otherwise
+from moe.kernels.mosaic_gpu.common import (
+    column_chunks,
+    group_bounds,
+    no_op_body,
+    persistent_kernel,
+    store_slab,
+    swizzled,
+)
+from moe.kernels.mosaic_gpu.tiling import (
+    COMPUTE_WARPGROUPS,
+    DEFAULT_CONFIG,
+    GLU_CONFIG,
+    PRODUCER_REGISTERS,
+    SUPPORTED_DTYPES,
+    TMA_ALIGNMENT,
+    RaggedMatmulConfig,
+)
 
 Activation = Callable[[jax.Array, jax.Array], jax.Array]
-
-
-def _check_epilogue_and_stages(config) -> None:
-    """The checks both kernels' configs share: epilogue tiles that divide tile_n, and at least
-    two pipeline stages."""
-    if config.tile_n % config.epilogue_tile_n or config.epilogue_tile_n % 8:
-        raise ValueError(
-            f"epilogue_tile_n must be a multiple of 8 dividing tile_n={config.tile_n}, "
-            f"got {config.epilogue_tile_n}."
-        )
-    if config.max_concurrent_steps < 2:
-        raise ValueError(
-            "max_concurrent_steps must be at least 2 (loads overlap the math), "
-            f"got {config.max_concurrent_steps}."
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class RaggedMatmulConfig:
-    """Tile settings of `ragged_matmul`.
-
-    tile_m: output rows a program computes at a time, split between the two consumer warpgroups
-        (tile_m / 2 each, a multiple of 64).
-    tile_n: output columns a program computes at a time (each consumer takes all of them).
-    tile_k: contraction width of one pipeline stage (64 bf16 = one 128-byte swizzle row).
-    max_concurrent_steps: pipeline stages in flight (SMEM buffers per operand).
-    epilogue_tile_n: columns of each swizzled SMEM tile the epilogue stores whole slabs through
-        (slabs cut by a group boundary go through a plain tile of 128-byte rows).
-    grid_tile_width: column blocks visited before the next row block (a band of this many column
-        blocks sweeps the row blocks, so a group's rhs band stays in L2 while its rows stream).
-    overlap_tiles: whether the producer starts loading a program's next tile while the current
-        one finishes (a pipeline of pipelines); needs max_concurrent_steps to divide K / tile_k.
-    """
-
-    tile_m: int = 128
-    tile_n: int = 256
-    tile_k: int = 64
-    max_concurrent_steps: int = 4
-    epilogue_tile_n: int = 32
-    grid_tile_width: int = 8
-    overlap_tiles: bool = True
-
-    def __post_init__(self):
-        if self.tile_m % (COMPUTE_WARPGROUPS * _WGMMA_ROWS):
-            raise ValueError(
-                f"tile_m must be a multiple of {COMPUTE_WARPGROUPS * _WGMMA_ROWS} (two warpgroups "
-                f"of whole 64-row wgmma tiles), got {self.tile_m}."
-            )
-        if not 64 <= self.tile_n <= 256 or self.tile_n % 64:
-            raise ValueError(
-                f"tile_n must be a multiple of 64 (128-byte rows for the cut-slab stores) up to "
-                f"256 (wgmma), got {self.tile_n}."
-            )
-        if self.tile_k % 64:
-            raise ValueError(
-                f"tile_k must be a multiple of 64 (128-byte swizzle), got {self.tile_k}."
-            )
-        _check_epilogue_and_stages(self)
-        if self.grid_tile_width < 1:
-            raise ValueError(f"grid_tile_width must be positive, got {self.grid_tile_width}.")
-
-
-# Shared memory of the default: 4 stages of 128x64 + 64x256 bf16 (192 KiB), the double-buffered
-# 32-column epilogue tiles (16 KiB) and the cut-slab tiles (16 KiB): 224 of the 227 KiB a program
-# may use on an H100/H200, so a 64-column epilogue needs fewer stages or a narrower tile.
-DEFAULT_CONFIG = RaggedMatmulConfig()
-# Alternatives for a sweep (each lowers for Hopper at the benchmark shapes: see the tests).
-SWEEP_CONFIGS = {
-    "128x256 k64 s4 e32": DEFAULT_CONFIG,
-    "128x256 k64 s4 e32 no-overlap": RaggedMatmulConfig(overlap_tiles=False),
-    "128x256 k128 s2 e32": RaggedMatmulConfig(tile_k=128, max_concurrent_steps=2),
-    "128x128 k64 s4 e64": RaggedMatmulConfig(tile_n=128, epilogue_tile_n=64),
-}
-
-
-# The GLU variants: tile_n = 128 output columns, i.e. 128 gate and 128 up columns of rhs, so the
-# two accumulators a consumer holds are the default's one 64x256 (128 registers a thread), and a
-# stage's rhs tiles the default's one (224 KiB of SMEM as the default). "glu_grad" holds one
-# 64x128 accumulator but adds each consumer's gate and up tiles (64 KiB): 224 KiB too.
-GLU_CONFIG = RaggedMatmulConfig(tile_n=128, epilogue_tile_n=32)
-
-
-def config_for(contraction: int, columns: int) -> RaggedMatmulConfig:
-    """The tiles for a product of contraction width K and output width N: the default (fastest
-    at K, N in {1024, 2048} on the H200, `benchmarks/grouped_matmul_h200.md`) where they divide,
-    else 128-column tiles (N % 256 != 0) and no tile overlap (K / 64 steps not a multiple of 4).
-    K must be a multiple of 64 and N of 128."""
-    config = DEFAULT_CONFIG
-    if columns % config.tile_n:
-        config = SWEEP_CONFIGS["128x128 k64 s4 e64"]
-    return _without_overlap_unless_it_fits(config, contraction)
-
-
-def glu_config_for(contraction: int) -> RaggedMatmulConfig:
-    """The tiles of the GLU variants at contraction width K (a multiple of 64): GLU_CONFIG,
-    without tile overlap where K / 64 steps are not a multiple of its 4 stages."""
-    return _without_overlap_unless_it_fits(GLU_CONFIG, contraction)
-
-
-def _without_overlap_unless_it_fits(config, contraction):
-    if (contraction // config.tile_k) % config.max_concurrent_steps:
-        return dataclasses.replace(config, overlap_tiles=False)
-    return config
 
 
 def ragged_matmul(
@@ -280,6 +172,8 @@ def ragged_matmul_glu_grad(
     return grad.reshape(num_rows, 2, columns)
 
 
+
+
 # Jitted, like every kernel launch here and in `kda.kernels` (`lowered_once` there): identical
 # launches in one program share one traced and lowered kernel instead of lowering one each.
 @functools.partial(jax.jit, static_argnames=("epilogue", "out_type", "transpose_rhs", "config"))
@@ -296,50 +190,13 @@ def _launch(epilogue, lhs, rhs, group_sizes, extra_inputs, out_type, transpose_r
         contraction=contraction,
         epilogue=epilogue,
     )
-    kernel = plgpu.kernel(
-        body,
-        out_type=out_type,
-        grid=(min(_num_sms(), max_tiles),),
-        grid_names=("sm",),
-        num_threads=COMPUTE_WARPGROUPS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup
-        ),
-    )
+    kernel = persistent_kernel(body, out_type, max_tiles)
     return kernel(table, work_count, lhs, rhs, *extra_inputs)
 
 
 def _columns(rhs, transpose_rhs: bool) -> int:
     return rhs.shape[1] if transpose_rhs else rhs.shape[2]
 
-
-def simulated_hopper(num_sms: int = _HOPPER_SMS) -> contextlib.AbstractContextManager:
-    """An abstract H100-class device to build the kernel for where there is none (CPU).
-
-    Inside it, `jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))` runs Mosaic GPU's
-    lowering checks (layouts, wgmma, TMA, shared memory) without a GPU.
-    """
-    return jax.sharding.use_abstract_mesh(
-        jax.sharding.AbstractMesh(
-            (),
-            (),
-            abstract_device=jax.sharding.AbstractDevice(
-                device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=num_sms
-            ),
-        )
-    )
-
-
-@contextlib.contextmanager
-def interpreted_on_cpu(num_sms: int = _HOPPER_SMS, detect_races: bool = False):
-    """Runs the Mosaic GPU kernels called inside in interpret mode on a simulated Hopper (CPU).
-
-    num_sms: the simulated SMs, hence programs; a few make each program walk several tiles.
-    """
-    interpret = plgpu.InterpretGPUParams(detect_races=detect_races)
-    with simulated_hopper(num_sms), plgpu.force_gpu_interpret_mode(interpret):
-        yield
 
 
 def work_table(
@@ -380,11 +237,6 @@ def work_table(
     return table, items_end[-1:]
 
 
-def group_bounds(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
-    """The first and end (exclusive) row of each group, both [G] int32, clipped to num_rows."""
-    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), num_rows)
-    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]]), ends
-
 
 def _checked_shape(lhs, rhs, group_sizes, transpose_rhs, config):
     """(M, K, N) of a call, or a ValueError naming what does not fit."""
@@ -408,7 +260,7 @@ def _checked_shape(lhs, rhs, group_sizes, transpose_rhs, config):
             f"group_sizes must be integers of shape [G={num_groups}], got {group_sizes.dtype} "
             f"{group_sizes.shape}."
         )
-    if lhs.dtype not in _SUPPORTED_DTYPES or rhs.dtype != lhs.dtype:
+    if lhs.dtype not in SUPPORTED_DTYPES or rhs.dtype != lhs.dtype:
         raise ValueError(
             f"lhs and rhs must both be bfloat16 or both float16, got {lhs.dtype} and "
             f"{rhs.dtype}; cast them first."
@@ -429,25 +281,6 @@ def _checked_shape(lhs, rhs, group_sizes, transpose_rhs, config):
         raise ValueError(f"lhs needs a row and rhs a group, got {lhs.shape} and {rhs.shape}.")
     return num_rows, contraction, columns
 
-
-def _num_sms() -> int:
-    """SMs of the device the kernel is built for (an abstract mesh's, for interpret mode)."""
-    abstract_device = jax.sharding.get_abstract_mesh().abstract_device
-    if abstract_device is not None:
-        return abstract_device.num_cores
-    device = jax.devices()[0]
-    return getattr(device, "core_count", None) or _HOPPER_SMS
-
-
-def _ignore(*_, **__):
-    """A pipeline body for building a pipeline only to ask for its allocations."""
-
-
-def _swizzled(columns: int, dtype) -> tuple[plgpu.Transform, ...]:
-    """SMEM transforms of a tile whose rows are `columns` elements: the widest swizzle that fits."""
-    swizzle = plgpu.find_swizzle(columns * jnp.dtype(dtype).itemsize * 8)
-    swizzle_elements = swizzle // jnp.dtype(dtype).itemsize
-    return plgpu.TilingTransform((8, swizzle_elements)), plgpu.SwizzleTransform(swizzle)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -491,7 +324,7 @@ def _kernel_body(
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
     rows_per_consumer = tile_m // COMPUTE_WARPGROUPS
     column_blocks = columns // tile_n
-    operand_transforms = _swizzled(tile_k, dtype)
+    operand_transforms = swizzled(tile_k, dtype)
 
     def pipeline(row_block, column_block, body, compute_context, pipeline_state=None):
         # The "glu" kind's second rhs tile is the up columns, column_blocks tiles further.
@@ -512,7 +345,7 @@ def _kernel_body(
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(contraction // tile_k,),
-            memory_registers=_PRODUCER_REGISTERS,
+            memory_registers=PRODUCER_REGISTERS,
             in_specs=[lhs_spec, *rhs_specs],
             wg_axis="wg",
             num_compute_wgs=COMPUTE_WARPGROUPS,
@@ -540,15 +373,16 @@ def _kernel_body(
         return (lhs_gmem, *[rhs_gmem.at[group]] * epilogue.accumulators)
 
     epilogue_n = config.epilogue_tile_n
+    allocations = pipeline(0, 0, no_op_body, no_op_body).get_allocations(*pipeline_operands(0))
     scratch = dict(
-        pipeline_allocs=pipeline(0, 0, _ignore, _ignore).get_allocations(*pipeline_operands(0)),
+        pipeline_allocs=allocations,
         swizzled_smem=plgpu.SMEM(
             (COMPUTE_WARPGROUPS, 2, rows_per_consumer, epilogue_n),
             dtype,
-            transforms=_swizzled(epilogue_n, dtype),
+            transforms=swizzled(epilogue_n, dtype),
         ),
         plain_smem=plgpu.SMEM(
-            (COMPUTE_WARPGROUPS, rows_per_consumer, _TMA_ALIGNMENT // jnp.dtype(dtype).itemsize),
+            (COMPUTE_WARPGROUPS, rows_per_consumer, TMA_ALIGNMENT // jnp.dtype(dtype).itemsize),
             dtype,
         ),
     )
@@ -557,7 +391,7 @@ def _kernel_body(
         scratch["residual_smem"] = plgpu.SMEM(
             (COMPUTE_WARPGROUPS, 2, rows_per_consumer, tile_n),
             dtype,
-            transforms=_swizzled(tile_n, dtype),
+            transforms=swizzled(tile_n, dtype),
         )
         scratch["residual_barriers"] = plgpu.Barrier(
             num_arrivals=1, num_barriers=2 * COMPUTE_WARPGROUPS
@@ -762,12 +596,12 @@ def _store_consumer_rows(prepare, destinations, swizzled_smem, plain_smem, *, fi
 
     @pl.when((start == 0) & (end == rows))
     def _whole_slab():
-        _store_slab(prepare(), destinations, swizzled_smem, first_row)
+        store_slab(prepare(), destinations, swizzled_smem, first_row)
 
     @pl.when((start < end) & ((start > 0) | (end < rows)))
     def _cut_slab():
         values = prepare()
-        for chunk in _chunks(columns, plain_smem.shape[-1]):
+        for chunk in column_chunks(columns, plain_smem.shape[-1]):
             for value, destination in zip(values(chunk), destinations):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 plain_smem[...] = value
@@ -775,26 +609,6 @@ def _store_consumer_rows(prepare, destinations, swizzled_smem, plain_smem, *, fi
                 _store_row_range(plain_smem, destination.at[:, chunk], first_row, start,
                                  end - start)
 
-
-def _store_slab(values, destinations, swizzled_smem, first_row):
-    """Stores a consumer's whole slab: values(chunk) -> [R, len(chunk)] values, one for each of
-    `destinations` [M, C], to rows first_row + [0, R), a chunk at a time through swizzled_smem
-    [2, R, E] (double-buffered: a chunk is written while the previous one's store runs)."""
-    rows = swizzled_smem.shape[1]
-    slot = 0
-    for chunk in _chunks(destinations[0].shape[1], swizzled_smem.shape[-1]):
-        for value, destination in zip(values(chunk), destinations):
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store that last read slot
-            swizzled_smem[slot] = value
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                swizzled_smem.at[slot], destination.at[pl.ds(first_row, rows), chunk]
-            )
-            slot = 1 - slot
-
-
-def _chunks(columns: int, width: int) -> list[slice]:
-    return [slice(start, start + width) for start in range(0, columns, width)]
 
 
 def _store_row_range(src_smem, dst_gmem, first_row, start, count):
@@ -815,254 +629,3 @@ def _store_row_range(src_smem, dst_gmem, first_row, start, count):
         start = start + (count & size)
         size //= 2
 
-
-# The weight gradient: out[g] = lhs[rows of g]^T @ out_grad[rows of g], a reduction over each
-# group's rows (the grouped GEMM above is ragged in its output rows, this one in its contraction).
-
-
-@dataclasses.dataclass(frozen=True)
-class TransposedRaggedMatmulConfig:
-    """Tile settings of `transposed_ragged_matmul`.
-
-    An output tile is TRANSPOSED_TILE_K rows of K (64 a consumer: one wgmma's rows) by tile_n
-    columns of N; each pipeline stage loads tile_rows rows of lhs and out_grad.
-
-    tile_n: output columns a program computes at a time (each consumer takes all of them; each
-        zeroes half of them in a step's out_grad tile, so 128 or 256: whole 64-column swizzle
-        rows a half).
-    tile_rows: rows of the reduction a pipeline stage loads (a multiple of 64).
-    max_concurrent_steps: pipeline stages in flight (SMEM buffers per operand).
-    epilogue_tile_n: columns of each swizzled SMEM tile the output is stored through.
-    """
-
-    tile_n: int = 256
-    tile_rows: int = 64
-    max_concurrent_steps: int = 4
-    epilogue_tile_n: int = 32
-
-    def __post_init__(self):
-        if self.tile_n not in (128, 256):
-            raise ValueError(
-                f"tile_n must be 128 or 256 (wgmma width; halves of whole 64-column swizzle "
-                f"rows), got {self.tile_n}."
-            )
-        if self.tile_rows % 64 or self.tile_rows <= 0:
-            raise ValueError(
-                f"tile_rows must be a positive multiple of 64 (128-byte swizzle), got "
-                f"{self.tile_rows}."
-            )
-        _check_epilogue_and_stages(self)
-
-
-TRANSPOSED_TILE_K = COMPUTE_WARPGROUPS * _WGMMA_ROWS  # output rows of K a tile has
-# Shared memory of the default: 4 stages of 64x128 lhs + 64x256 out_grad bf16 (192 KiB) and the
-# double-buffered 32-column epilogue tiles (16 KiB).
-TRANSPOSED_DEFAULT_CONFIG = TransposedRaggedMatmulConfig()
-# Alternatives for a sweep (each lowers for Hopper at the benchmark shapes: see the tests).
-TRANSPOSED_SWEEP_CONFIGS = {
-    "128x256 r64 s4 e32": TRANSPOSED_DEFAULT_CONFIG,
-    "128x256 r128 s2 e32": TransposedRaggedMatmulConfig(tile_rows=128, max_concurrent_steps=2),
-    "128x128 r64 s6 e64": TransposedRaggedMatmulConfig(
-        tile_n=128, max_concurrent_steps=6, epilogue_tile_n=64
-    ),
-}
-
-
-def transposed_config_for(columns: int) -> TransposedRaggedMatmulConfig:
-    """The tiles for an output width N (a multiple of 128): the default where its 256 columns
-    divide N, else its 128-column alternative."""
-    if columns % TRANSPOSED_DEFAULT_CONFIG.tile_n:
-        return TRANSPOSED_SWEEP_CONFIGS["128x128 r64 s6 e64"]
-    return TRANSPOSED_DEFAULT_CONFIG
-
-
-@functools.partial(jax.jit, static_argnames=("config",))
-def transposed_ragged_matmul(
-    lhs: jax.Array,
-    out_grad: jax.Array,
-    group_sizes: jax.Array,
-    *,
-    config: TransposedRaggedMatmulConfig = TRANSPOSED_DEFAULT_CONFIG,
-) -> jax.Array:
-    """Each group's rows of lhs, transposed, times its rows of out_grad, on a Hopper GPU: the
-    weight gradient of `ragged_matmul`.
-
-    Args:
-        lhs: [R, K] bf16 or f16, rows sorted by group.
-        out_grad: [R, N] in lhs.dtype, rows as lhs's.
-        group_sizes: [G] integer rows per group, summing to at most R.
-        config: tile settings; K must be a multiple of TRANSPOSED_TILE_K and N of tile_n.
-
-    Returns:
-        [G, K, N] in lhs.dtype (as JAX's bundled `transposed_ragged_dot`): out[g] =
-        lhs[rows of g]^T @ out_grad[rows of g], accumulated in float32; zeros for empty groups.
-        Rows at or past sum(group_sizes) contribute nothing, even unwritten ones holding NaN.
-    """
-    num_rows, contraction, columns = _checked_transposed_shape(lhs, out_grad, group_sizes, config)
-    num_groups = group_sizes.shape[0]
-    bounds = jnp.stack(group_bounds(group_sizes, num_rows))
-    num_tiles = num_groups * (contraction // TRANSPOSED_TILE_K) * (columns // config.tile_n)
-    kernel = plgpu.kernel(
-        functools.partial(_transposed_kernel_body, config=config),
-        out_type=jax.ShapeDtypeStruct((num_groups, contraction, columns), lhs.dtype),
-        grid=(min(_num_sms(), num_tiles),),
-        grid_names=("sm",),
-        num_threads=COMPUTE_WARPGROUPS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup
-        ),
-    )
-    return kernel(bounds, lhs, out_grad)
-
-
-def _checked_transposed_shape(lhs, out_grad, group_sizes, config):
-    """(R, K, N) of a call, or a ValueError naming what does not fit."""
-    if lhs.ndim != 2 or out_grad.ndim != 2 or lhs.shape[0] != out_grad.shape[0]:
-        raise ValueError(
-            f"transposed_ragged_matmul needs lhs [R, K] and out_grad [R, N] with the same rows, "
-            f"got lhs {lhs.shape} and out_grad {out_grad.shape}."
-        )
-    (num_rows, contraction), columns = lhs.shape, out_grad.shape[1]
-    if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise ValueError(
-            f"group_sizes must be integers of shape [G], got {group_sizes.dtype} "
-            f"{group_sizes.shape}."
-        )
-    if lhs.dtype not in _SUPPORTED_DTYPES or out_grad.dtype != lhs.dtype:
-        raise ValueError(
-            f"lhs and out_grad must both be bfloat16 or both float16, got {lhs.dtype} and "
-            f"{out_grad.dtype}; cast them first."
-        )
-    if contraction % TRANSPOSED_TILE_K or columns % config.tile_n:
-        raise ValueError(
-            f"K={contraction} must be a multiple of {TRANSPOSED_TILE_K} and N={columns} of "
-            f"tile_n={config.tile_n}; choose a config whose tile_n divides N."
-        )
-    if num_rows == 0 or group_sizes.shape[0] == 0:
-        raise ValueError(
-            f"lhs needs a row and group_sizes a group, got {lhs.shape} and {group_sizes.shape}."
-        )
-    return num_rows, contraction, columns
-
-
-def _transposed_kernel_body(bounds_gmem, lhs_gmem, out_grad_gmem, out_gmem, *, config):
-    """One persistent program over (group, K block, N block) output tiles.
-
-    bounds_gmem: [2, G] int32 first and end row of each group (clipped to R); lhs_gmem: [R, K];
-    out_grad_gmem: [R, N]; out_gmem: [G, K, N]. A tile's pipeline walks the tile_rows-row steps
-    that hold rows of its group (aligned to tile_rows, so a dynamic number of them); in a step
-    that also holds rows of other groups (or past the total), each consumer zeroes those rows of
-    its own 64 columns of the lhs tile and of half the out_grad tile before the wgmmas read them
-    (both tiles: a non-finite value in either would survive a product with a zero).
-    """
-    dtype = lhs_gmem.dtype
-    num_groups, contraction, columns = out_gmem.shape
-    tile_n, tile_rows = config.tile_n, config.tile_rows
-    k_blocks, n_blocks = contraction // TRANSPOSED_TILE_K, columns // tile_n
-
-    def pipeline(first_step, steps, k_block, n_block, body, compute_context):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(steps,),
-            memory_registers=_PRODUCER_REGISTERS,
-            in_specs=[
-                plgpu.BlockSpec(
-                    (tile_rows, TRANSPOSED_TILE_K),
-                    lambda step: (first_step + step, k_block),
-                    transforms=_swizzled(TRANSPOSED_TILE_K, dtype),
-                ),
-                plgpu.BlockSpec(
-                    (tile_rows, tile_n),
-                    lambda step: (first_step + step, n_block),
-                    transforms=_swizzled(tile_n, dtype),
-                ),
-            ],
-            wg_axis="wg",
-            num_compute_wgs=COMPUTE_WARPGROUPS,
-            max_concurrent_steps=config.max_concurrent_steps,
-            compute_context=compute_context,
-        )
-
-    # A static grid of max_concurrent_steps steps allocates every stage a dynamic one uses.
-    allocations = pipeline(0, config.max_concurrent_steps, 0, 0, _ignore, _ignore).get_allocations(
-        lhs_gmem, out_grad_gmem
-    )
-    scratch = dict(
-        pipeline_allocs=allocations,
-        swizzled_smem=plgpu.SMEM(
-            (COMPUTE_WARPGROUPS, 2, _WGMMA_ROWS, config.epilogue_tile_n),
-            dtype,
-            transforms=_swizzled(config.epilogue_tile_n, dtype),
-        ),
-        # Both consumers have zeroed their halves of a step's tiles (other groups' rows).
-        zeroed_barrier=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
-    )
-
-    @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-    def _scope(pipeline_allocs, swizzled_smem, zeroed_barrier):
-        consumer = lax.axis_index("wg")
-
-        @plgpu.nd_loop((num_groups * k_blocks * n_blocks,), collective_axes="sm")
-        def _tile_loop(loop_info: plgpu.NDLoopInfo):
-            # Group-major: the tiles running at once share a group's rows, read through L2.
-            tile = loop_info.index[0]
-            group = lax.div(tile, jnp.int32(k_blocks * n_blocks))
-            k_block = lax.div(lax.rem(tile, jnp.int32(k_blocks * n_blocks)), jnp.int32(n_blocks))
-            n_block = lax.rem(tile, jnp.int32(n_blocks))
-            start, end = bounds_gmem[0, group], bounds_gmem[1, group]
-            first_step = lax.div(start, jnp.int32(tile_rows))
-            steps = jnp.where(end > start, pl.cdiv(end, tile_rows) - first_step, 0)
-
-            def zero_other_rows(tile_smem, first_row):
-                rows = first_row + plgpu.layout_cast(
-                    lax.broadcasted_iota(jnp.int32, tile_smem.shape, 0), plgpu.Layout.WGMMA
-                )
-                own_rows = (rows >= start) & (rows < end)
-                tile_smem[...] = jnp.where(own_rows, tile_smem[...], 0).astype(dtype)
-
-            def multiply(indices, lhs_smem, out_grad_smem, acc_ref):
-                first_row = (first_step + indices[0]) * tile_rows
-                # The consumer's 64 columns of the lhs tile, which only it reads, and its half of
-                # the out_grad tile, which both read (hence the barrier). Slices of whole
-                # 64-column swizzle rows.
-                own_lhs = lhs_smem.at[:, pl.ds(consumer * _WGMMA_ROWS, _WGMMA_ROWS)]
-                half = tile_n // COMPUTE_WARPGROUPS
-                own_out_grad = out_grad_smem.at[:, pl.ds(consumer * half, half)]
-
-                @pl.when((first_row < start) | (first_row + tile_rows > end))
-                def _zero_other_rows():
-                    zero_other_rows(own_lhs, first_row)
-                    zero_other_rows(own_out_grad, first_row)
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(zeroed_barrier)
-                    plgpu.barrier_wait(zeroed_barrier)
-
-                plgpu.wgmma(acc_ref, own_lhs.transpose((1, 0)), out_grad_smem)
-
-                # Released as soon as the wgmma is done; the other consumer's wgmma runs
-                # meanwhile (as `ragged_matmul`'s multiply).
-                plgpu.wgmma_wait(0)
-                return acc_ref
-
-            def consume(run_pipeline):
-                @functools.partial(
-                    pl.run_scoped, acc_ref=plgpu.ACC((_WGMMA_ROWS, tile_n), jnp.float32)
-                )
-                def _accumulate(acc_ref):
-                    run_pipeline(acc_ref)
-                    out = acc_ref[...].astype(dtype)
-                    # The previous tile's stores must have read the SMEM this one overwrites.
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    _store_slab(
-                        lambda chunk: [out[:, chunk]],
-                        [out_gmem.at[group, :, pl.ds(n_block * tile_n, tile_n)]],
-                        swizzled_smem.at[consumer],
-                        k_block * TRANSPOSED_TILE_K + consumer * _WGMMA_ROWS,
-                    )
-
-            pipeline(first_step, steps, k_block, n_block, multiply, consume)(
-                lhs_gmem, out_grad_gmem, allocations=pipeline_allocs
-            )
-
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)

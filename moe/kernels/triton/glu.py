@@ -1,15 +1,15 @@
 """Pallas GPU kernels (Triton backend) for a GLU activation of a fused gate/up product.
 
 The forward reads gate_up [R, 2, M] (gate at index 0, up at 1) once and writes act(gate, up)
-[R, M]; the backward reads gate_up and the output cotangent once and writes d(gate_up) [R, 2, M]. Each program owns a block
-of rows and columns and recomputes the activation's intermediates (tanh, sigmoid, ...) in float32
-registers, so nothing but the operands and results ever crosses memory.
+[R, M]; the backward reads gate_up and the output cotangent once and writes d(gate_up)
+[R, 2, M]. Each program owns a block of rows and columns and recomputes the activation's
+intermediates (tanh, sigmoid, ...) in float32 registers, so nothing but the operands and results
+ever crosses memory.
 
-Why not XLA: for the routed experts of the MoE benchmark layer (131072 rows, M = 1024), XLA's
-backward is one fusion that writes two float32 [R, M] intermediates (1 GiB) and a second one that
-reads them back and assembles d(gate) and d(up) (XLA will not duplicate the transcendentals into
-the second fusion): 0.87 ms on an H200 (`python -m experiments.bench_moe --gpu --profile`),
-where reading and writing the bf16 operands and results once (1.3 GB) takes about 0.27 ms.
+Why not XLA: XLA's backward is one fusion that writes two float32 [R, M] intermediates and a
+second one that reads them back and assembles d(gate) and d(up) (XLA will not duplicate the
+transcendentals into the second fusion), several times the memory traffic of reading and writing
+the bf16 operands and results once (`benchmarks/moe_notes.md`).
 
 Pallas' Triton backend is deprecated as of jax 0.11 (in favour of Mosaic GPU); it is kept here
 because the project pins jax 0.11.2 and an elementwise kernel needs nothing Mosaic-specific.

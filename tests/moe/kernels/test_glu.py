@@ -1,5 +1,5 @@
-"""moe.kernels.triton.glu: the Pallas GLU kernels (interpret mode on CPU, Triton lowering for CUDA, and
-on GPU through fused_glu) equal the XLA activation and its gradient."""
+"""`moe.kernels.triton.glu`: the Pallas GLU kernels (interpret mode on CPU, Triton lowering for
+CUDA, and on GPU through fused_glu) equal the XLA activation and its gradient."""
 
 import functools
 

@@ -1,15 +1,16 @@
-"""The GLU fused into the grouped GEMMs' epilogues: `moe.kernels.mosaic_gpu.ragged_matmul.ragged_matmul_glu`
-(forward) and `ragged_matmul_glu_grad` (the activation's VJP after GMM2's input gradient), and the
-custom-VJP expert MLP built on them (`moe.dispatch.fused_expert_mlp`).
+"""The GLU fused into the grouped GEMMs' epilogues: `ragged_matmul_glu` (forward) and
+`ragged_matmul_glu_grad` (the activation's VJP after GMM2's input gradient) of
+`moe.kernels.mosaic_gpu.ragged_matmul`, and the custom-VJP expert MLP built on them
+(`moe.dispatch.fused_expert_mlp`).
 
 On CPU the kernels run in Mosaic GPU interpret mode with race detection (see
-`test_moe_ragged_matmul_mgpu.py`). Operands are small integers (times 1/16 for the weights, so the
-activation sees values of order 1): every float32 sum is exact, so the products' bf16 roundings
-equal XLA's `ragged_dot` bit for bit and any difference comes from the activation alone. Its
-float32 math may round differently from XLA's fused CPU code by an ulp of float32, which can move
-the bf16 result by one bf16 ulp (2^-8 relative): that is the tolerance. Rows past
-sum(group_sizes) must stay unwritten (interpret mode fills fresh buffers with NaN). Both variants
-are also lowered for Hopper at the MoE layer's real shapes.
+`tests/moe/kernels/test_ragged_matmul.py`). Operands are small integers (times 1/16 for the
+weights, so the activation sees values of order 1): every float32 sum is exact, so the products'
+bf16 roundings equal XLA's `ragged_dot` bit for bit and any difference comes from the activation
+alone. Its float32 math may round differently from XLA's fused CPU code by an ulp of float32,
+which can move the bf16 result by one bf16 ulp (2^-8 relative): that is the tolerance. Rows past
+sum(group_sizes) must stay unwritten (interpret mode fills fresh buffers with NaN). Both
+variants are also lowered for Hopper at the MoE layer's real shapes.
 """
 
 import jax
@@ -22,17 +23,13 @@ from flax import nnx
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
 
 from experiments import bench_grouped_matmul
+from experiments.harness import relative_error
 from moe import dispatch, experts
 from moe.activations import GLUActivation
 from moe.config import MoEConfig
-from moe.kernels.mosaic_gpu.ragged_matmul import (
-    GLU_CONFIG,
-    RaggedMatmulConfig,
-    interpreted_on_cpu,
-    ragged_matmul_glu,
-    ragged_matmul_glu_grad,
-    simulated_hopper,
-)
+from moe.kernels.mosaic_gpu.ragged_matmul import ragged_matmul_glu, ragged_matmul_glu_grad
+from moe.kernels.mosaic_gpu.simulation import interpreted_on_cpu, simulated_hopper
+from moe.kernels.mosaic_gpu.tiling import GLU_CONFIG, RaggedMatmulConfig
 
 BF16_ULP = 2.0**-8  # relative spacing of bf16 values: one rounding step
 
@@ -144,11 +141,6 @@ def test_bad_glu_calls_raise_value_errors():
                                jnp.zeros((64, 256), jnp.bfloat16), activation)
 
 
-def relative_error(out, expected):
-    out, expected = np.asarray(out, np.float32), np.asarray(expected, np.float32)
-    return float(np.max(np.abs(out - expected)) / np.max(np.abs(expected)))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["situ", "swiglu"])
 def test_fused_expert_mlp_matches_the_unfused_xla_path_with_gradients(kind):
@@ -189,7 +181,8 @@ def test_fused_expert_mlp_matches_the_unfused_xla_path_with_gradients(kind):
     for name, out, ref in zip(["y", "d_x", "d_w_in", "d_w_out"], ours, expected):
         if name in ("y", "d_x"):
             out, ref = out[:covered], ref[:covered]
-        assert relative_error(out, ref) <= 2.0**-7, (name, relative_error(out, ref))
+        error = relative_error(out, ref, norm="max")
+        assert error <= 2.0**-7, (name, error)
 
 
 def test_expert_mlp_fuses_only_where_the_kernels_run():
@@ -264,4 +257,4 @@ def test_fused_expert_mlp_on_gpu_matches_the_unfused_kernels(kind):
         return [np.asarray(a.astype(jnp.float32)) for a in (out, *pullback(out_grad))]
 
     for ours, ref in zip(value_and_grads(True), value_and_grads(False)):
-        assert relative_error(ours, ref) <= bench_grouped_matmul.AGREEMENT_TOLERANCE
+        assert relative_error(ours, ref, norm="max") <= bench_grouped_matmul.AGREEMENT_TOLERANCE
