@@ -4,7 +4,8 @@ and MQAR accuracy at every stage boundary.
 
     python -m experiments.context_extension                    # CPU: 256 -> 1K -> 4K bytes
     python -m experiments.context_extension --set lengths=8192,65536,262144,1048576 \\
-        --set tokens_per_step=8388608 --set stage_steps=4000,1000,300,100 --set train.model=...
+        --set tokens_per_step=8388608 --set stage_steps=4000,1000,300,100 --set train.model=... \\
+        --set corpus=stdlib,repositories,repositories,repositories
 
 K3 extends its context 8K -> 64K -> 256K -> 1M; the CPU default is that recipe scaled down.
 Each stage keeps batch_size x seq_len = tokens_per_step, raises the share of corpus chunks drawn
@@ -22,6 +23,8 @@ import sys
 
 from models.config import preset
 from train.cli import config_dict, make_parser, resolve_config
+from train.corpus import EmbeddedCorpus
+from train.data import make_train_dataset
 from train.loop import Stage, TrainConfig, Trainer, train
 from train.optim import OptimConfig
 from train.synthetic import MQAR, NeedleInHaystack
@@ -39,6 +42,8 @@ class ContextExtensionConfig:
     tokens_per_step: batch_size x seq_len of every stage (a multiple of each length).
     stage_steps: optimizer steps of each stage.
     long_document_bias, mqar_weight, needle_weight: each stage's data mix (see DataConfig).
+    corpus: each stage's embedded corpus (DataConfig.corpus), or empty for train.data.corpus in
+        every stage. Rows past 256K need "repositories": the stdlib has no document that long.
     mqar: the MQAR task trained on and evaluated.
     needle_depths: needle positions evaluated (fractions of the haystack before the needle).
     eval_examples: held-out examples per task, length and depth.
@@ -55,13 +60,14 @@ class ContextExtensionConfig:
     long_document_bias: tuple[float, ...] = (0.0, 0.5, 0.7)
     mqar_weight: tuple[float, ...] = (0.05, 0.15, 0.25)
     needle_weight: tuple[float, ...] = (0.05, 0.15, 0.25)
+    corpus: tuple[EmbeddedCorpus, ...] = ()
     mqar: MQAR = dataclasses.field(default_factory=lambda: MQAR(num_kv_pairs=8))
     needle_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
     eval_examples: int = 16
 
     def __post_init__(self):
         per_stage = ("stage_steps", "long_document_bias", "mqar_weight", "needle_weight")
-        for name in per_stage:
+        for name in per_stage + (("corpus",) if self.corpus else ()):
             if len(getattr(self, name)) != len(self.lengths):
                 raise ValueError(
                     f"ContextExtensionConfig.{name} has {len(getattr(self, name))} entries for "
@@ -80,18 +86,19 @@ class ContextExtensionConfig:
 
     def stages(self) -> tuple[Stage, ...]:
         base = self.train.data
+        corpora = self.corpus or (base.corpus,) * len(self.lengths)
         return tuple(
             Stage(
                 dataclasses.replace(
                     base, seq_len=length, batch_size=self.tokens_per_step // length,
                     long_document_bias=bias, mqar_weight=mqar, needle_weight=needle,
-                    mqar=self.mqar,
+                    mqar=self.mqar, corpus=corpus,
                 ),
                 steps,
             )
-            for length, steps, bias, mqar, needle in zip(
+            for length, steps, bias, mqar, needle, corpus in zip(
                 self.lengths, self.stage_steps, self.long_document_bias, self.mqar_weight,
-                self.needle_weight,
+                self.needle_weight, corpora,
             )
         )
 
@@ -149,6 +156,10 @@ def main(argv=None) -> dict:
               f"{stage.data.seq_len}; long documents {stage.data.long_document_bias:.0%}, "
               f"MQAR {stage.data.mqar_weight:g}, needle {stage.data.needle_weight:g}")
     try:
+        # Building every stage's pipeline now refuses a long stage without long enough
+        # documents before the earlier stages have trained for hours.
+        for stage in stages:
+            make_train_dataset(stage.data)
         result = train(
             config.train_config(), out, resume=args.resume, stages=stages,
             after_stage=lambda index, stage, trainer: recall_accuracy(config, trainer),

@@ -1,10 +1,15 @@
-"""Document corpora held in memory as one byte buffer: the embedded default corpus and user files.
+"""Document corpora held in memory as one byte buffer: the embedded corpora and user files.
 
 The default corpus needs no download: it is every `.py` file of the running interpreter's standard
 library (UTF-8 text only, `site-packages` excluded) plus each `pydoc_data` help topic as its own
 document. That is real code and English documentation, about 32 MB and 1,800 documents on
-CPython 3.12. User data is plain-text files (one document per file) or JSONL files (one document
-per line, in its `text` field).
+CPython 3.12. The "repositories" corpus is the long-context one, also from what is installed: one
+document per top-level package tree of the standard library and of site-packages (numpy, jax,
+email, asyncio, ...), its source and documentation files (`SOURCE_SUFFIXES`, UTF-8 text only)
+concatenated in sorted path order, each after a `# file: json/decoder.py` header line. Its
+documents run from a few KB to tens of MB, so one document can fill a row of 1,048,576 tokens.
+User data is plain-text files (one document per file) or JSONL files (one document per line, in
+its `text` field).
 
 Documents are split into train and validation by a hash of their name, so the split is the same on
 every run and machine and never cuts a document in two. Each corpus carries a sha256 over its
@@ -20,7 +25,9 @@ import os
 import pathlib
 import platform
 import sysconfig
+import typing
 from collections.abc import Sequence
+from typing import Literal
 from pydoc_data import topics
 
 import numpy as np
@@ -29,6 +36,17 @@ from train.tokenizer import NUM_BYTES
 
 SPLITS = ("train", "validation")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
+EmbeddedCorpus = Literal["stdlib", "repositories"]
+EMBEDDED_CORPORA = typing.get_args(EmbeddedCorpus)
+# What a package tree's author wrote: code, stubs, C sources, docs and configuration. Data tables
+# (.csv, .dat, .json), fonts and binaries are left out.
+SOURCE_SUFFIXES = (
+    ".py", ".pyi", ".pyx", ".pxd", ".pxi", ".c", ".h", ".cc", ".cpp", ".hpp", ".cu", ".cuh",
+    ".txt", ".md", ".rst", ".toml", ".cfg", ".ini", ".yaml", ".yml",
+)
+# Top-level directories that hold install metadata, bundled libraries or byte code, not a package.
+_NOT_PACKAGE_SUFFIXES = (".dist-info", ".egg-info", ".libs", ".data")
+_NOT_PACKAGES = ("__pycache__", "site-packages")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -147,6 +165,110 @@ def stdlib_corpus() -> Corpus:
     return build_corpus(f"stdlib-{platform.python_version()}", documents)
 
 
+def installed_roots() -> tuple[tuple[str, str], ...]:
+    """(label, directory) of the interpreter's standard library and its site-packages."""
+    paths = sysconfig.get_paths()
+    roots = [("stdlib", paths["stdlib"]), ("site-packages", paths["purelib"])]
+    if os.path.realpath(paths["platlib"]) != os.path.realpath(paths["purelib"]):
+        roots.append(("site-packages-platlib", paths["platlib"]))
+    return tuple(roots)
+
+
+def package_trees(root: str) -> list[str]:
+    """Sorted names of the top-level directories of `root` that can hold a package.
+
+    Single-module files (os.py, six.py) are not trees and are left out; so are metadata and
+    bundled-library directories (`_NOT_PACKAGE_SUFFIXES`) and a nested site-packages.
+    """
+    return sorted(
+        entry.name
+        for entry in os.scandir(root)
+        if entry.is_dir()
+        and entry.name not in _NOT_PACKAGES
+        and not entry.name.endswith(_NOT_PACKAGE_SUFFIXES)
+    )
+
+
+def package_files(root: str, package: str) -> list[str]:
+    """Sorted paths (relative to `root`, with "/") of the source files under root/package."""
+    files = []
+    for directory, _, names in os.walk(os.path.join(root, package)):
+        relative = pathlib.Path(directory).relative_to(root)
+        files += [(relative / name).as_posix() for name in names if name.endswith(SOURCE_SUFFIXES)]
+    return sorted(files)
+
+
+def repository_document(root: str, package: str) -> bytes:
+    """One package tree as one document: each text file after a "# file: <path>" header line.
+
+    Files come in sorted path order and end with a newline (one is added where missing), so the
+    next header starts a line. Files that are not UTF-8 text (`_is_text`) are skipped.
+    """
+    parts = []
+    for relative in package_files(root, package):
+        content = pathlib.Path(root, relative).read_bytes()
+        if not _is_text(content):
+            continue
+        parts.append(f"# file: {relative}\n".encode())
+        parts.append(content if content.endswith(b"\n") or not content else content + b"\n")
+    return b"".join(parts)
+
+
+def _versions_fingerprint(roots: Sequence[tuple[str, str]]) -> str:
+    """12 hex digits over the sorted `name-version.dist-info` directory names of the roots."""
+    installed = sorted(
+        f"{label}/{entry.name}"
+        for label, root in roots
+        for entry in os.scandir(root)
+        if entry.name.endswith((".dist-info", ".egg-info"))
+    )
+    return hashlib.sha256("\n".join(installed).encode()).hexdigest()[:12]
+
+
+def build_repository_corpus(roots: Sequence[tuple[str, str]]) -> Corpus:
+    """The repository corpus of (label, directory) roots: document "<label>/<package>" per tree.
+
+    Named "repositories-<python version>-<fingerprint of the installed distributions' names and
+    versions>"; its sha256 (over names and bytes) is the same on every machine with the same
+    installation. Raises ValueError for a root that is not a directory or a repeated label.
+    """
+    labels = [label for label, _ in roots]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"roots must have distinct labels, got {labels}")
+    for label, root in roots:
+        if not os.path.isdir(root):
+            raise ValueError(f"root {label!r} is {root!r}, which is not a directory; pass one")
+    documents = [
+        (f"{label}/{package}", repository_document(root, package))
+        for label, root in roots
+        for package in package_trees(root)
+    ]
+    name = f"repositories-{platform.python_version()}-{_versions_fingerprint(roots)}"
+    return build_corpus(name, documents)
+
+
+@functools.cache
+def repository_corpus() -> Corpus:
+    """The repository corpus of this installation (`installed_roots`), built on first use.
+
+    Cached: the first call reads every source file of the standard library and site-packages
+    (over 100 MB of text on a machine-learning install), later calls return the same object.
+    """
+    return build_repository_corpus(installed_roots())
+
+
+def longest_documents(corpus: Corpus, count: int = 10) -> tuple[tuple[str, int], ...]:
+    """The `count` longest documents as (name, bytes), longest first, ties by name.
+
+    A row of seq_len tokens is one document's chunk (BOS, then bytes) when the document has at
+    least seq_len - 1 bytes; ask `longest_documents(corpus, 1)[0][1] >= seq_len - 1`.
+    """
+    if count < 1:
+        raise ValueError(f"count must be at least 1, got {count}")
+    order = sorted(range(corpus.num_documents), key=lambda i: (-corpus.lengths[i], i))
+    return tuple((corpus.doc_names[i], int(corpus.lengths[i])) for i in order[:count])
+
+
 def _check_data_file(path: str) -> None:
     fix = "pass an existing plain-text file or a JSONL file with a 'text' field on each line"
     if not os.path.isfile(path):
@@ -216,9 +338,14 @@ def load_text_files(paths: Sequence[str]) -> Corpus:
     return _load_files(keys)
 
 
-def load_corpus(paths: Sequence[str] = ()) -> Corpus:
-    """The user's files when `paths` is non-empty, else the embedded standard-library corpus."""
-    return load_text_files(paths) if paths else stdlib_corpus()
+def load_corpus(paths: Sequence[str] = (), embedded: EmbeddedCorpus = "stdlib") -> Corpus:
+    """The user's files when `paths` is non-empty, else the embedded corpus named `embedded`
+    (one of `EMBEDDED_CORPORA`)."""
+    if embedded not in EMBEDDED_CORPORA:
+        raise ValueError(f"embedded corpus must be one of {EMBEDDED_CORPORA}, got {embedded!r}")
+    if paths:
+        return load_text_files(paths)
+    return stdlib_corpus() if embedded == "stdlib" else repository_corpus()
 
 
 def _validation_draw(doc_name: str) -> float:

@@ -26,7 +26,7 @@ import grain
 import grain.experimental
 import numpy as np
 
-from train.corpus import Corpus, load_corpus, split_corpus
+from train.corpus import EMBEDDED_CORPORA, Corpus, EmbeddedCorpus, load_corpus, split_corpus
 from train.packing import finalize_batch, pack_rows, single_segment_row
 from train.synthetic import MQAR, MultiHop, NeedleInHaystack, Task, task_dataset
 from train.tokenizer import BOS_ID
@@ -45,7 +45,10 @@ class DataConfig:
 
     seq_len, batch_size: every batch is [batch_size, seq_len].
     seed: drives the chunk order, the packing order and the synthetic examples.
-    paths: plain-text or `.jsonl` files to train on instead of the embedded stdlib corpus.
+    corpus: the embedded corpus when `paths` is empty: "stdlib" (one document per module) or
+        "repositories" (one document per installed package tree, up to tens of MB: for rows of
+        64K to 1M tokens); see `train.corpus`.
+    paths: plain-text or `.jsonl` files to train on instead of the embedded corpus.
     val_fraction: share of documents (chosen by a hash of their name) held out for validation.
     long_document_bias: share of corpus chunks drawn only from chunks that fill a whole row
         (documents longer than seq_len); 0 samples all chunks alike, 1 only long-document ones.
@@ -59,6 +62,7 @@ class DataConfig:
     seq_len: int = 256
     batch_size: int = 16
     seed: int = 0
+    corpus: EmbeddedCorpus = "stdlib"
     paths: tuple[str, ...] = ()
     val_fraction: float = 0.02
     long_document_bias: float = 0.0
@@ -83,6 +87,15 @@ class DataConfig:
                 f"{self.paths!r}; write paths=({self.paths!r},)"
             )
         object.__setattr__(self, "paths", tuple(self.paths))
+        if self.corpus not in EMBEDDED_CORPORA:
+            raise ValueError(
+                f"DataConfig.corpus must be one of {EMBEDDED_CORPORA}, got {self.corpus!r}"
+            )
+        if self.paths and self.corpus != "stdlib":
+            raise ValueError(
+                f"DataConfig.paths={self.paths} replace the embedded corpus, so "
+                f"corpus={self.corpus!r} would be ignored; give paths or corpus, not both"
+            )
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"DataConfig.val_fraction must lie in (0, 1), got {self.val_fraction}")
         if not 0.0 <= self.long_document_bias <= 1.0:
@@ -168,7 +181,8 @@ def _endless_corpus(cfg: DataConfig, corpus: Corpus) -> grain.MapDataset:
             raise ValueError(
                 f"long_document_bias={cfg.long_document_bias} but no document of "
                 f"{corpus.name!r} is longer than seq_len={cfg.seq_len} bytes; lower "
-                "long_document_bias or seq_len, or add longer documents"
+                "long_document_bias or seq_len, or add longer documents (corpus='repositories' "
+                "has documents of up to tens of MB)"
             )
         seed = _derived_seed(cfg.seed, f"corpus-{name}")
         shuffled = grain.MapDataset.source(chunk_ids).shuffle(seed).repeat()
@@ -191,7 +205,7 @@ def make_train_dataset(cfg: DataConfig) -> grain.IterDataset:
         if weight == 0.0:
             continue
         if name == "corpus":
-            corpus = split_corpus(load_corpus(cfg.paths), "train", cfg.val_fraction)
+            corpus = split_corpus(load_corpus(cfg.paths, cfg.corpus), "train", cfg.val_fraction)
             sources.append(_endless_corpus(cfg, corpus))
         else:
             seed = _derived_seed(cfg.seed, name)
@@ -224,7 +238,7 @@ def make_eval_dataset(cfg: DataConfig, *, max_batches: int | None = None) -> gra
     """
     if max_batches is not None and max_batches < 1:
         raise ValueError(f"max_batches must be at least 1 or None, got {max_batches}")
-    corpus = split_corpus(load_corpus(cfg.paths), "validation", cfg.val_fraction)
+    corpus = split_corpus(load_corpus(cfg.paths, cfg.corpus), "validation", cfg.val_fraction)
     num_chunks = chunk_table(corpus, cfg.seq_len)[0].size
     order = grain.MapDataset.range(num_chunks).shuffle(_EVAL_ORDER_SEED)
     chunks = order.map(chunk_examples(corpus, cfg.seq_len))
@@ -270,7 +284,7 @@ def bits_per_byte(nll_nats: float, num_targets: float) -> float:
 def data_manifest(cfg: DataConfig) -> dict:
     """What a run trained on, for its record: corpus name and hash, split sizes, and the
     validation split's order-0 entropy (the bits per byte a context-free model would get)."""
-    corpus = load_corpus(cfg.paths)
+    corpus = load_corpus(cfg.paths, cfg.corpus)
     train = split_corpus(corpus, "train", cfg.val_fraction)
     validation = split_corpus(corpus, "validation", cfg.val_fraction)
     return {

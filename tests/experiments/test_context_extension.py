@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from experiments import context_extension
 from experiments.context_extension import ContextExtensionConfig, main, table
 
 
@@ -64,3 +65,25 @@ def test_a_tiny_curriculum_runs_end_to_end(tmp_path, capsys):
         assert len(f.read().splitlines()) == 2 + 2 * 2
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["1", "2"]
     assert "recall at every stage boundary" in capsys.readouterr().out
+
+
+def test_stages_take_their_corpus_and_a_long_stage_without_long_documents_fails_first(
+        tmp_path, capsys, monkeypatch):
+    short = dict(lengths=(64, 1 << 20), tokens_per_step=1 << 20, stage_steps=(1, 1),
+                 long_document_bias=(0.0, 0.5), mqar_weight=(0, 0), needle_weight=(0, 0))
+    stages = ContextExtensionConfig(**short, corpus=("stdlib", "repositories")).stages()
+    assert [stage.data.corpus for stage in stages] == ["stdlib", "repositories"]
+    assert {s.data.corpus for s in ContextExtensionConfig(**short).stages()} == {"stdlib"}
+    with pytest.raises(ValueError, match="corpus has 1 entries for 2 stages"):
+        ContextExtensionConfig(**short, corpus=("repositories",))
+    # The stdlib has no document of a million bytes: refused before stage 1 trains.
+    settings = {key: ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+                for key, value in short.items()}
+    def train_first(*args, **kwargs):
+        raise AssertionError("stage 1 would train before the long stage is checked")
+
+    monkeypatch.setattr(context_extension, "train", train_first)
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "run"),
+              *[f"--set={key}={value}" for key, value in settings.items()]])
+    assert "no document of 'stdlib-" in capsys.readouterr().err
