@@ -14,6 +14,7 @@ recomputes of each layer, scanned or not.
     model = HybridLM(preset("tiny"), rngs=nnx.Rngs(0))
     logits = model(tokens, segment_ids)                      # [B, T, vocab] float32
     logits, router_stats = model.forward(tokens, segment_ids) # stats for the MoE balancer
+    hidden, router_stats = model.forward(tokens, segment_ids, return_hidden=True)  # head input
     moe.experts.update_router_biases([layer for layer, _ in model.moe_sites()], router_stats)
 
 Generation continues sequences through `DecodeState` (KDA conv/recurrent state, paged MLA
@@ -309,11 +310,19 @@ def _lm_head_logits_fwd(x, kernel):
 
 def _lm_head_logits_bwd(saved, d_logits):
     x, kernel = saved
+    d_x, d_kernel = lm_head_backward(x, kernel, d_logits)
+    return d_x, d_kernel.astype(kernel.dtype)
+
+
+def lm_head_backward(x: jax.Array, kernel: jax.Array, d_logits: jax.Array):
+    """The backward of `lm_head_logits`: d_logits [..., V] rounded to x's dtype, times kernel
+    [D, V] (in x's dtype) and x [..., D]. Returns d x [..., D] in x's dtype and d kernel [D, V]
+    float32 (for a caller that sums it over token chunks, `train.step.chunked_lm_head_nll`)."""
     d_logits = d_logits.astype(x.dtype)
     d_x = jnp.einsum("...v,dv->...d", d_logits, kernel.astype(x.dtype),
                      preferred_element_type=jnp.float32)
     d_kernel = jnp.einsum("...d,...v->dv", x, d_logits, preferred_element_type=jnp.float32)
-    return d_x.astype(x.dtype), d_kernel.astype(kernel.dtype)
+    return d_x.astype(x.dtype), d_kernel
 
 
 lm_head_logits.defvjp(_lm_head_logits_fwd, _lm_head_logits_bwd)
@@ -361,11 +370,18 @@ class HybridLM(nnx.Module):
         """tokens: [B, T] int32; segment_ids: [B, T] packed-document ids -> [B, T, V] float32."""
         return self.forward(tokens, segment_ids)[0]
 
-    def forward(self, tokens, segment_ids=None) -> tuple[jax.Array, tuple[RouterStats, ...]]:
+    def forward(
+        self, tokens, segment_ids=None, *, return_hidden: bool = False
+    ) -> tuple[jax.Array, tuple[RouterStats, ...]]:
         """Logits [B, T, V] float32 and the RouterStats of every MoE layer, in `moe_sites` order
-        (stacked on a leading axis for scanned groups)."""
-        logits, stats, _ = self._run(tokens, segment_ids, None)
-        return logits, stats
+        (stacked on a leading axis for scanned groups).
+
+        return_hidden: return the LM head's input [B, T, D] (the final norm's output, in the
+        compute dtype) instead of the logits, for a loss that applies `lm_head` itself
+        (`train.step.chunked_lm_head_nll`).
+        """
+        outputs, stats, _ = self._run(tokens, segment_ids, None, return_hidden=return_hidden)
+        return outputs, stats
 
     def extend(self, tokens: jax.Array, state: DecodeState) -> tuple[jax.Array, DecodeState]:
         """Appends tokens [B, T] to the sequences of `state` (a prompt, or one decoded token).
@@ -394,7 +410,7 @@ class HybridLM(nnx.Module):
             lengths=jnp.zeros((batch_size,), jnp.int32),
         )
 
-    def _run(self, tokens, segment_ids, state: DecodeState | None):
+    def _run(self, tokens, segment_ids, state: DecodeState | None, *, return_hidden=False):
         cfg = self.cfg
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T] int, got shape {tokens.shape}")
@@ -421,13 +437,14 @@ class HybridLM(nnx.Module):
             with profile_scope("attn_res"):
                 stream = dataclasses.replace(stream, live=self.final_read(stream))
         with profile_scope("lm_head"):
-            logits = self.lm_head(self.final_norm(stream.live))
+            hidden = self.final_norm(stream.live)
+            outputs = hidden if return_hidden else self.lm_head(hidden)
         new_state = None
         if state is not None:
             new_state = DecodeState(
                 tuple(all_caches), state.block_tables, state.lengths + tokens.shape[1]
             )
-        return logits, tuple(all_stats), new_state
+        return outputs, tuple(all_stats), new_state
 
     def moe_sites(self) -> list[tuple[StableLatentMoE, bool]]:
         """Every MoE module with whether it is stacked, in the order `forward` returns stats."""

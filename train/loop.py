@@ -47,6 +47,7 @@ from train.optim import OptimConfig, learning_rate_schedule, make_optimizer
 from train.step import (
     FAST_COMPILE_OPTIONS,
     TrainState,
+    check_chunk_tokens,
     make_eval_step,
     make_train_step,
     stacked_axes,
@@ -56,8 +57,9 @@ from train.tokenizer import VOCAB_SIZE
 
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = "checkpoints"
-# Fields that may differ between a run and its resumption (they do not change what is computed).
-RUNTIME_FIELDS = ("progress", "fast_compile")
+# Fields that may differ between a run and its resumption (they change how the step runs, not
+# what it computes beyond float32 rounding).
+RUNTIME_FIELDS = ("progress", "fast_compile", "loss_chunk_tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +99,9 @@ class TrainConfig:
         are kept.
     fast_compile: compile the steps with XLA's cheapest optimisation (about half the compile
         time, about twice the step time on CPU): for smoke runs and tests.
+    loss_chunk_tokens: run the LM head and the loss in chunks of this many positions, never
+        holding the [batch, seq_len, vocab] logits (`train.step.chunked_lm_head_nll`); None: the
+        full logits. The same loss and gradients up to float32 rounding.
     progress: show the progress bar.
     """
 
@@ -112,6 +117,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
     fast_compile: bool = False
+    loss_chunk_tokens: int | None = None
     progress: bool = True
 
     def __post_init__(self):
@@ -121,6 +127,9 @@ class TrainConfig:
             if getattr(self, name) < low:
                 raise ValueError(f"TrainConfig.{name} must be at least {low}, got "
                                  f"{getattr(self, name)}")
+        if self.loss_chunk_tokens is not None:
+            check_chunk_tokens(self.loss_chunk_tokens,
+                               "TrainConfig.loss_chunk_tokens (or None: the full logits)")
         if self.model.vocab_size < VOCAB_SIZE:
             raise ValueError(
                 f"TrainConfig.model.vocab_size={self.model.vocab_size} cannot hold the byte "
@@ -181,12 +190,15 @@ class Trainer:
     @functools.cached_property
     def train_step(self):
         tau = self.config.optim.qk_clip_tau if self.config.optim.qk_clip else None
-        return make_train_step(self.graphdef, qk_clip_tau=tau, state_shardings=self.shardings,
+        return make_train_step(self.graphdef, qk_clip_tau=tau,
+                               loss_chunk_tokens=self.config.loss_chunk_tokens,
+                               state_shardings=self.shardings,
                                compiler_options=self.compiler_options)
 
     @functools.cached_property
     def eval_step(self):
-        return make_eval_step(self.graphdef, compiler_options=self.compiler_options)
+        return make_eval_step(self.graphdef, loss_chunk_tokens=self.config.loss_chunk_tokens,
+                              compiler_options=self.compiler_options)
 
     def step(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """One training step on a host batch; returns its metrics (device arrays)."""

@@ -27,13 +27,14 @@ def mla_layers(model: nnx.Module) -> list[tuple[Path, GatedMLA]]:
             if isinstance(module, GatedMLA)]
 
 
-def capture_forward(model: nnx.Module, tokens: jax.Array, segment_ids: jax.Array):
-    """`model.forward(tokens, segment_ids)` that also returns the projections QK-Clip reads.
+def capture_forward(model: nnx.Module, tokens: jax.Array, segment_ids: jax.Array, **options):
+    """`model.forward(tokens, segment_ids, **options)` that also returns the projections QK-Clip
+    reads.
 
     Returns (forward's output, {MLA path: (q, kv_up output, kv_down output)}).
     Raises ValueError if an MLA layer's projections were not captured (a scanned layer).
     """
-    forward = nnx.capture(lambda m, t, s: m.forward(t, s), nnx.Intermediate,
+    forward = nnx.capture(lambda m, t, s: m.forward(t, s, **options), nnx.Intermediate,
                           method_outputs=nnx.Intermediate)
     output, intermediates = forward(model, tokens, segment_ids)
     recorded = dict(nnx.to_flat_state(intermediates))

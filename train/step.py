@@ -11,7 +11,9 @@ in-place updates). One step:
 
 1. forward and backward in the model's compute dtype against float32 master weights (the MoE
    expert weights read from their compute copies, `TrainState`); loss = mean next-byte
-   cross-entropy over `loss_mask` plus the MoE auxiliary loss (zero under QB);
+   cross-entropy over `loss_mask` plus the MoE auxiliary loss (zero under QB); with
+   `loss_chunk_tokens`, the LM head and the cross-entropy run chunk by chunk under one custom
+   VJP (`chunked_lm_head_nll`), so neither the [B, T, vocab] logits nor their gradient exist;
 2. the optimizer update (clipping inside the optax chain, with the gradient norm the finite
    check computed: `train.optim.clip_by_global_norm`), which also rewrites the compute copies;
 3. the MoE router-bias update (Quantile Balancing) from the step's router statistics, outside the
@@ -28,9 +30,12 @@ Each of these parts runs under its named scope of `models.lm.PROFILE_SCOPES` (`l
 `finite_check`, `optimizer`, `router_bias`, `qk_clip`), so a profile can sum time per part.
 
 The model is any `nnx.Module` with `forward(tokens, segment_ids) -> (logits, router_stats)` and
-`moe_sites()` (as `models.lm.HybridLM`).
+`moe_sites()` (as `models.lm.HybridLM`); `loss_chunk_tokens` also needs `forward(...,
+return_hidden=True) -> (LM head input, router_stats)` and an `models.lm.LMHead` as `lm_head`
+(its products then run under the `loss` scope).
 """
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -39,7 +44,8 @@ import optax
 from flax import nnx
 from jax.extend import core as jax_core
 
-from models.lm import KERNEL_PRIMITIVES, aux_loss, profile_scope
+from models.lm import (KERNEL_PRIMITIVES, LMHead, aux_loss, lm_head_backward, lm_head_logits,
+                       profile_scope)
 from moe.experts import StableLatentMoE, update_router_biases
 from moe.routing import max_violation
 from train import qk_clip
@@ -150,7 +156,11 @@ def next_token_nll(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array):
     logits: [B, T, V] float32; targets: [B, T] int; loss_mask: [B, T] float. Returns two float32
     scalars.
     """
-    nll = cross_entropy(logits.astype(jnp.float32), targets)
+    return masked_sum(cross_entropy(logits.astype(jnp.float32), targets), loss_mask)
+
+
+def masked_sum(nll: jax.Array, loss_mask: jax.Array):
+    """(sum of nll [B, T] over loss_mask [B, T], the mask's sum): two float32 scalars."""
     return jnp.sum(nll * loss_mask), jnp.sum(loss_mask)
 
 
@@ -182,6 +192,103 @@ def _cross_entropy_backward(saved, d_nll):
 
 
 cross_entropy.defvjp(_cross_entropy_forward, _cross_entropy_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def chunked_lm_head_nll(hidden: jax.Array, kernel: jax.Array, targets: jax.Array,
+                        chunk_tokens: int) -> jax.Array:
+    """`cross_entropy(lm_head_logits(hidden, kernel), targets)` without the [B, T, V] logits.
+
+    hidden: [B, T, D] (the LM head's input, in its compute dtype); kernel: [D, V]; targets:
+    [B, T] int; chunk_tokens: positions per chunk along T (the last chunk padded). Returns the
+    per-token NLL [B, T] float32.
+
+    The forward maps over chunks of [B, chunk_tokens] tokens, computing each chunk's float32
+    logits and keeping only their log-normalizer [B, T]; the backward recomputes each chunk's
+    logits and runs the full path's arithmetic on it (`cross_entropy`'s backward, then
+    `lm_head_backward`, which rounds d logits to hidden's dtype), summing d kernel over chunks in
+    float32. The kernel is cast to hidden's dtype once, not per chunk. Memory: O(B *
+    chunk_tokens * V) instead of O(B * T * V), for one more head product (the recomputed
+    logits). With one chunk it is the full path bit for bit; with several, equal to float32
+    rounding (XLA may round other shapes differently; d kernel is summed chunk by chunk).
+    """
+    return _chunked_lm_head_nll_forward(hidden, kernel, targets, chunk_tokens)[0]
+
+
+def chunked_lm_head_eval(hidden: jax.Array, kernel: jax.Array, targets: jax.Array,
+                         chunk_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """Per-token NLL [B, T] float32 and argmax predictions [B, T] int32 of the LM head over
+    hidden [B, T, D], chunk by chunk as `chunked_lm_head_nll` (for evaluation: no gradient)."""
+    kernel = kernel.astype(hidden.dtype)
+
+    def one_chunk(x, chunk_targets):
+        logits = lm_head_logits(x, kernel)
+        return cross_entropy(logits, chunk_targets), jnp.argmax(logits, -1).astype(jnp.int32)
+
+    return _map_chunks(one_chunk, chunk_tokens, hidden, targets)
+
+
+def check_chunk_tokens(chunk_tokens, name: str = "chunk_tokens") -> None:
+    """Raises ValueError naming `name` unless chunk_tokens is a positive int."""
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"{name} must be a positive int, got {chunk_tokens!r}")
+
+
+def _split_chunks(x: jax.Array, chunk_tokens: int) -> jax.Array:
+    """[B, T, ...] -> [ceil(T / chunk_tokens), B, chunk_tokens, ...], the tail zero-padded."""
+    batch, length = x.shape[:2]
+    chunks = -(-length // chunk_tokens)
+    padding = [(0, 0), (0, chunks * chunk_tokens - length)] + [(0, 0)] * (x.ndim - 2)
+    x = jnp.pad(x, padding).reshape(batch, chunks, chunk_tokens, *x.shape[2:])
+    return jnp.swapaxes(x, 0, 1)
+
+
+def _merge_chunks(x: jax.Array, length: int) -> jax.Array:
+    """[chunks, B, chunk_tokens, ...] -> [B, length, ...] (`_split_chunks` undone)."""
+    x = jnp.swapaxes(x, 0, 1)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :length]
+
+
+def _map_chunks(fn, chunk_tokens: int, *arrays: jax.Array):
+    """fn(*chunks of arrays) -> outputs [B, chunk_tokens, ...], one chunk at a time (`lax.map`)
+    over arrays [B, T, ...]; returns the outputs [B, T, ...]."""
+    check_chunk_tokens(chunk_tokens)
+    length = arrays[0].shape[1]
+    chunks = [_split_chunks(a, chunk_tokens) for a in arrays]
+    outputs = jax.lax.map(lambda xs: fn(*xs), chunks)
+    return jax.tree.map(lambda y: _merge_chunks(y, length), outputs)
+
+
+def _chunked_lm_head_nll_forward(hidden, kernel, targets, chunk_tokens):
+    compute_kernel = kernel.astype(hidden.dtype)
+
+    def one_chunk(x, chunk_targets):
+        nll, (_, _, log_normalizer) = _cross_entropy_forward(lm_head_logits(x, compute_kernel),
+                                                             chunk_targets)
+        return nll, log_normalizer
+
+    nll, log_normalizer = _map_chunks(one_chunk, chunk_tokens, hidden, targets)
+    return nll, (hidden, kernel, targets, log_normalizer)
+
+
+def _chunked_lm_head_nll_backward(chunk_tokens, saved, d_nll):
+    hidden, kernel, targets, log_normalizer = saved
+    compute_kernel = kernel.astype(hidden.dtype)
+
+    def one_chunk(d_kernel, chunk):
+        x, chunk_targets, chunk_log_normalizer, chunk_d_nll = chunk
+        logits = lm_head_logits(x, compute_kernel)
+        d_logits, _ = _cross_entropy_backward((logits, chunk_targets, chunk_log_normalizer),
+                                              chunk_d_nll)
+        d_x, d_chunk_kernel = lm_head_backward(x, compute_kernel, d_logits)
+        return d_kernel + d_chunk_kernel, d_x
+
+    chunks = [_split_chunks(a, chunk_tokens) for a in (hidden, targets, log_normalizer, d_nll)]
+    d_kernel, d_hidden = jax.lax.scan(one_chunk, jnp.zeros(kernel.shape, jnp.float32), chunks)
+    return _merge_chunks(d_hidden, hidden.shape[1]), d_kernel.astype(kernel.dtype), None
+
+
+chunked_lm_head_nll.defvjp(_chunked_lm_head_nll_forward, _chunked_lm_head_nll_backward)
 
 
 # Calls whose outputs are their body's outputs (the key of the body among the equation's
@@ -275,16 +382,49 @@ def moe_max_violation(model: nnx.Module, router_stats) -> jax.Array:
     return jnp.concatenate(per_site) if per_site else jnp.zeros((0,), jnp.float32)
 
 
+def _forward_options(model: nnx.Module, loss_chunk_tokens: int | None) -> dict:
+    """The keyword arguments of `model.forward` for the loss: with `loss_chunk_tokens`, ask for
+    the LM head's input (`return_hidden`), which needs a model with an `LMHead` as `lm_head`."""
+    if loss_chunk_tokens is None:
+        return {}
+    check_chunk_tokens(loss_chunk_tokens, "loss_chunk_tokens")
+    if not isinstance(getattr(model, "lm_head", None), LMHead):
+        raise ValueError(
+            f"loss_chunk_tokens={loss_chunk_tokens} needs a model whose `lm_head` is a "
+            f"models.lm.LMHead and whose forward takes return_hidden=True (as HybridLM); "
+            f"{type(model).__name__} has none: set loss_chunk_tokens=None")
+    return dict(return_hidden=True)
+
+
+def _head_operands(model: nnx.Module, hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(hidden [B, T, D] in the LM head's dtype, its kernel [D, V]) for `chunked_lm_head_nll`."""
+    return hidden.astype(model.lm_head.dtype), model.lm_head.kernel[...]
+
+
+def _summed_nll(model: nnx.Module, outputs: jax.Array, batch: Batch,
+                loss_chunk_tokens: int | None):
+    """`next_token_nll` of the model's forward outputs: logits [B, T, V], or with
+    `loss_chunk_tokens` the LM head's input [B, T, D] (`chunked_lm_head_nll`)."""
+    if loss_chunk_tokens is None:
+        return next_token_nll(outputs, batch["targets"], batch["loss_mask"])
+    nll = chunked_lm_head_nll(*_head_operands(model, outputs), batch["targets"],
+                              loss_chunk_tokens)
+    return masked_sum(nll, batch["loss_mask"])
+
+
 def make_train_step(
     graphdef: nnx.GraphDef,
     *,
     qk_clip_tau: float | None = None,
+    loss_chunk_tokens: int | None = None,
     state_shardings=None,
     compiler_options: dict | None = None,
 ) -> Callable[[nnx.State, Batch], tuple[nnx.State, dict[str, jax.Array]]]:
     """The jitted step `(state, batch) -> (new state, metrics)` of a split `TrainState`.
 
     qk_clip_tau: apply QK-Clip at this logit threshold (None: off).
+    loss_chunk_tokens: compute the LM head and the loss in chunks of this many positions
+        (`chunked_lm_head_nll`: no [B, T, vocab] logits); None: the full logits.
     state_shardings: shardings of the state on a mesh (`core.sharding.state_shardings`), kept
         for the returned state; None leaves placement to the compiler.
     compiler_options: XLA options for the compile (e.g. FAST_COMPILE_OPTIONS).
@@ -302,13 +442,14 @@ def make_train_step(
         def loss_fn(params):
             model = nnx.merge(graph, _through_compute_copies(params, copies), rest)
             inputs = (batch["tokens"], batch["segment_ids"])
+            options = _forward_options(model, loss_chunk_tokens)
             if qk_clip_tau is None:
-                output, captured = model.forward(*inputs), {}
+                output, captured = model.forward(*inputs, **options), {}
             else:
-                output, captured = qk_clip.capture_forward(model, *inputs)
-            logits, router_stats = output
+                output, captured = qk_clip.capture_forward(model, *inputs, **options)
+            outputs, router_stats = output
             with profile_scope("loss"):
-                nll, count = next_token_nll(logits, batch["targets"], batch["loss_mask"])
+                nll, count = _summed_nll(model, outputs, batch, loss_chunk_tokens)
                 loss = nll / jnp.maximum(count, 1.0)
                 auxiliary = aux_loss(router_stats)
             aux = (loss, auxiliary, count, jax.lax.stop_gradient((router_stats, captured)))
@@ -368,16 +509,25 @@ def make_train_step(
 
 
 def make_eval_step(
-    graphdef: nnx.GraphDef, *, compiler_options: dict | None = None
+    graphdef: nnx.GraphDef, *, loss_chunk_tokens: int | None = None,
+    compiler_options: dict | None = None,
 ) -> Callable[[nnx.State, Batch], dict[str, jax.Array]]:
     """Jitted `(state, batch) -> {nll, targets, predictions}` of a split `TrainState`, without
     updating anything: summed next-token NLL (nats), the number of targets, and the argmax
-    next-token predictions [B, T] int32 (for task accuracy)."""
+    next-token predictions [B, T] int32 (for task accuracy). loss_chunk_tokens: as
+    `make_train_step`'s (`chunked_lm_head_eval`)."""
 
     def evaluate(state: nnx.State, batch: Batch):
         model = nnx.merge(graphdef, state).model
-        logits, _ = model.forward(batch["tokens"], batch["segment_ids"])
-        nll, count = next_token_nll(logits, batch["targets"], batch["loss_mask"])
-        return dict(nll=nll, targets=count, predictions=jnp.argmax(logits, -1).astype(jnp.int32))
+        outputs, _ = model.forward(batch["tokens"], batch["segment_ids"],
+                                   **_forward_options(model, loss_chunk_tokens))
+        if loss_chunk_tokens is None:
+            nll, count = next_token_nll(outputs, batch["targets"], batch["loss_mask"])
+            predictions = jnp.argmax(outputs, -1).astype(jnp.int32)
+        else:
+            per_token, predictions = chunked_lm_head_eval(*_head_operands(model, outputs),
+                                                          batch["targets"], loss_chunk_tokens)
+            nll, count = masked_sum(per_token, batch["loss_mask"])
+        return dict(nll=nll, targets=count, predictions=predictions)
 
     return jax.jit(evaluate, compiler_options=compiler_options)

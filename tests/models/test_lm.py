@@ -88,6 +88,27 @@ def test_interface_and_causality(tiny):
     assert not np.allclose(logits[:, 7:], changed_logits[:, 7:])
 
 
+@pytest.mark.slow
+def test_return_hidden_gives_the_lm_head_input():
+    """forward(return_hidden=True) returns what the LM head multiplies: the head of it is the
+    logits, bit for bit (the input of `train.step.chunked_lm_head_nll`)."""
+    model = HybridLM(preset("tiny", num_layers=2, kda_layers=(1,), full_attn_layers=(2,)),
+                     rngs=nnx.Rngs(0))
+    tokens = random_tokens(1, (2, 12))
+
+    @jax.jit
+    def logits_and_hidden(model, tokens):
+        (logits, stats), (hidden, hidden_stats) = (model.forward(tokens),
+                                                   model.forward(tokens, return_hidden=True))
+        return logits, stats, hidden, hidden_stats, model.lm_head(hidden)
+
+    logits, stats, hidden, hidden_stats, head_of_hidden = logits_and_hidden(model, tokens)
+    assert hidden.shape == (2, 12, model.cfg.d_model) and hidden.dtype == model.cfg.compute_dtype
+    np.testing.assert_array_equal(head_of_hidden, logits)
+    for got, want in zip(jax.tree.leaves(hidden_stats), jax.tree.leaves(stats)):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_mixed_precision_dtypes():
     model = nnx.eval_shape(lambda: HybridLM(preset("tiny", dtype="bfloat16"), rngs=nnx.Rngs(0)))
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nnx.state(model, nnx.Param)))

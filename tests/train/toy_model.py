@@ -1,8 +1,9 @@
 """A small model with the trainer's interface, for fast training-step tests, and its batches.
 
 embedding -> Gated MLA -> Stable LatentMoE -> LM head, residual; `forward(tokens, segment_ids)`
-returns (logits, router stats) and `moe_sites()` lists the MoE layer, as `models.lm.HybridLM`
-does. Compiles in seconds where the full hybrid takes a minute.
+returns (logits, router stats) (with `return_hidden`, the LM head's input instead of the
+logits), `lm_head` is a `models.lm.LMHead` and `moe_sites()` lists the MoE layer, as
+`models.lm.HybridLM` does. Compiles in seconds where the full hybrid takes a minute.
 """
 
 import jax
@@ -11,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from models.attention import GatedMLA, MLAConfig
+from models.lm import LMHead
 from core.sharding import logical
 from moe.config import MoEConfig
 from moe.experts import StableLatentMoE
@@ -34,16 +36,15 @@ class ToyLM(nnx.Module):
         )
         self.attention = GatedMLA(d_model, MLA, rngs=rngs)
         self.moe = StableLatentMoE(d_model, MOE, dtype=moe_dtype, rngs=rngs)
-        self.head = nnx.Linear(
-            d_model, VOCAB, use_bias=False, rngs=rngs,
-            kernel_init=logical(nnx.initializers.lecun_normal(), ("embed", "vocab")),
-        )
+        self.lm_head = LMHead(d_model, VOCAB, dtype=jnp.float32, param_dtype=jnp.float32,
+                              rngs=rngs)
 
-    def forward(self, tokens, segment_ids=None):
+    def forward(self, tokens, segment_ids=None, *, return_hidden=False):
         x = self.embed(tokens)
         x = x + self.attention(x, segment_ids=segment_ids)
         routed, stats = self.moe(x, segment_ids)
-        return self.head(x + routed.astype(x.dtype)).astype(jnp.float32), (stats,)
+        hidden = x + routed.astype(x.dtype)
+        return (hidden if return_hidden else self.lm_head(hidden)), (stats,)
 
     def __call__(self, tokens, segment_ids=None):
         return self.forward(tokens, segment_ids)[0]
