@@ -1,20 +1,19 @@
-"""Autoregressive generation: prefill the prompt, then decode one token at a time.
+"""Autoregressive generation: prefill the prompt in chunks, then decode one token at a time.
 
 The model continues each sequence from a `DecodeState`: KDA layers carry their convolution tail and
-float32 recurrent state, MLA layers their latents in a paged pool. The host keeps the page
-allocator: before each step it reserves the page the step writes, and a sequence that emits the
-end token has its pages returned to the free list at once (its row keeps computing, writing only
-to the null page, so the batch keeps one shape).
+float32 recurrent state, MLA layers their latents in a paged pool (`models.prefill` builds it from
+the prompt). The host keeps the page allocator: before each step it reserves the page the step
+writes, and a sequence that emits the end token has its pages returned to the free list at once
+(its row keeps computing, writing only to the null page, so the batch keeps one shape).
 
     result = generate(model, prompts, max_new_tokens=32, sampling=Sampling(temperature=0.8,
-                      top_p=0.95), seed=0, end_token=EOS)
+                      top_p=0.95), seed=0, end_token=EOS, prefill_chunk_tokens=4096)
     result.tokens   # [B, max_new_tokens] int32, `pad_token` after each sequence's end
     result.lengths  # [B] tokens generated, the end token included
 """
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,8 @@ import numpy as np
 from flax import nnx
 
 from models.lm import DecodeState, HybridLM
-from models.paged_cache import PageAllocator, pages_needed
+from models.paged_cache import PageAllocator
+from models.prefill import prefill
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +72,13 @@ def sample_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
+_sample_tokens = jax.jit(sample_tokens, static_argnums=2)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(4,))
 def _extend_and_sample(graphdef, sampling: Sampling, variables, tokens, state: DecodeState, key):
-    """One prefill or decode step: the next token [B] of every sequence and the new state.
+    """One decode step: the next token [B] of every sequence and the new state (the old one is
+    donated: the page pool is updated in place).
 
     Compiled once per model structure, sampling rule and token shape, across `generate` calls.
     """
@@ -98,11 +102,13 @@ def generate(
     end_token: int | None = None,
     pad_token: int = 0,
     page_size: int = 16,
+    prefill_chunk_tokens: int | None = None,
 ) -> GenerationResult:
     """Continues each prompt [B, T] (equal lengths) by up to `max_new_tokens` tokens.
 
     A sequence stops after `end_token` (when given) or at the length limit; the loop stops when
-    every sequence has. Sampling is reproducible for a given `seed`.
+    every sequence has. Sampling is reproducible for a given `seed`. The prompt is prefilled
+    `prefill_chunk_tokens` tokens at a time (None: all at once).
     """
     prompts = jnp.asarray(prompts, jnp.int32)
     if prompts.ndim != 2 or prompts.shape[1] < 1:
@@ -110,12 +116,10 @@ def generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     batch, prompt_length = prompts.shape
-    max_pages = math.ceil((prompt_length + max_new_tokens) / page_size)
-    allocator = PageAllocator(
-        pages_needed(batch, prompt_length + max_new_tokens, page_size), page_size, batch, max_pages
-    )
-    state = model.init_decode_state(
-        batch, num_pages=allocator.num_pages, page_size=page_size, max_pages_per_seq=max_pages
+    allocator = PageAllocator.holding(batch, prompt_length + max_new_tokens, page_size)
+    last_logits, state = prefill(
+        model, prompts, allocator=allocator,
+        chunk_tokens=prompt_length if prefill_chunk_tokens is None else prefill_chunk_tokens,
     )
     graphdef, variables = nnx.split(model)
 
@@ -125,10 +129,8 @@ def generate(
     def with_tables(state: DecodeState) -> DecodeState:
         return dataclasses.replace(state, block_tables=jnp.asarray(allocator.block_tables))
 
-    for row in range(batch):
-        allocator.reserve(row, prompt_length)
     keys = jax.random.split(jax.random.key(seed), max_new_tokens)
-    next_tokens, state = step(variables, prompts, with_tables(state), keys[0])
+    next_tokens = _sample_tokens(last_logits, keys[0], sampling)
     generated = np.full((batch, max_new_tokens), pad_token, np.int32)
     lengths = np.zeros((batch,), np.int32)
     active = np.ones((batch,), bool)

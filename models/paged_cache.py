@@ -105,9 +105,24 @@ class PageAllocator:
         self._pages_of = [[] for _ in range(num_sequences)]
         self.block_tables = np.full((num_sequences, max_pages_per_seq), NULL_PAGE, np.int32)
 
+    @classmethod
+    def holding(cls, num_sequences: int, max_length: int, page_size: int) -> "PageAllocator":
+        """An allocator whose pool holds `num_sequences` sequences of up to `max_length` tokens."""
+        return cls(pages_needed(num_sequences, max_length, page_size), page_size, num_sequences,
+                   math.ceil(max_length / page_size))
+
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return self.block_tables.shape[1]
+
+    def missing_pages(self, num_tokens: int) -> int:
+        """Pages still to hand out for every sequence to hold `num_tokens` tokens."""
+        needed = math.ceil(num_tokens / self.page_size)
+        return sum(max(0, needed - len(owned)) for owned in self._pages_of)
 
     def reserve(self, row: int, num_tokens: int) -> None:
         """Allocates pages so that sequence `row` can hold `num_tokens` tokens."""

@@ -1,4 +1,5 @@
-"""Generation: greedy decode == argmax of the full forward, sampling filters, seeds, stopping."""
+"""Generation: greedy decode == argmax of the full forward, the same after a chunked prefill,
+sampling filters, seeds, stopping."""
 
 import dataclasses
 
@@ -39,6 +40,16 @@ def test_greedy_decode_is_argmax_of_full_forward_at_every_step(model):
     argmax = np.asarray(jnp.argmax(forward(model, sequence), axis=-1))
     # Token i was generated after prompt + tokens[:i]: the logits at position T - 1 + i.
     np.testing.assert_array_equal(result.tokens, argmax[:, PROMPTS.shape[1] - 1 : -1])
+
+
+@pytest.mark.slow
+def test_decode_after_chunked_prefill_equals_decode_after_one_shot_prefill(model):
+    prompts = jax.random.randint(jax.random.key(7), (2, 9), 0, VOCAB, jnp.int32)
+    one_shot = generate(model, prompts, max_new_tokens=5, page_size=4)
+    for chunk in (3, 4):  # three full chunks; two and a tail of one
+        chunked = generate(model, prompts, max_new_tokens=5, page_size=4,
+                           prefill_chunk_tokens=chunk)
+        np.testing.assert_array_equal(chunked.tokens, one_shot.tokens)
 
 
 @pytest.mark.slow
@@ -97,3 +108,5 @@ def test_bad_generate_arguments_raise(model):
         generate(model, jnp.zeros((3,), jnp.int32), max_new_tokens=2)
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(model, PROMPTS, max_new_tokens=0)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        generate(model, PROMPTS, max_new_tokens=2, prefill_chunk_tokens=0)

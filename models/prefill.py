@@ -1,0 +1,114 @@
+"""Chunked prefill: a long prompt fed through `HybridLM.extend` a fixed number of tokens at a time.
+
+    allocator = PageAllocator.holding(batch, prompt_length + new_tokens, page_size=256)
+    logits, state = prefill(model, prompts, chunk_tokens=4096, allocator=allocator)
+    logits   # [B, V] float32 at the last prompt position ([B, T, V] with all_logits=True)
+    state    # the DecodeState after the prompt: decoding continues from it (`models.generate`)
+
+Each chunk continues from the state the previous one left: KDA layers carry their convolution
+tail and float32 recurrent state, MLA layers append the chunk's latents to the paged pool and
+attend to every latent cached before them. Before a chunk runs, the host allocator reserves the
+pages it writes.
+
+Shapes: every full chunk is [B, chunk_tokens] and the state's shapes are set by the allocator
+(pool size, block-table width), so all full chunks run one compiled program, and a shorter last
+chunk one more, however long the prompt. The state is donated to each step, so the page pool is
+updated in place rather than copied per chunk.
+
+Memory: a chunk's activations are those of a `chunk_tokens`-long forward. What grows with the
+prompt is the page pool (`latent_dim` numbers per token per MLA layer) and, in each MLA layer, the
+chunk's attention over the block table's whole capacity ([B, H, chunk_tokens, capacity] float32
+scores): that product bounds `chunk_tokens` at long contexts.
+
+Numerics: the full forward's logits up to float32 rounding. Chunk boundaries regroup KDA's
+recurrence, and MLA attends in the latent space (keys and values absorbed into the queries).
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.lm import DecodeState, HybridLM
+from models.paged_cache import PageAllocator
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(4,))
+def _extend_chunk(graphdef, all_logits: bool, variables, tokens, state: DecodeState):
+    """One chunk [B, C] appended to `state`: logits [B, C, V] (all_logits) or [B, V], new state.
+
+    Compiled once per model structure, chunk shape and state shape.
+    """
+    logits, state = nnx.merge(graphdef, variables).extend(tokens, state)
+    return (logits if all_logits else logits[:, -1]), state
+
+
+def check_room(allocator: PageAllocator, batch: int, num_tokens: int) -> None:
+    """Raises unless `allocator` can hold `batch` sequences of `num_tokens` tokens each."""
+    if allocator.block_tables.shape[0] != batch:
+        raise ValueError(
+            f"the allocator has {allocator.block_tables.shape[0]} sequences, the prompts {batch}; "
+            "build the PageAllocator with num_sequences equal to the batch size"
+        )
+    if math.ceil(num_tokens / allocator.page_size) > allocator.max_pages_per_seq:
+        raise ValueError(
+            f"{num_tokens} tokens need {math.ceil(num_tokens / allocator.page_size)} pages of "
+            f"{allocator.page_size} per sequence, the block table holds "
+            f"{allocator.max_pages_per_seq}; build the PageAllocator with a larger "
+            "max_pages_per_seq (PageAllocator.holding sizes it for a length)"
+        )
+    missing = allocator.missing_pages(num_tokens)
+    if missing > allocator.num_free:
+        raise ValueError(
+            f"too few pages: {batch} sequences of {num_tokens} tokens need {missing} more pages, "
+            f"{allocator.num_free} are free; build the PageAllocator with a larger num_pages "
+            "(PageAllocator.holding sizes it for a length)"
+        )
+
+
+def prefill(
+    model: HybridLM,
+    prompts,
+    *,
+    chunk_tokens: int,
+    allocator: PageAllocator,
+    all_logits: bool = False,
+) -> tuple[jax.Array, DecodeState]:
+    """Feeds prompts [B, T] (equal lengths) through the model `chunk_tokens` tokens at a time.
+
+    allocator: the host page allocator of the MLA latents, one sequence per prompt row; it must
+      have room for T tokens per row (checked before any chunk runs), and decoding goes on with it.
+    all_logits: return every position's logits [B, T, V] (short prompts: that is T x V floats per
+      row) instead of the last position's [B, V].
+    Returns (logits float32, the DecodeState after the prompt).
+    """
+    if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(
+            f"chunk_tokens must be a positive int (prompt tokens per prefill step), got "
+            f"{chunk_tokens!r}"
+        )
+    prompts = np.asarray(prompts, np.int32)  # on the host: chunks are sliced without compiles
+    if prompts.ndim != 2 or prompts.shape[1] < 1:
+        raise ValueError(f"prompts must be [B, T] token ids with T >= 1, got {prompts.shape}")
+    batch, length = prompts.shape
+    check_room(allocator, batch, length)
+    state = model.init_decode_state(
+        batch, num_pages=allocator.num_pages, page_size=allocator.page_size,
+        max_pages_per_seq=allocator.max_pages_per_seq,
+    )
+    graphdef, variables = nnx.split(model)
+    pieces = []
+    for start in range(0, length, chunk_tokens):
+        stop = min(start + chunk_tokens, length)
+        for row in range(batch):
+            allocator.reserve(row, stop)
+        state = DecodeState(state.caches, jnp.asarray(allocator.block_tables), state.lengths)
+        logits, state = _extend_chunk(
+            graphdef, all_logits, variables, jnp.asarray(prompts[:, start:stop]), state
+        )
+        if all_logits:
+            pieces.append(logits)
+    return (jnp.concatenate(pieces, axis=1) if all_logits else logits), state

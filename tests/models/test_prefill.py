@@ -1,0 +1,82 @@
+"""Chunked prefill: every position's logits equal the full forward, one program for any number of
+chunks, clear errors for a bad chunk size or a pool without room.
+
+The model has KDA and MLA layers both (five layers, KDA through its recurrent oracle: the same
+maths, a faster compile on CPU; `tests/kda` checks the chunked op == the oracle with a state).
+Pages of 4 tokens and chunks of 4 or 5 make chunks start inside pages as well as on their edges.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.config import preset
+from models.lm import HybridLM
+from models.paged_cache import PageAllocator
+from models.prefill import _extend_chunk, prefill
+
+VOCAB = 264
+PAGE = 4
+TOKENS = jax.random.randint(jax.random.key(2), (2, 12), 0, VOCAB, jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = preset("tiny", num_layers=5, kda_layers=(1, 2, 4), full_attn_layers=(3, 5))
+    cfg = dataclasses.replace(cfg, kda=dataclasses.replace(cfg.kda, impl="reference"))
+    return HybridLM(cfg, rngs=nnx.Rngs(0))
+
+
+@jax.jit
+def forward(model, tokens):
+    return model(tokens)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk_tokens", [4, 5])  # divides T = 12; does not (5, 5, 2)
+def test_chunked_prefill_equals_the_full_forward(model, chunk_tokens):
+    full = forward(model, TOKENS)
+    allocator = PageAllocator.holding(2, TOKENS.shape[1], PAGE)
+    logits, state = prefill(model, TOKENS, chunk_tokens=chunk_tokens, allocator=allocator,
+                            all_logits=True)
+    # float32 throughout: chunked and one-shot differ only by the order of float32 sums.
+    np.testing.assert_allclose(logits, full, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(state.lengths, [12, 12])
+    assert allocator.num_free == 0  # every page of the pool holds the prompt's latents
+    last, _ = prefill(model, TOKENS, chunk_tokens=chunk_tokens,
+                      allocator=PageAllocator.holding(2, TOKENS.shape[1], PAGE))
+    np.testing.assert_allclose(last, full[:, -1], rtol=2e-5, atol=2e-5)
+
+
+def test_one_program_for_any_number_of_chunks(model):
+    # One allocator shape for both prompts: the state's shapes do not depend on the prompt.
+    def run(length):
+        prefill(model, TOKENS[:, :length], chunk_tokens=2,
+                allocator=PageAllocator.holding(2, TOKENS.shape[1], PAGE))
+        return _extend_chunk._cache_size()
+
+    before = _extend_chunk._cache_size()
+    after_two_chunks = run(4)
+    assert after_two_chunks - before <= 1  # (0 if an earlier test compiled the same shapes)
+    assert run(12) == after_two_chunks  # six chunks: no new program
+    assert run(11) == after_two_chunks + 1  # five full chunks and a tail of one: one more
+
+
+def test_bad_chunk_size_or_too_few_pages_raise(model):
+    enough = PageAllocator.holding(2, 12, PAGE)
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="chunk_tokens must be a positive int"):
+            prefill(model, TOKENS, chunk_tokens=bad, allocator=enough)
+    with pytest.raises(ValueError, match="larger num_pages"):
+        prefill(model, TOKENS, chunk_tokens=4, allocator=PageAllocator(6, PAGE, 2, 3))
+    with pytest.raises(ValueError, match="larger max_pages_per_seq"):
+        prefill(model, TOKENS, chunk_tokens=4, allocator=PageAllocator(20, PAGE, 2, 2))
+    with pytest.raises(ValueError, match="num_sequences"):
+        prefill(model, TOKENS, chunk_tokens=4, allocator=PageAllocator.holding(3, 12, PAGE))
+    with pytest.raises(ValueError, match="prompts"):
+        prefill(model, TOKENS[0], chunk_tokens=4, allocator=enough)
+    assert enough.num_free == enough.num_pages - 1  # nothing was reserved by a refused call
