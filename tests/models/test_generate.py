@@ -1,43 +1,23 @@
 """Generation: greedy decode == argmax of the full forward, the same after a chunked prefill,
 sampling filters, seeds, stopping."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from models.config import preset
 from models.generate import Sampling, filter_logits, generate, sample_tokens
-from models.lm import HybridLM
 
 VOCAB = 264
-
-
-@pytest.fixture(scope="module")
-def model():
-    # Recurrent-oracle KDA: the same model maths, a faster compile on CPU (see test_models_lm).
-    cfg = preset("tiny", num_layers=5, kda_layers=(1, 2, 4), full_attn_layers=(3, 5))
-    cfg = dataclasses.replace(cfg, kda=dataclasses.replace(cfg.kda, impl="reference"))
-    return HybridLM(cfg, rngs=nnx.Rngs(0))
-
-
-@jax.jit
-def forward(model, tokens):
-    return model(tokens)
-
-
 PROMPTS = jax.random.randint(jax.random.key(1), (2, 5), 0, VOCAB, jnp.int32)
 
 
 @pytest.mark.slow
-def test_greedy_decode_is_argmax_of_full_forward_at_every_step(model):
+def test_greedy_decode_is_argmax_of_full_forward_at_every_step(model, full_forward):
     result = generate(model, PROMPTS, max_new_tokens=6, page_size=4)
     assert result.tokens.shape == (2, 6) and list(result.lengths) == [6, 6]
     sequence = jnp.concatenate([PROMPTS, jnp.asarray(result.tokens)], axis=1)
-    argmax = np.asarray(jnp.argmax(forward(model, sequence), axis=-1))
+    argmax = np.asarray(jnp.argmax(full_forward(model, sequence), axis=-1))
     # Token i was generated after prompt + tokens[:i]: the logits at position T - 1 + i.
     np.testing.assert_array_equal(result.tokens, argmax[:, PROMPTS.shape[1] - 1 : -1])
 

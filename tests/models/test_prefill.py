@@ -6,16 +6,11 @@ maths, a faster compile on CPU; `tests/kda` checks the chunked op == the oracle 
 Pages of 4 tokens and chunks of 4 or 5 make chunks start inside pages as well as on their edges.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from models.config import preset
-from models.lm import HybridLM
 from models.paged_cache import PageAllocator
 from models.prefill import _extend_chunk, prefill
 
@@ -24,22 +19,10 @@ PAGE = 4
 TOKENS = jax.random.randint(jax.random.key(2), (2, 12), 0, VOCAB, jnp.int32)
 
 
-@pytest.fixture(scope="module")
-def model():
-    cfg = preset("tiny", num_layers=5, kda_layers=(1, 2, 4), full_attn_layers=(3, 5))
-    cfg = dataclasses.replace(cfg, kda=dataclasses.replace(cfg.kda, impl="reference"))
-    return HybridLM(cfg, rngs=nnx.Rngs(0))
-
-
-@jax.jit
-def forward(model, tokens):
-    return model(tokens)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("chunk_tokens", [4, 5])  # divides T = 12; does not (5, 5, 2)
-def test_chunked_prefill_equals_the_full_forward(model, chunk_tokens):
-    full = forward(model, TOKENS)
+def test_chunked_prefill_equals_the_full_forward(model, full_forward, chunk_tokens):
+    full = full_forward(model, TOKENS)
     allocator = PageAllocator.holding(2, TOKENS.shape[1], PAGE)
     logits, state = prefill(model, TOKENS, chunk_tokens=chunk_tokens, allocator=allocator,
                             all_logits=True)

@@ -1,0 +1,25 @@
+"""What the generation tests share: one small hybrid with every layer kind, built once a module."""
+
+import dataclasses
+
+import jax
+import pytest
+from flax import nnx
+
+from models.config import preset
+from models.lm import HybridLM
+
+
+@pytest.fixture(scope="module")
+def model():
+    """Five layers, KDA at 1, 2 and 4 and Gated MLA at 3 and 5. KDA runs its recurrent oracle:
+    the same model maths, a faster compile on CPU."""
+    cfg = preset("tiny", num_layers=5, kda_layers=(1, 2, 4), full_attn_layers=(3, 5))
+    cfg = dataclasses.replace(cfg, kda=dataclasses.replace(cfg.kda, impl="reference"))
+    return HybridLM(cfg, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def full_forward():
+    """The jitted full forward, logits [B, T, V] float32, that decoding must reproduce."""
+    return jax.jit(lambda model, tokens: model(tokens))
