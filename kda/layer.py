@@ -20,7 +20,7 @@ from flax import nnx
 
 from core.norms import rms_norm
 from core.sharding import arrays_are_whole_on_each_device, logical, logical_param
-from kda.api import kda_attention
+from kda.api import available_implementations, kda_attention
 from kda.common import document_index
 from kda.gate import check_lower_bound, lower_bound_gate, softplus_gate
 from kda.kernels.triton import short_conv
@@ -81,6 +81,11 @@ class KDAConfig:
             raise ValueError(f"KDAConfig.conv_kernels must be a bool, got {self.conv_kernels!r}")
         if self.gate not in GATES:
             raise ValueError(f"KDAConfig.gate must be one of {GATES}, got {self.gate!r}")
+        if self.impl not in available_implementations():
+            raise ValueError(
+                f"KDAConfig.impl must be one of {available_implementations()} (registered KDA "
+                f"implementations; 'auto' picks one per call), got {self.impl!r}"
+            )
         if self.gate == "lower_bound":
             check_lower_bound(self.gate_lower_bound, "KDAConfig.gate_lower_bound")
 

@@ -14,6 +14,8 @@ writes, and a sequence that emits the end token has its pages returned to the fr
 
 import dataclasses
 import functools
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -22,15 +24,15 @@ from flax import nnx
 
 from models.lm import DecodeState, HybridLM
 from models.paged_cache import PageAllocator
-from models.prefill import prefill
+from models.prefill import check_positive_int, check_prompts, prefill
 
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """How the next token is drawn from the logits.
 
-    temperature: 0 picks the argmax (greedy); otherwise logits are divided by it.
-    top_k: keep only the k most likely tokens (None: all).
+    temperature: 0 picks the argmax (greedy); otherwise logits are divided by it (finite, >= 0).
+    top_k: keep only the k most likely tokens, an int >= 1 (None: all).
     top_p: keep the smallest set of most likely tokens whose probability reaches p (None: all).
     """
 
@@ -39,10 +41,13 @@ class Sampling:
     top_p: float | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be None or >= 1, got {self.top_k}")
+        if not (isinstance(self.temperature, numbers.Real) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
+            )
+        if self.top_k is not None:
+            check_positive_int("top_k", self.top_k, "tokens kept; None keeps all")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be None or in (0, 1], got {self.top_p}")
 
@@ -108,13 +113,20 @@ def generate(
 
     A sequence stops after `end_token` (when given) or at the length limit; the loop stops when
     every sequence has. Sampling is reproducible for a given `seed`. The prompt is prefilled
-    `prefill_chunk_tokens` tokens at a time (None: all at once).
+    `prefill_chunk_tokens` tokens at a time (None: all at once). Prompt ids and `end_token` must
+    lie in [0, vocab_size); MLA latents are cached in pages of `page_size` tokens.
     """
-    prompts = jnp.asarray(prompts, jnp.int32)
-    if prompts.ndim != 2 or prompts.shape[1] < 1:
-        raise ValueError(f"prompts must be [B, T] token ids with T >= 1, got {prompts.shape}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    vocab_size = model.cfg.vocab_size
+    prompts = check_prompts(prompts, vocab_size)
+    check_positive_int("max_new_tokens", max_new_tokens, "tokens generated per sequence at most")
+    check_positive_int("page_size", page_size, "tokens per page of the MLA latent cache; try 16")
+    if end_token is not None and not (
+        isinstance(end_token, numbers.Integral) and 0 <= end_token < vocab_size
+    ):
+        raise ValueError(
+            f"end_token must be None or a token id in [0, {vocab_size}) (the model's "
+            f"vocab_size), got {end_token!r}"
+        )
     batch, prompt_length = prompts.shape
     allocator = PageAllocator.holding(batch, prompt_length + max_new_tokens, page_size)
     last_logits, state = prefill(

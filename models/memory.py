@@ -35,7 +35,7 @@ from flax import nnx
 from core.sharding import MESH_AXES, abstract_mesh, describe_mesh, logical_to_mesh
 from kda.chunked import CHUNK_SIZE
 from models.attn_res import num_seal_slots
-from models.config import REMAT_POLICIES, ModelConfig, count_params, format_count, preset
+from models.config import PRESETS, REMAT_POLICIES, ModelConfig, count_params, format_count, preset
 from models.lm import HybridLM
 from moe.experts import StableLatentMoE
 
@@ -304,28 +304,45 @@ def print_memory_plan(cfg: ModelConfig, mesh, *, batch_size: int, seq_len: int,
 
 
 def _parse_mesh(text: str) -> dict[str, int]:
+    """{axis: size} of "fsdp=64,expert=16"; raises ValueError for an unknown or repeated axis or a
+    size that is not a positive int."""
     sizes = {}
     for item in filter(None, text.split(",")):
         name, _, size = item.partition("=")
-        if name not in MESH_AXES or not size.isdigit():
-            raise ValueError(f"--mesh takes axis=size pairs over {MESH_AXES}, got {item!r}")
+        if name not in MESH_AXES or not size.isdigit() or int(size) < 1:
+            raise ValueError(
+                f"--mesh takes axis=size pairs over {MESH_AXES} with sizes >= 1, got {item!r}"
+            )
+        if name in sizes:
+            raise ValueError(f"--mesh names axis {name!r} twice; give each axis once")
         sizes[name] = int(size)
     return sizes
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: the int of `text`, which must be >= 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
+    return int(text)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="k3")
+    parser.add_argument("--preset", default="k3", choices=sorted(PRESETS))
     parser.add_argument("--mesh", default="fsdp=64,expert=16",
                         help="axis=size pairs over data, fsdp, expert, tensor")
-    parser.add_argument("--batch", type=int, default=1024, help="sequences per step")
-    parser.add_argument("--seq", type=int, default=8192, help="tokens per sequence")
+    parser.add_argument("--batch", type=_positive_int, default=1024, help="sequences per step")
+    parser.add_argument("--seq", type=_positive_int, default=8192, help="tokens per sequence")
     parser.add_argument("--remat", default="full", choices=REMAT_POLICIES)
     args = parser.parse_args(argv)
+    try:
+        mesh = _parse_mesh(args.mesh)
+    except ValueError as error:
+        parser.error(str(error))
     cfg = preset(args.preset, remat=args.remat, scan_layers=True)
     print(f"{args.preset}: {format_count(count_params(cfg)['total'])} parameters, "
           f"{format_count(count_params(cfg)['active'])} active per token")
-    print_memory_plan(cfg, _parse_mesh(args.mesh), batch_size=args.batch, seq_len=args.seq)
+    print_memory_plan(cfg, mesh, batch_size=args.batch, seq_len=args.seq)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ recurrence, and MLA attends in the latent space (keys and values absorbed into t
 
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,34 @@ def _extend_chunk(graphdef, all_logits: bool, variables, tokens, state: DecodeSt
     """
     logits, state = nnx.merge(graphdef, variables).extend(tokens, state)
     return (logits if all_logits else logits[:, -1]), state
+
+
+def check_positive_int(name: str, value, meaning: str) -> None:
+    """Raises a ValueError naming `name` (and what it counts) unless `value` is an int >= 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive int ({meaning}), got {value!r}")
+
+
+def check_prompts(prompts, vocab_size: int) -> np.ndarray:
+    """Prompts [B, T] as int32 token ids on the host. Raises a ValueError unless they are
+    integers of shape [B, T] (T >= 1) in [0, vocab_size)."""
+    prompts = np.asarray(prompts)
+    if prompts.ndim != 2 or prompts.shape[1] < 1:
+        raise ValueError(f"prompts must be [B, T] token ids with T >= 1, got {prompts.shape}")
+    if not np.issubdtype(prompts.dtype, np.integer):
+        raise ValueError(
+            f"prompts must be integer token ids, got dtype {prompts.dtype}; pass the tokenizer's "
+            "int32 ids"
+        )
+    outside = np.argwhere((prompts < 0) | (prompts >= vocab_size))
+    if outside.size:
+        row, column = outside[0]
+        raise ValueError(
+            f"prompts must be token ids in [0, {vocab_size}) (the model's vocab_size), got "
+            f"prompts[{row}, {column}] = {prompts[row, column]} ({len(outside)} ids outside); "
+            "encode the prompts with the model's tokenizer"
+        )
+    return prompts.astype(np.int32)
 
 
 def check_room(allocator: PageAllocator, batch: int, num_tokens: int) -> None:
@@ -77,7 +106,8 @@ def prefill(
     allocator: PageAllocator,
     all_logits: bool = False,
 ) -> tuple[jax.Array, DecodeState]:
-    """Feeds prompts [B, T] (equal lengths) through the model `chunk_tokens` tokens at a time.
+    """Feeds prompts [B, T] (equal lengths, ids in [0, vocab_size)) through the model
+    `chunk_tokens` tokens at a time.
 
     allocator: the host page allocator of the MLA latents, one sequence per prompt row; it must
       have room for T tokens per row (checked before any chunk runs), and decoding goes on with it.
@@ -85,14 +115,9 @@ def prefill(
       row) instead of the last position's [B, V].
     Returns (logits float32, the DecodeState after the prompt).
     """
-    if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        raise ValueError(
-            f"chunk_tokens must be a positive int (prompt tokens per prefill step), got "
-            f"{chunk_tokens!r}"
-        )
-    prompts = np.asarray(prompts, np.int32)  # on the host: chunks are sliced without compiles
-    if prompts.ndim != 2 or prompts.shape[1] < 1:
-        raise ValueError(f"prompts must be [B, T] token ids with T >= 1, got {prompts.shape}")
+    check_positive_int("chunk_tokens", chunk_tokens, "prompt tokens per prefill step")
+    # On the host: chunks are sliced without compiles.
+    prompts = check_prompts(prompts, model.cfg.vocab_size)
     batch, length = prompts.shape
     check_room(allocator, batch, length)
     state = model.init_decode_state(

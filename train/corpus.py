@@ -26,6 +26,7 @@ import pathlib
 import platform
 import sysconfig
 import typing
+import warnings
 from collections.abc import Sequence
 from typing import Literal
 from pydoc_data import topics
@@ -130,14 +131,19 @@ def build_corpus(name: str, documents: Sequence[tuple[str, bytes]]) -> Corpus:
     return Corpus(name, tuple(names), data, offsets, _sha256(kept))
 
 
-def _is_text(content: bytes) -> bool:
+def _not_text_reason(content: bytes) -> str | None:
+    """Why `content` is not UTF-8 text (a NUL byte, or the first invalid byte), or None if it is."""
     if b"\0" in content:
-        return False
+        return f"it has a NUL byte at offset {content.index(0)}"
     try:
         content.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
+    except UnicodeDecodeError as error:
+        return f"it is not UTF-8 (byte {content[error.start]:#04x} at offset {error.start})"
+    return None
+
+
+def _is_text(content: bytes) -> bool:
+    return _not_text_reason(content) is None
 
 
 @functools.cache
@@ -279,11 +285,19 @@ def _check_data_file(path: str) -> None:
 
 def _jsonl_documents(path: str) -> list[tuple[str, bytes]]:
     documents = []
-    with open(path, encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
+    with open(path, "rb") as lines:
+        for line_number, raw_line in enumerate(lines, start=1):
+            where = f"data file {path!r}, line {line_number}"
+            try:
+                line = raw_line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(
+                    f"{where} is not UTF-8 (byte {raw_line[error.start]:#04x} at column "
+                    f"{error.start + 1}); JSONL files must be UTF-8: re-encode the file (e.g. "
+                    "iconv -f latin1 -t utf-8)"
+                ) from None
             if not line.strip():
                 continue
-            where = f"data file {path!r}, line {line_number}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
@@ -309,7 +323,14 @@ def _load_files(files: tuple[tuple[str, int, int], ...]) -> Corpus:
         if path.endswith(JSONL_SUFFIXES):
             file_documents = _jsonl_documents(path)
         else:
-            file_documents = [(os.path.basename(path), pathlib.Path(path).read_bytes())]
+            raw = pathlib.Path(path).read_bytes()
+            reason = _not_text_reason(raw)
+            if reason is not None:
+                warnings.warn(
+                    f"data file {path!r} does not look like text ({reason}); its bytes are "
+                    "trained on as they are: pass plain-text (UTF-8) or JSONL files"
+                )
+            file_documents = [(os.path.basename(path), raw)]
         if not any(content for _, content in file_documents):
             raise ValueError(
                 f"data file {path!r} contains no text; give it at least one non-empty document"
@@ -325,7 +346,8 @@ def load_text_files(paths: Sequence[str]) -> Corpus:
     depend on the directory the files are read from.
 
     Raises ValueError naming the path (and line) for a missing or empty file, a JSONL line that is
-    not JSON, or one without a string `text` field.
+    not UTF-8 or not JSON, or one without a string `text` field. Warns (naming the path) for a
+    plain file that is not UTF-8 text, such as a binary.
     """
     if isinstance(paths, str) or not paths:
         raise ValueError(f"paths must be a non-empty sequence of file paths, got {paths!r}")
