@@ -13,6 +13,7 @@ would get), a sample, and leaves metrics, plots and a checkpoint in the run fold
 """
 
 import dataclasses
+import math
 import sys
 
 import jax
@@ -81,6 +82,12 @@ def _rate(summary: dict) -> str:
             f"{summary['first_step_seconds']:.0f} s)")
 
 
+def _comparison(validation: float, entropy: float) -> str:
+    if not math.isfinite(validation):  # a diverged run: metrics.jsonl shows where
+        return "no comparison: the validation figure is not finite"
+    return f"the model is at {100 * validation / entropy:.0f}% of it"
+
+
 def main(argv=None) -> dict:
     args, config = parse_args(sys.argv[1:] if argv is None else argv)
     if args.print_config:
@@ -103,13 +110,13 @@ def main(argv=None) -> dict:
     if args.sample_bytes:
         text = sample(result.model, args.prompt, args.sample_bytes)
         print("\nsample (temperature 0.8):\n" + "-" * 60 + f"\n{args.prompt}{text}\n" + "-" * 60)
-    ratio = summary["val_bits_per_byte"] / summary["val_unigram_bits_per_byte"]
+    validation, entropy = summary["val_bits_per_byte"], summary["val_unigram_bits_per_byte"]
     print(
         f"\nsummary: {summary['steps']} steps, {summary['tokens_seen']:,} training bytes, "
         f"{summary['corpus']} (sha256 {summary['corpus_sha256'][:12]})\n"
-        f"  validation bits per byte:      {summary['val_bits_per_byte']:.3f}\n"
-        f"  order-0 entropy of validation: {summary['val_unigram_bits_per_byte']:.3f} bits per "
-        f"byte (the model is at {100 * ratio:.0f}% of it)\n"
+        f"  validation bits per byte:      {validation:.3f}\n"
+        f"  order-0 entropy of validation: {entropy:.3f} bits per byte "
+        f"({_comparison(validation, entropy)})\n"
         f"  training throughput:           {_rate(summary)}\n"
         f"  skipped non-finite steps:      {summary['skipped_steps']}\n"
         f"  metrics, plots, checkpoint:    {out}/"

@@ -3,6 +3,10 @@
 Metrics are one JSON object per line in `metrics.jsonl`: training rows carry `step` and `loss`
 (plus grad_norm, learning_rate, max_vio per MoE layer, ...), evaluation rows carry `step` and
 `val_bits_per_byte`. `plot_metrics` turns the file into loss.png, max_vio.png and grad_norm.png.
+Non-finite numbers are written as NaN / Infinity / -Infinity (Python's JSON extension, also read
+by pandas and JSON5), so they read back as floats. A last line without its newline that does not
+parse (a write cut short by a kill) is dropped with a warning; any other unreadable line, and any
+unreadable run file read with `read_json`, is an error that names the file and the line.
 
 Model FLOPs (`train_flops_per_token`) count what the model must compute, whatever the kernels do,
 in the MaxText convention: 2 FLOPs per multiply-add, training = 3x forward (forward, input
@@ -13,6 +17,7 @@ achieved model FLOP/s by the accelerator's dense bf16 peak (989 TFLOP/s for an H
 import json
 import math
 import os
+import warnings
 from collections.abc import Iterable, Sequence
 
 import jax
@@ -91,20 +96,74 @@ def _plain(value):
         return [_plain(v) for v in value]
     if hasattr(value, "tolist"):
         return _plain(value.tolist())
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # JSON has no NaN or Infinity
     return value
 
 
+def _decode(text: bytes, path: str, line: int | None = None):
+    """The JSON value in `text`, the contents of `path` (or its JSONL line number `line`).
+
+    Raises ValueError naming the file, the line and the column, for invalid JSON or UTF-8.
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        row, column, reason = error.lineno, error.colno, f"invalid JSON: {error.msg}"
+    except UnicodeDecodeError as error:
+        before = text[: error.start]
+        row, column = before.count(b"\n") + 1, error.start - before.rfind(b"\n")
+        reason = "not UTF-8 text"
+    raise ValueError(
+        f"{path}, line {row if line is None else line}, column {column}: {reason}; repair the "
+        "file or move it away"
+    )
+
+
+def read_json(path: str):
+    """The JSON value in the run file at `path` (config.json, data_manifest.json, ...).
+
+    Raises ValueError naming the file and the line where it is not valid JSON or UTF-8.
+    """
+    with open(path, "rb") as f:
+        return _decode(f.read(), path)
+
+
 def read_metrics(path: str) -> list[dict]:
-    """The rows of a metrics JSONL file."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The rows of a metrics JSONL file, dropping (with a warning) a torn last line: one without
+    its newline that does not parse, left by a kill during a write.
+
+    Raises ValueError naming the file and the line for any other line that is not a JSON object.
+    """
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")  # the last item is b"" unless the last line is torn
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = _decode(line, path, number)
+        except ValueError:
+            if number < len(lines):
+                raise
+            warnings.warn(f"{path}: dropping line {number}, a row cut short by an interrupted "
+                          "write (no newline, not valid JSON)", stacklevel=2)
+            break
+        if not isinstance(row, dict):
+            raise ValueError(
+                f"{path}, line {number}: expected a JSON object (one metrics row), got "
+                f"{type(row).__name__}; repair the file or move it away"
+            )
+        rows.append(row)
+    return rows
+
+
+def _plottable(value) -> bool:
+    return isinstance(value, list) or (
+        isinstance(value, (int, float)) and math.isfinite(value))
 
 
 def _series(rows: Sequence[dict], key: str) -> tuple[list[int], list]:
-    # Non-finite values are stored as strings ("nan"); a plot skips them.
-    picked = [(row["step"], row[key]) for row in rows if not isinstance(row.get(key, ""), str)]
+    # A plot skips rows without the key and non-finite values.
+    picked = [(row["step"], row[key]) for row in rows if _plottable(row.get(key))]
     return [step for step, _ in picked], [value for _, value in picked]
 
 
