@@ -40,6 +40,7 @@ from train.metrics import (
     MetricsWriter,
     peak_flops_per_device,
     plot_metrics,
+    read_json,
     read_metrics,
     train_flops_per_token,
 )
@@ -272,8 +273,7 @@ def _prepare_run_dir(config: TrainConfig, run_dir: str, resume: bool) -> dict:
                 f"--resume: {run_dir!r} holds no complete checkpoint to continue from; run "
                 "without --resume to start it"
             )
-        with open(config_path) as f:
-            saved = json.load(f)
+        saved = read_json(config_path)
         changed = [key for key in _differences(saved, config_json) if key not in RUNTIME_FIELDS]
         if changed:
             raise ValueError(
