@@ -60,7 +60,7 @@ METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = "checkpoints"
 # Fields that may differ between a run and its resumption (they change how the step runs, not
 # what it computes beyond float32 rounding).
-RUNTIME_FIELDS = ("progress", "fast_compile", "loss_chunk_tokens")
+RUNTIME_FIELDS = ("progress", "fast_compile", "loss_chunk_tokens", "max_consecutive_skips")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +98,8 @@ class TrainConfig:
     eval_every: validation period in steps (0: only at the end); eval_batches per evaluation.
     checkpoint_every: checkpoint period in steps (0: only at the end); keep_checkpoints newest
         are kept.
+    max_consecutive_skips: stop the run (`RunDiverged`) when this many steps in a row were
+        skipped for a non-finite loss or gradient (0: never stop).
     fast_compile: compile the steps with XLA's cheapest optimisation (about half the compile
         time, about twice the step time on CPU): for smoke runs and tests.
     loss_chunk_tokens: run the LM head and the loss in chunks of this many positions, never
@@ -117,6 +119,7 @@ class TrainConfig:
     eval_batches: int = 8
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
+    max_consecutive_skips: int = 10
     fast_compile: bool = False
     loss_chunk_tokens: int | None = None
     progress: bool = True
@@ -124,7 +127,7 @@ class TrainConfig:
     def __post_init__(self):
         for name, low in (("steps", 1), ("seed", 0), ("log_every", 1), ("eval_every", 0),
                           ("eval_batches", 1), ("checkpoint_every", 0),
-                          ("keep_checkpoints", 1)):
+                          ("keep_checkpoints", 1), ("max_consecutive_skips", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"TrainConfig.{name} must be at least {low}, got "
                                  f"{getattr(self, name)}")
@@ -136,6 +139,11 @@ class TrainConfig:
                 f"TrainConfig.model.vocab_size={self.model.vocab_size} cannot hold the byte "
                 f"vocabulary (train.tokenizer.VOCAB_SIZE = {VOCAB_SIZE}); use at least that"
             )
+
+
+class RunDiverged(RuntimeError):
+    """Training cannot usefully go on: a step left a non-finite state, or too many steps in a
+    row were skipped. The newest checkpoint is the last good state."""
 
 
 @dataclasses.dataclass
@@ -304,6 +312,36 @@ def _truncate_metrics(path: str, last_step: int) -> None:
     MetricsWriter(path).write(rows)
 
 
+def check_health(rows: list[dict], skips_in_a_row: int, max_skips: int,
+                 last_saved: int | None) -> int:
+    """The number of consecutive skipped steps after `rows` (metrics rows of consecutive steps,
+    continuing a run that had `skips_in_a_row`).
+
+    Raises RunDiverged when a row's step left a non-finite state (`nonfinite_state`), or when
+    `max_skips` (> 0) steps in a row were skipped. last_saved: the newest checkpoint's step,
+    named in the message as the state to go back to.
+    """
+    kept = (f"the newest checkpoint (step {last_saved}) holds the last good state"
+            if last_saved else "no checkpoint was written")
+    for row in rows:
+        if row.get("nonfinite_state"):
+            raise RunDiverged(
+                f"step {row['step']} left a non-finite parameter or optimizer value (loss "
+                f"{row['loss']:.4g}, gradient norm {row['grad_norm']:.4g}, learning rate "
+                f"{row['learning_rate']:.4g}): its update overflowed float32. The run stops "
+                f"without saving that state; {kept}. Start again with a lower "
+                "optim.learning_rate"
+            )
+        skips_in_a_row = skips_in_a_row + 1 if row["skipped"] else 0
+        if max_skips and skips_in_a_row >= max_skips:
+            raise RunDiverged(
+                f"{skips_in_a_row} steps in a row, up to step {row['step']}, were skipped for a "
+                f"non-finite loss or gradient (last loss {row['loss']:.4g}); {kept}. Check the "
+                "data and the learning rate, or raise max_consecutive_skips (0: never stop)"
+            )
+    return skips_in_a_row
+
+
 class Stopwatch:
     """Wall time since the last restart, and the step it was restarted at."""
 
@@ -411,9 +449,12 @@ def train(
     pending: list[tuple[int, dict]] = []  # metrics of steps not yet written (device arrays)
     clock = Stopwatch()
     first_step_seconds = None
+    skips_in_a_row, last_saved = 0, start or None
 
     def write_pending(**extra) -> dict:
-        """Fetches and writes the pending steps' rows (`extra` goes into the last one)."""
+        """Fetches and writes the pending steps' rows (`extra` goes into the last one); stops
+        the run when they show it diverged (`check_health`)."""
+        nonlocal skips_in_a_row
         rows = [
             {"step": step, "learning_rate": float(schedule(step - 1)),
              **{k: np.asarray(v).tolist() for k, v in metrics.items()}}
@@ -423,6 +464,13 @@ def train(
         if rows:
             rows[-1].update(extra)
             writer.write(rows)
+        try:
+            skips_in_a_row = check_health(rows, skips_in_a_row, config.max_consecutive_skips,
+                                          last_saved)
+        except RunDiverged:
+            bar.close()
+            checkpointer.close()  # lets the saves already started finish
+            raise
         return rows[-1] if rows else {}
 
     for step in range(start + 1, stop + 1):
@@ -465,6 +513,7 @@ def train(
             write_pending()
             checkpointer.save(step, trainer.state, data_iterator,
                               metadata={"config": config_json})
+            last_saved = step
         if evaluated or saved:
             clock.restart(step)  # keep evaluation and checkpointing out of tokens/s
     bar.close()

@@ -41,6 +41,7 @@ NON_MATRIX_NAMES = frozenset({"conv_weight", "dt_bias"})
 # K2's Muon: the RMS of an orthogonalised update is 1/sqrt(max(fan_in, fan_out)); scaling by
 # 0.2·sqrt(max(...)) gives AdamW's typical update RMS of about 0.2.
 MUON_RMS = 0.2
+FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
 
 Path = tuple[str, ...]
 
@@ -89,6 +90,13 @@ class OptimConfig:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"OptimConfig.schedule must be one of {SCHEDULES}, got "
                              f"{self.schedule!r}")
+        for name, value in dataclasses.asdict(self).items():
+            # inf and nan slip through the comparisons below (inf > 0 holds); a value past
+            # float32's range is inf once the step casts it.
+            if isinstance(value, float) and not abs(value) <= FLOAT32_MAX:  # False for nan
+                raise ValueError(
+                    f"OptimConfig.{name} must be a finite float32 number, got {value!r}"
+                )
         checks = {
             "learning_rate": (self.learning_rate > 0, "> 0"),
             "warmup_steps": (self.warmup_steps >= 0, ">= 0"),

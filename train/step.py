@@ -24,7 +24,13 @@ in-place updates). One step:
    the weights. (A `jnp.where(finite, new, old)` over the state would read the old optimizer
    moments after the in-place update has written the new ones, so XLA would copy every moment
    first; the cond keeps the update in place.) Gradients
-   that a GPU kernel wrote in bfloat16 enter the cond in bfloat16 (`gradient_dtypes`).
+   that a GPU kernel wrote in bfloat16 enter the cond in bfloat16 (`gradient_dtypes`);
+6. an applied step then checks its new parameters and optimizer state (one read of each, on
+   device, no host sync) and reports `nonfinite_state`. Finite gradients and a finite learning
+   rate (`OptimConfig` refuses others) leave the state finite unless the update overflows
+   float32; the in-place update cannot be undone, so the loop stops on the flag and never
+   checkpoints that state (`train.loop`). Keeping the old state for a rollback would hold the
+   parameters and moments twice.
 
 Each of these parts runs under its named scope of `models.lm.PROFILE_SCOPES` (`loss`,
 `finite_check`, `optimizer`, `router_bias`, `qk_clip`), so a profile can sum time per part.
@@ -430,8 +436,9 @@ def make_train_step(
     compiler_options: XLA options for the compile (e.g. FAST_COMPILE_OPTIONS).
     The input state is donated. Metrics (float32 unless noted): loss (cross-entropy, nats per
     target), aux_loss, grad_norm (before clipping), targets (number of target tokens), skipped
-    (1.0 when this step was discarded), skipped_steps (int32, total), max_vio [MoE layers], and
-    with QK-Clip qk_max_logit [MLA layers, heads].
+    (1.0 when this step was discarded), skipped_steps (int32, total), nonfinite_state (1.0 when
+    the step was applied and left a non-finite parameter or optimizer value: the caller must not
+    keep that state), max_vio [MoE layers], and with QK-Clip qk_max_logit [MLA layers, heads].
     """
 
     def step(state: nnx.State, batch: Batch):
@@ -496,16 +503,28 @@ def make_train_step(
                     qk_clip.clip_query_key(layer, logits_h, qk_clip_tau)
             with profile_scope("optimizer"):  # last, after every change to the parameters
                 updated.refresh_compute_copies()
-            return nnx.state(updated)
+            with profile_scope("finite_check"):
+                state_finite = all_finite(nnx.state(updated.model, nnx.Param),
+                                          nnx.state(updated.optimizer))
+            return nnx.state(updated), state_finite
 
-        new_state = jax.lax.cond(finite, apply_updates, lambda state: state, state)
+        new_state, state_finite = jax.lax.cond(
+            finite, apply_updates, lambda state: (state, jnp.array(True)), state)
         kept = nnx.merge(graphdef, new_state)
         kept.skipped_steps[...] += (~finite).astype(jnp.int32)
         metrics["skipped_steps"] = kept.skipped_steps[...]
+        metrics["nonfinite_state"] = 1.0 - state_finite.astype(jnp.float32)
         return nnx.state(kept), metrics
 
     placement = {} if state_shardings is None else {"out_shardings": (state_shardings, None)}
     return jax.jit(step, donate_argnums=0, compiler_options=compiler_options, **placement)
+
+
+def all_finite(*trees) -> jax.Array:
+    """bool []: every floating-point leaf of `trees` is finite (integers always are)."""
+    checks = [jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(trees)
+              if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    return jnp.stack(checks).all() if checks else jnp.array(True)
 
 
 def make_eval_step(
