@@ -21,7 +21,9 @@ cuDNN skips the tiles between documents; elsewhere through `jax.nn.dot_product_a
 other GPUs, XLA otherwise), packed documents kept apart by a dense [B, 1, T, T] mask.
 Decoding runs in the latent space: W_kvb's key half is absorbed into the query and its value half
 applied after the weighted sum, so the cache holds only [c_kv ; k_r] (C + R = 576 numbers per
-token at full size) in a paged pool (`models.paged_cache`).
+token at full size) in a paged pool (`models.paged_cache`). Cached attention walks each row's
+block table a block of pages at a time with an online softmax (`paged_latent_attention`): it reads
+only the blocks the batch's rows hold, and its memory does not grow with the cache's capacity.
 """
 
 import dataclasses
@@ -45,6 +47,9 @@ AttentionImplementation = Literal["xla", "cudnn", "cudnn_segments"]
 PACKED_MIN_COMPUTE_CAPABILITY = (9, 0)
 PACKED_MIN_CUDNN_VERSION = 90600
 PACKED_MAX_HEAD_DIM = 256
+# Block-table pages that `paged_latent_attention` reads per step: its scores are
+# [B, H, T, PAGED_BLOCK_PAGES * page_size] float32 whatever the cache's capacity.
+PAGED_BLOCK_PAGES = 16
 
 
 def is_positive_int(value) -> bool:
@@ -70,10 +75,13 @@ class MLAConfig:
     # With "cudnn_segments": the most documents (runs of segment ids, a row's trailing padding run
     # included) a packed row may hold, static. A batch with a fuller row takes the dense-mask path.
     max_segments: int = 16
+    # Cached attention (prefill chunks, decode steps) reads the block table this many pages at a
+    # time (`paged_latent_attention`): its scores are [B, H, T, cache_pages_per_block * page_size].
+    cache_pages_per_block: int = PAGED_BLOCK_PAGES
 
     def __post_init__(self):
         names = ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                 "max_segments")
+                 "max_segments", "cache_pages_per_block")
         if self.q_lora_rank is not None:
             names += ("q_lora_rank",)
         for name in names:
@@ -316,6 +324,32 @@ def causal_document_attention(
     return out[..., : v.shape[-1]]
 
 
+def absorb_queries(q_nope: jax.Array, key_up: jax.Array) -> jax.Array:
+    """q_c = q_n W_k^T, the no-rope query part in the latent space: q_nope [B, T, H, N] and
+    key_up [C, H, N] (W_kvb's key half) -> [B, T, H, C] in q_nope's dtype."""
+    return jnp.einsum("bthn,chn->bthc", q_nope, key_up.astype(q_nope.dtype))
+
+
+def latent_scores(
+    q_latent: jax.Array, q_rope: jax.Array, latents: jax.Array, *, scale: float
+) -> jax.Array:
+    """z = scale * (q_c . c_kv + q_r . k_r) of queries q_latent [B, T, H, C], q_rope [B, T, H, R]
+    and keys latents [B, S, C + R] -> [B, H, T, S] float32 (unmasked)."""
+    c_kv, k_rope = jnp.split(latents, [q_latent.shape[-1]], axis=-1)
+    scores = jnp.einsum(
+        "bthc,bsc->bhts", q_latent, c_kv.astype(q_latent.dtype), preferred_element_type=jnp.float32
+    ) + jnp.einsum(
+        "bthr,bsr->bhts", q_rope, k_rope.astype(q_rope.dtype), preferred_element_type=jnp.float32
+    )
+    return scores * scale
+
+
+def expand_values(out_latent: jax.Array, value_up: jax.Array) -> jax.Array:
+    """o = o_c W_v: the attention output in the latent space [B, T, H, C] and value_up [C, H, V]
+    (W_kvb's value half) -> [B, T, H, V] in out_latent's dtype."""
+    return jnp.einsum("bthc,chv->bthv", out_latent, value_up.astype(out_latent.dtype))
+
+
 def absorbed_latent_attention(
     q_nope: jax.Array,
     q_rope: jax.Array,
@@ -325,26 +359,162 @@ def absorbed_latent_attention(
     *,
     scale: float,
 ) -> jax.Array:
-    """MLA attention computed in the latent space, as used with the cache.
+    """MLA attention computed in the latent space over every given key at once: the dense
+    reference of `paged_latent_attention` (its tests' oracle).
 
     q_nope: [B, T, H, N], q_rope: [B, T, H, R]; latents: [B, S, C + R] ([c_kv ; k_r] of every
     cached position); kv_up: [C, H, N + V] (W_kvb); query_positions: [B, T] int32, the position of
     each query, which sees keys at positions <= its own. -> [B, T, H, V].
+    Its scores are [B, H, T, S] float32.
     """
-    kv_lora_rank = latents.shape[-1] - q_rope.shape[-1]
     key_up, value_up = jnp.split(kv_up, [q_nope.shape[-1]], axis=-1)  # [C, H, N], [C, H, V]
-    c_kv, k_rope = jnp.split(latents, [kv_lora_rank], axis=-1)
-    q_latent = jnp.einsum("bthn,chn->bthc", q_nope, key_up.astype(q_nope.dtype))
-    scores = jnp.einsum(
-        "bthc,bsc->bhts", q_latent, c_kv.astype(q_latent.dtype), preferred_element_type=jnp.float32
-    ) + jnp.einsum(
-        "bthr,bsr->bhts", q_rope, k_rope.astype(q_rope.dtype), preferred_element_type=jnp.float32
-    )
+    q_latent = absorb_queries(q_nope, key_up)
+    scores = latent_scores(q_latent, q_rope, latents, scale=scale)
     key_positions = jnp.arange(latents.shape[1], dtype=jnp.int32)
     visible = key_positions[None, None, None, :] <= query_positions[:, None, :, None]
-    probs = jax.nn.softmax(jnp.where(visible, scores * scale, -jnp.inf), axis=-1)
+    probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+    c_kv = latents[..., : q_latent.shape[-1]]
     out_latent = jnp.einsum("bhts,bsc->bthc", probs.astype(q_nope.dtype), c_kv.astype(q_nope.dtype))
-    return jnp.einsum("bthc,chv->bthv", out_latent, value_up.astype(q_nope.dtype))
+    return expand_values(out_latent, value_up)
+
+
+class OnlineSoftmax(NamedTuple):
+    """The running state of a softmax over blocks of keys, for queries [B, T, H].
+
+    max_score: [B, H, T] float32, m: the largest visible score so far (-inf before any);
+    total: [B, H, T] float32, l: sum of exp(score - m) over the visible keys so far;
+    acc: [B, T, H, C] float32, a: sum of exp(score - m) c_kv over them (the latent-space output,
+        unnormalised).
+    """
+
+    max_score: jax.Array
+    total: jax.Array
+    acc: jax.Array
+
+
+def online_softmax_start(q_latent: jax.Array) -> OnlineSoftmax:
+    """The state before any key, for queries q_latent [B, T, H, C]."""
+    batch, length, heads, rank = q_latent.shape
+    stats_shape = (batch, heads, length)
+    return OnlineSoftmax(
+        max_score=jnp.full(stats_shape, -jnp.inf, jnp.float32),
+        total=jnp.zeros(stats_shape, jnp.float32),
+        acc=jnp.zeros((batch, length, heads, rank), jnp.float32),
+    )
+
+
+def online_softmax_update(
+    state: OnlineSoftmax, scores: jax.Array, c_kv: jax.Array, dtype: jnp.dtype
+) -> OnlineSoftmax:
+    """Adds one block of keys: masked scores [B, H, T, K] float32 (-inf where not visible) and
+    their values c_kv [B, K, C]. The block's weights exp(z - m) and c_kv enter their product in
+    `dtype` (the queries'), accumulated in float32.
+
+    The old terms are rescaled to the new max by exp(m_old - m_new). A query that has seen no
+    visible key yet keeps max -inf; it takes 0 as its reference so that its terms stay 0, not NaN.
+    """
+    new_max = jnp.maximum(state.max_score, jnp.max(scores, axis=-1))  # [B, H, T]
+    reference = jnp.where(jnp.isneginf(new_max), 0.0, new_max)
+    rescale = jnp.exp(state.max_score - reference)  # [B, H, T]; 0 while nothing was seen
+    weights = jnp.exp(scores - reference[..., None])  # [B, H, T, K]; 0 where not visible
+    block_acc = jnp.einsum("bhtk,bkc->bthc", weights.astype(dtype), c_kv.astype(dtype),
+                           preferred_element_type=jnp.float32)
+    return OnlineSoftmax(
+        max_score=new_max,
+        total=rescale * state.total + jnp.sum(weights, axis=-1),
+        acc=jnp.swapaxes(rescale, 1, 2)[..., None] * state.acc + block_acc,
+    )
+
+
+def online_softmax_result(state: OnlineSoftmax) -> jax.Array:
+    """acc / total: the softmax-weighted sum of c_kv, [B, T, H, C] float32."""
+    return state.acc / jnp.swapaxes(state.total, 1, 2)[..., None]
+
+
+def visible_keys(
+    key_positions: jax.Array, query_positions: jax.Array, held: jax.Array
+) -> jax.Array:
+    """Which keys each query sees: key_positions [K] int32 against query_positions [B, T] and the
+    tokens each row's table holds, held [B] -> [B, 1, T, K] bool (key <= query and key < held)."""
+    causal = key_positions[None, None, None, :] <= query_positions[:, None, :, None]
+    cached = key_positions[None, None, None, :] < held[:, None, None, None]
+    return causal & cached
+
+
+def blocks_to_read(query_positions: jax.Array, held: jax.Array, block_tokens: int) -> jax.Array:
+    """How many blocks of `block_tokens` keys hold a key that some query of the batch sees, given
+    query_positions [B, T] and the tokens each row's table holds, held [B]: int32 scalar.
+
+    Row b's queries see keys < min(held_b, max_t position_bt + 1).
+    """
+    seen = jnp.minimum(held, jnp.max(query_positions, axis=1) + 1)  # [B]
+    return (-(-jnp.max(seen) // block_tokens)).astype(jnp.int32)  # ceil
+
+
+def check_pages_per_block(pages_per_block) -> None:
+    """Raises a ValueError naming `pages_per_block` unless it is an int >= 1."""
+    if not is_positive_int(pages_per_block):
+        raise ValueError(
+            f"pages_per_block must be a positive int (block-table pages read per step of the "
+            f"paged attention; try {PAGED_BLOCK_PAGES}), got {pages_per_block!r}"
+        )
+
+
+def paged_latent_attention(
+    q_nope: jax.Array,
+    q_rope: jax.Array,
+    cache: PagedLatentCache,
+    kv_up: jax.Array,
+    query_positions: jax.Array,
+    *,
+    scale: float,
+    pages_per_block: int = PAGED_BLOCK_PAGES,
+) -> jax.Array:
+    """MLA attention in the latent space over a paged cache, a block of pages at a time
+    (flash decoding): `absorbed_latent_attention` of the cache's gathered latents, up to float32
+    rounding, without ever gathering them.
+
+    q_nope: [B, T, H, N], q_rope: [B, T, H, R]; cache: the layer's `PagedLatentCache`, the queries'
+    own latents already appended; kv_up: [C, H, N + V] (W_kvb); query_positions: [B, T] int32 ->
+    [B, T, H, V]. A query sees the keys at positions <= its own, < its row's length and within
+    its table's capacity.
+
+    With q_c = q_n W_k^T and the key of position s cached as [c_s ; r_s], over the blocks
+    j = 0, 1, .. of K = pages_per_block * page_size keys:
+
+        z_s    = scale * (q_c . c_s + q_r . r_s)                -inf where s is not visible
+        m_j    = max(m_{j-1}, max_{s in j} z_s)                  m_{-1} = -inf
+        l_j    = exp(m_{j-1} - m_j) l_{j-1}   + sum_{s in j} exp(z_s - m_j)
+        a_j    = exp(m_{j-1} - m_j) a_{j-1}   + sum_{s in j} exp(z_s - m_j) c_s
+        o      = (a_last / l_last) W_v
+
+    Block j gathers only its own pages of each row's block table ([B, K, C + R]); the loop runs
+    only over the blocks that some row's queries see (`blocks_to_read`), so a step reads the pages
+    the batch holds, not the table's capacity, and its scores are [B, H, T, K] float32.
+
+    pages_per_block: block-table pages per block, an int >= 1; a larger value than the table's
+    width reads the whole table in one block.
+    """
+    check_pages_per_block(pages_per_block)
+    pages_per_block = min(pages_per_block, cache.block_tables.shape[1])  # at most the table
+    block_tokens = pages_per_block * cache.page_size
+    # A row that ended keeps decoding past its table's end; it sees only what the table holds.
+    held = jnp.minimum(cache.lengths, cache.capacity)  # [B]
+    key_up, value_up = jnp.split(kv_up, [q_nope.shape[-1]], axis=-1)  # [C, H, N], [C, H, V]
+    q_latent = absorb_queries(q_nope, key_up)  # [B, T, H, C]
+    rank = q_latent.shape[-1]
+
+    def add_block(block, state):
+        first_page = block * pages_per_block
+        latents = cache.read_pages(first_page, pages_per_block)  # [B, K, C + R]
+        key_positions = first_page * cache.page_size + jnp.arange(block_tokens, dtype=jnp.int32)
+        visible = visible_keys(key_positions, query_positions, held)
+        scores = jnp.where(visible, latent_scores(q_latent, q_rope, latents, scale=scale), -jnp.inf)
+        return online_softmax_update(state, scores, latents[..., :rank], q_nope.dtype)
+
+    trips = blocks_to_read(query_positions, held, block_tokens)
+    state = jax.lax.fori_loop(0, trips, add_block, online_softmax_start(q_latent))
+    return expand_values(online_softmax_result(state).astype(q_nope.dtype), value_up)
 
 
 def _fan_in_init(in_axis, out_axis, axes: tuple[str | None, ...]):
@@ -359,8 +529,8 @@ class GatedMLA(nnx.Module):
     """Gated MLA layer (no positional encoding).
 
     `__call__(x)` is the training path; `__call__(x, cache=c)` appends x's latents to the paged
-    cache `c` and attends in the latent space (prefill of a fresh sequence or decode steps),
-    returning `(y, new_cache)`.
+    cache `c` and attends in the latent space over the pages each row holds
+    (`paged_latent_attention`; prefill chunks or decode steps), returning `(y, new_cache)`.
     """
 
     def __init__(
@@ -495,12 +665,13 @@ class GatedMLA(nnx.Module):
         query_positions = cache.lengths[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)
         cache = cache.append(latents)
         q_nope, q_rope = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
-        o = absorbed_latent_attention(
+        o = paged_latent_attention(
             q_nope,
             q_rope,
-            cache.gather(),
+            cache,
             self.kv_up.kernel[...],
             query_positions,
             scale=cfg.softmax_scale,
+            pages_per_block=cfg.cache_pages_per_block,
         )
         return self._gated_output(x, o), cache

@@ -87,8 +87,8 @@ def _extend_and_sample(graphdef, sampling: Sampling, variables, tokens, state: D
 
     Compiled once per model structure, sampling rule and token shape, across `generate` calls.
     """
-    logits, state = nnx.merge(graphdef, variables).extend(tokens, state)
-    return sample_tokens(logits[:, -1], key, sampling), state
+    logits, state = nnx.merge(graphdef, variables).extend(tokens, state, all_logits=False)
+    return sample_tokens(logits, key, sampling), state
 
 
 @dataclasses.dataclass(frozen=True)

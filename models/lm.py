@@ -19,7 +19,8 @@ recomputes of each layer, scanned or not.
 
 Generation continues sequences through `DecodeState` (KDA conv/recurrent state, paged MLA
 latents): `state = model.init_decode_state(...)`, then `logits, state = model.extend(tokens,
-state)` for the prompt and for each new token (`models.generate` drives it).
+state)` for the prompt and for each new token (`models.generate` drives it;
+`all_logits=False` runs the LM head on the last position only).
 
 Each part of the model (and of `train.step`) runs under a `jax.named_scope` of `PROFILE_SCOPES`
 (`profile_scope`), so a profile can sum the compiled step's device time per part
@@ -383,13 +384,17 @@ class HybridLM(nnx.Module):
         outputs, stats, _ = self._run(tokens, segment_ids, None, return_hidden=return_hidden)
         return outputs, stats
 
-    def extend(self, tokens: jax.Array, state: DecodeState) -> tuple[jax.Array, DecodeState]:
+    def extend(
+        self, tokens: jax.Array, state: DecodeState, *, all_logits: bool = True
+    ) -> tuple[jax.Array, DecodeState]:
         """Appends tokens [B, T] to the sequences of `state` (a prompt, or one decoded token).
 
-        The page table must already cover lengths + T tokens (`PageAllocator.reserve`).
-        Returns logits [B, T, V] float32 and the continued state.
+        The page table must already cover lengths + T tokens (`PageAllocator.reserve`). MLA layers
+        read only the pages their rows hold (`models.attention.paged_latent_attention`).
+        Returns logits [B, T, V] float32 (all_logits) or the last position's [B, V], for which
+        the LM head runs on that position alone, and the continued state.
         """
-        logits, _, state = self._run(tokens, None, state)
+        logits, _, state = self._run(tokens, None, state, last_only=not all_logits)
         return logits, state
 
     def init_decode_state(
@@ -410,7 +415,11 @@ class HybridLM(nnx.Module):
             lengths=jnp.zeros((batch_size,), jnp.int32),
         )
 
-    def _run(self, tokens, segment_ids, state: DecodeState | None, *, return_hidden=False):
+    def _run(self, tokens, segment_ids, state: DecodeState | None, *, return_hidden=False,
+             last_only=False):
+        """The forward over tokens [B, T]: (logits [B, T, V] or, with return_hidden, the head's
+        input [B, T, D]; router stats; the continued state, None without one). last_only: the
+        last position's alone, [B, V] or [B, D], the final norm and head run on it only."""
         cfg = self.cfg
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T] int, got shape {tokens.shape}")
@@ -437,7 +446,8 @@ class HybridLM(nnx.Module):
             with profile_scope("attn_res"):
                 stream = dataclasses.replace(stream, live=self.final_read(stream))
         with profile_scope("lm_head"):
-            hidden = self.final_norm(stream.live)
+            live = stream.live[:, -1] if last_only else stream.live  # [B, D] or [B, T, D]
+            hidden = self.final_norm(live)
             outputs = hidden if return_hidden else self.lm_head(hidden)
         new_state = None
         if state is not None:

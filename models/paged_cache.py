@@ -1,9 +1,10 @@
 """Paged cache of MLA latents: fixed-size pages, one block table per sequence, a host free list.
 
 The device side (`PagedLatentCache`) is a pytree of arrays that jitted decode steps read and
-write. The host side (`PageAllocator`) owns the free list and the block tables, as a serving
-scheduler does: before a step it reserves the pages the step will write, and when a sequence ends
-it returns that sequence's pages to the free list.
+write; attention reads it a block of logical pages at a time (`read_pages`), never a sequence's
+whole capacity at once. The host side (`PageAllocator`) owns the free list and the block tables,
+as a serving scheduler does: before a step it reserves the pages the step will write, and when a
+sequence ends it returns that sequence's pages to the free list.
 
 Page 0 is the *null page*: it is never handed out, unassigned block-table entries point at it, and
 rows of finished sequences write their (ignored) latents there, so a freed page that has been
@@ -60,14 +61,21 @@ class PagedLatentCache:
         pages = self.pages.at[page, slot].set(latents.astype(self.pages.dtype))
         return dataclasses.replace(self, pages=pages, lengths=self.lengths + num_new)
 
-    def gather(self) -> jax.Array:
-        """Every sequence's latents in logical order: [B, capacity, latent_dim].
+    def read_pages(self, first: jax.Array, count: int) -> jax.Array:
+        """Every sequence's logical pages first .. first + count - 1, in order:
+        [B, count * page_size, latent_dim]. first: int32 scalar, may be traced; count: static.
 
-        Entries at positions >= lengths are garbage (null page or stale data); callers mask them.
+        Only those pages are gathered from the pool. Logical pages past the table's end read as
+        the null page; entries at positions >= lengths are garbage (null page or stale data) and
+        callers mask them.
         """
         batch, max_pages = self.block_tables.shape
-        per_sequence = self.pages[self.block_tables]  # [B, max_pages, page_size, latent_dim]
-        return per_sequence.reshape(batch, max_pages * self.page_size, self.pages.shape[-1])
+        logical_page = first + jnp.arange(count, dtype=jnp.int32)  # [count]
+        in_table = logical_page < max_pages
+        page = jnp.take(self.block_tables, jnp.minimum(logical_page, max_pages - 1), axis=1)
+        page = jnp.where(in_table[None, :], page, NULL_PAGE)  # [B, count]
+        latents = self.pages[page]  # [B, count, page_size, latent_dim]
+        return latents.reshape(batch, count * self.page_size, self.pages.shape[-1])
 
 
 def init_pages(

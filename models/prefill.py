@@ -15,10 +15,15 @@ Shapes: every full chunk is [B, chunk_tokens] and the state's shapes are set by 
 chunk one more, however long the prompt. The state is donated to each step, so the page pool is
 updated in place rather than copied per chunk.
 
-Memory: a chunk's activations are those of a `chunk_tokens`-long forward. What grows with the
-prompt is the page pool (`latent_dim` numbers per token per MLA layer) and, in each MLA layer, the
-chunk's attention over the block table's whole capacity ([B, H, chunk_tokens, capacity] float32
-scores): that product bounds `chunk_tokens` at long contexts.
+Memory: a chunk's activations are those of a `chunk_tokens`-long forward, and they do not grow
+with the prompt or the cache's capacity. Each MLA layer attends over the pages its rows hold a
+block at a time with an online softmax (`models.attention.paged_latent_attention`): scores
+[B, H, chunk_tokens, cache_pages_per_block * page_size] float32 (`MLAConfig`) and a float32
+latent-space accumulator [B, chunk_tokens, H, kv_lora_rank]. Without all_logits the LM head runs
+on the last position only, so no [B, chunk_tokens, V] logits are built. `chunk_tokens` is bounded
+by those per-chunk terms and the layers' activations; what grows with the prompt is only the page
+pool (`latent_dim` numbers per token per MLA layer), and a chunk's work, which reads every page
+cached before it.
 
 Numerics: the full forward's logits up to float32 rounding. Chunk boundaries regroup KDA's
 recurrence, and MLA attends in the latent space (keys and values absorbed into the queries).
@@ -40,11 +45,11 @@ from models.paged_cache import PageAllocator
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(4,))
 def _extend_chunk(graphdef, all_logits: bool, variables, tokens, state: DecodeState):
     """One chunk [B, C] appended to `state`: logits [B, C, V] (all_logits) or [B, V], new state.
+    Without all_logits the LM head runs on the chunk's last position only.
 
     Compiled once per model structure, chunk shape and state shape.
     """
-    logits, state = nnx.merge(graphdef, variables).extend(tokens, state)
-    return (logits if all_logits else logits[:, -1]), state
+    return nnx.merge(graphdef, variables).extend(tokens, state, all_logits=all_logits)
 
 
 def check_positive_int(name: str, value, meaning: str) -> None:

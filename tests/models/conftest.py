@@ -13,9 +13,11 @@ from models.lm import HybridLM
 @pytest.fixture(scope="module")
 def model():
     """Five layers, KDA at 1, 2 and 4 and Gated MLA at 3 and 5. KDA runs its recurrent oracle:
-    the same model maths, a faster compile on CPU."""
+    the same model maths, a faster compile on CPU. Cached MLA reads two pages per block, so the
+    tests' prompts of a few pages take several blocks, the last one partly past the table."""
     cfg = preset("tiny", num_layers=5, kda_layers=(1, 2, 4), full_attn_layers=(3, 5))
-    cfg = dataclasses.replace(cfg, kda=dataclasses.replace(cfg.kda, impl="reference"))
+    cfg = dataclasses.replace(cfg, kda=dataclasses.replace(cfg.kda, impl="reference"),
+                              mla=dataclasses.replace(cfg.mla, cache_pages_per_block=2))
     return HybridLM(cfg, rngs=nnx.Rngs(0))
 
 

@@ -1,5 +1,6 @@
 """Chunked prefill: every position's logits equal the full forward, one program for any number of
-chunks, clear errors for a bad chunk size or a pool without room.
+chunks, the LM head on the last position only unless every position's logits are asked for, clear
+errors for a bad chunk size or a pool without room.
 
 The model has KDA and MLA layers both (five layers, KDA through its recurrent oracle: the same
 maths, a faster compile on CPU; `tests/kda` checks the chunked op == the oracle with a state).
@@ -10,7 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from models.lm import DecodeState
 from models.paged_cache import PageAllocator
 from models.prefill import _extend_chunk, prefill
 
@@ -47,6 +50,35 @@ def test_one_program_for_any_number_of_chunks(model):
     assert after_two_chunks - before <= 1  # (0 if an earlier test compiled the same shapes)
     assert run(12) == after_two_chunks  # six chunks: no new program
     assert run(11) == after_two_chunks + 1  # five full chunks and a tail of one: one more
+
+
+def array_shapes(jaxpr) -> set[tuple[int, ...]]:
+    """The shapes of every value `jaxpr` computes, in the jaxprs it calls too (jit, loops)."""
+    shapes = set()
+    for eqn in jaxpr.eqns:
+        shapes.update(tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
+        for value in eqn.params.values():
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(item, "jaxpr", item)
+                if hasattr(inner, "eqns"):
+                    shapes |= array_shapes(inner)
+    return shapes
+
+
+@pytest.mark.parametrize("all_logits", [False, True])
+def test_lm_head_runs_on_the_last_position_only_unless_all_logits(model, all_logits):
+    allocator = PageAllocator.holding(2, TOKENS.shape[1], PAGE)
+    allocator.reserve(0, 5)
+    allocator.reserve(1, 5)
+    state = model.init_decode_state(2, num_pages=allocator.num_pages, page_size=PAGE,
+                                    max_pages_per_seq=allocator.max_pages_per_seq)
+    state = DecodeState(state.caches, jnp.asarray(allocator.block_tables), state.lengths)
+    graphdef, variables = nnx.split(model)
+    jaxpr = jax.make_jaxpr(_extend_chunk, static_argnums=(0, 1))(
+        graphdef, all_logits, variables, TOKENS[:, :5], state)
+    # [B, C, V] logits of the 5-token chunk exist only when they are returned.
+    assert ((2, 5, VOCAB) in array_shapes(jaxpr.jaxpr)) == all_logits
+    assert jaxpr.out_avals[0].shape == ((2, 5, VOCAB) if all_logits else (2, VOCAB))
 
 
 def test_bad_chunk_size_or_too_few_pages_raise(model):
