@@ -5,16 +5,22 @@ Implementations share one signature (that of `kda.reference.kda_reference`). "re
 only the calls their tests cover. `impl="auto"` takes the first registered kernel that supports
 the call and otherwise falls back to the chunked op: slower, never wrong. A kernel registered with
 `auto=False` runs only when asked for by name (one whose GPU tests have not all run yet).
+
+Around whichever implementation runs, `kda_attention` confines non-finite inputs to the outputs
+they reach causally (`confine_non_finite`): the implementation sees them as zeros, and the outputs
+of the tokens they reach are set to NaN afterwards. Inside the chunked op and the kernels a NaN
+would otherwise spread through the matmuls (0 * NaN = NaN) to earlier tokens and other documents.
 """
 
 import dataclasses
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from kda.chunked import chunk_kda
-from kda.gate import check_lower_bound
+from kda.common import causal_reach
+from kda.gate import check_gate_values, check_lower_bound
 from kda.reference import kda_reference
 
 
@@ -108,6 +114,75 @@ def _check_inputs(q, k, v, g, beta, initial_state, segment_ids):
         raise ValueError(f"segment_ids must be an integer array, got dtype {segment_ids.dtype}")
 
 
+class Confined(NamedTuple):
+    """`kda_attention`'s inputs with every non-finite value replaced by 0, and what they reach.
+
+    The masks are per token and value head: a bad q spoils only its own token's output (q is
+    read, never written into the state); a bad k, v, g or beta, or a bad initial state, spoils
+    the state and so every later output of its document (`causal_reach`).
+    """
+
+    q: jax.Array  # [B, T, H, K]
+    k: jax.Array  # [B, T, H, K]
+    v: jax.Array  # [B, T, HV, V]
+    g: jax.Array  # [B, T, HV, K]
+    beta: jax.Array  # [B, T, HV]
+    initial_state: jax.Array | None  # [B, HV, K, V]
+    poisoned: jax.Array  # bool [B, T, HV]: outputs to set to NaN
+    state_poisoned: jax.Array  # bool [B, HV]: final states to set to NaN
+
+
+def _bad_gates(g, gate_lower_bound):
+    """Gates no implementation can take, bool [B, T, HV, K]: NaN and +inf always; -inf only
+    with a bound (the bounded path cannot represent it; the unbounded one erases exactly)."""
+    bad = jnp.isnan(g) | (g == jnp.inf)
+    return bad | (g == -jnp.inf) if gate_lower_bound is not None else bad
+
+
+def _zero_where(bad, x):
+    """x with its `bad` elements replaced by 0 (bitwise x where nothing is bad)."""
+    return jnp.where(bad, jnp.zeros((), x.dtype), x)
+
+
+def confine_non_finite(q, k, v, g, beta, initial_state, segment_ids, gate_lower_bound):
+    """Zeros for the non-finite inputs, and the masks of the outputs they reach (`Confined`).
+
+    Elementwise passes over the inputs and a cumulative max over [B, T, HV]: finite inputs come
+    out bitwise unchanged and no output is masked.
+
+    Args:
+      q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV];
+      initial_state: [B, HV, K, V] or None; segment_ids: integer [B, T] or None;
+      gate_lower_bound: as in `kda_attention` (decides whether g = -inf is bad).
+    """
+    group = v.shape[2] // q.shape[2]
+    to_value_heads = lambda x: jnp.repeat(x, group, axis=2) if group > 1 else x  # noqa: E731
+    bad_q, bad_k, bad_v = (~jnp.isfinite(x) for x in (q, k, v))
+    bad_g, bad_beta = _bad_gates(g, gate_lower_bound), ~jnp.isfinite(beta)
+    reads_bad = to_value_heads(bad_q.any(-1))  # [B, T, HV]
+    writes_bad = to_value_heads(bad_k.any(-1)) | bad_v.any(-1) | bad_g.any(-1) | bad_beta
+    bad_state = None
+    if initial_state is not None:
+        bad_initial = ~jnp.isfinite(initial_state)
+        bad_state = bad_initial.any((-2, -1))  # [B, HV]
+        initial_state = _zero_where(bad_initial, initial_state)
+    reached = causal_reach(writes_bad, segment_ids, bad_state)
+    return Confined(q=_zero_where(bad_q, q), k=_zero_where(bad_k, k), v=_zero_where(bad_v, v),
+                    g=_zero_where(bad_g, g), beta=_zero_where(bad_beta, beta),
+                    initial_state=initial_state, poisoned=reached | reads_bad,
+                    state_poisoned=reached[:, -1])
+
+
+def poison_outputs(o, final_state, confined: Confined):
+    """o [B, T, HV, V] and final_state [B, HV, K, V] (or None) with NaN where `confined` says
+    a non-finite input reaches them."""
+    o = jnp.where(confined.poisoned[..., None], jnp.array(jnp.nan, o.dtype), o)
+    if final_state is not None:
+        final_state = jnp.where(confined.state_poisoned[..., None, None],
+                                jnp.array(jnp.nan, final_state.dtype), final_state)
+    return o, final_state
+
+
 def kda_attention(
     q: jax.Array,
     k: jax.Array,
@@ -122,13 +197,16 @@ def kda_attention(
     use_qk_l2norm: bool = False,
     gate_lower_bound: float | None = None,
     impl: str = "auto",
+    check_inputs: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Kimi Delta Attention.
 
     Args:
       q, k: queries and keys, [B, T, H, K].
       v: values, [B, T, HV, V]; HV a multiple of H (each q/k head serves HV // H value heads).
-      g: log-decay per value head and key channel, [B, T, HV, K], g <= 0 (`kda.gate`).
+      g: log-decay per value head and key channel, [B, T, HV, K], g <= 0 (`kda.gate`); without
+        `gate_lower_bound` any value down to -inf (a gate <= -104 has exp(g) = 0 in float32 and
+        erases its channel of the state, exactly as in the oracle).
       beta: delta-rule write strength, [B, T, HV], usually in (0, 1).
       scale: read scale; default K ** -0.5.
       initial_state: float32 [B, HV, K, V] state before the first token, or None for zeros.
@@ -137,15 +215,27 @@ def kda_attention(
         id changes from one token to the next.
       use_qk_l2norm: L2-normalise q and k per head (`x * rsqrt(sum x^2 + 1e-6)`).
       gate_lower_bound: None, or L in [-5, 0) when every g >= L (the lower-bound gate); lets the
-        chunked op and kernels compute every 16-token tile as a matmul. Gates below L give
-        undefined results.
+        chunked op and kernels compute every 16-token tile as a matmul. A promise: finite gates
+        below L give wrong results, silently unless `check_inputs`.
       impl: "auto", "reference", "chunked", or a registered kernel's name.
+      check_inputs: debugging aid; raise when g breaks its promise (a NaN, a gate above 0, or a
+        gate below `gate_lower_bound`), eagerly as a ValueError, under `jit` as a
+        `jax.errors.JaxRuntimeError` with that message (`kda.gate.check_gate_values`). Makes the
+        host wait for g on every call.
     Returns:
       (o [B, T, HV, V] in v's dtype, final_state float32 [B, HV, K, V] or None).
+
+    Non-finite inputs (NaN or inf in q, k, v, g, beta or initial_state; g = -inf only with a
+    bound) stay where causality takes them, in every implementation: one at token t of a document
+    makes NaN the outputs of tokens >= t of that document in its value heads (a bad q: token t's
+    alone) and the final state if that document is the row's last; earlier tokens and other
+    documents are untouched (`confine_non_finite`).
     """
     _check_inputs(q, k, v, g, beta, initial_state, segment_ids)
     if gate_lower_bound is not None:
         gate_lower_bound = check_lower_bound(gate_lower_bound, "gate_lower_bound")
+    if check_inputs:
+        check_gate_values(g, gate_lower_bound)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     call = KDACall(
@@ -156,11 +246,13 @@ def kda_attention(
         gate_lower_bound=gate_lower_bound, backend=jax.default_backend(),
     )
     chosen = _choose(impl, call)
-    return chosen.fn(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, segment_ids=segment_ids,
-        use_qk_l2norm=use_qk_l2norm, gate_lower_bound=gate_lower_bound,
+    confined = confine_non_finite(q, k, v, g, beta, initial_state, segment_ids, gate_lower_bound)
+    o, final_state = chosen.fn(
+        confined.q, confined.k, confined.v, confined.g, confined.beta, scale=scale,
+        initial_state=confined.initial_state, output_final_state=output_final_state,
+        segment_ids=segment_ids, use_qk_l2norm=use_qk_l2norm, gate_lower_bound=gate_lower_bound,
     )
+    return poison_outputs(o, final_state, confined)
 
 
 def _choose(impl: str, call: KDACall) -> Implementation:

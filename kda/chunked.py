@@ -25,6 +25,16 @@ tile is a plain matmul for any gate. A diagonal tile needs `exp(G_r - G_s)` for 
 * any other gate (softplus, unbounded): the exact per-element sum over c of
   `q_r k_s exp(G_r - G_s)`, which never exponentiates a positive number.
 
+Erasing gates (unbounded path only): a gate g <= ERASING_GATE (-104; -1e8 and -inf too) has
+exp(g) = 0 in float32, so it wipes its channel of the state. Left in the cumulative sum it would
+make G -inf (and -inf - -inf NaN) or, at -1e8, swamp every small gate after it in float32
+rounding; even clamped to -104, a run of them leaves G near -104 n, whose float32 spacing (2^-11
+at 5000) is then the error of every decay after the run. So such a gate is left out of G, and a
+chunk-local count E of the erasing gates so far stands for it: a decay `exp(G_r - G_s)` whose
+span (s, r] holds one (E_r != E_s) is exactly 0, the oracle's value (`erasing_cumsum`, `_span`).
+The off-diagonal tiles' factors keep the rule: E never decreases, so for the anchor a between s
+and r, E_r == E_s exactly when E_r == E_a and E_a == E_s (docs/kda_gate.md).
+
 Packed documents: a token whose segment id differs from its predecessor's starts a new document.
 Scores between documents are masked, rows of a document that began inside the chunk do not read
 the incoming state, and only the chunk's last document writes the outgoing state.
@@ -40,6 +50,11 @@ from kda.common import document_starts, einsum, pad_tokens, prepare_qk
 
 CHUNK_SIZE = 64
 TILE_SIZE = 16
+# Gates at or below this erase their channel of the state (unbounded path): exp(-104) ~ 6.8e-46
+# is below half of float32's smallest subnormal (2^-149 ~ e^-103.3), so the oracle's exp(g) is 0
+# there too, whether or not denormals are flushed (XLA's CPU exp flushes from about -87.3). In
+# float64 (finite-difference checks) the neglected decay is at most e^-104 of the state.
+ERASING_GATE = -104.0
 
 
 def tokens_to_chunks(x, chunk_size):
@@ -60,20 +75,51 @@ def _tiles(x):
     return x.reshape(*x.shape[:-2], x.shape[-2] // TILE_SIZE, TILE_SIZE, x.shape[-1])
 
 
-def _off_diagonal_tiles(q, k, G):
+def erasing_cumsum(g, axis=-2):
+    """The cumulative log-decay without its erasing gates, and the count of those gates.
+
+    Args:
+      g: [..., C, K] log-decay, any value <= 0 (-inf included).
+    Returns:
+      (G, E): G [..., C, K] the inclusive cumsum over `axis` of the gates above ERASING_GATE
+      (finite, and never swamped by a -1e8); E int32 [..., C, K] the inclusive count of gates
+      <= ERASING_GATE. The decay over the span (s, r] is exp(G_r - G_s) if E_r == E_s, else 0.
+    """
+    erases = g <= ERASING_GATE
+    G = jnp.cumsum(jnp.where(erases, 0.0, g), axis=axis)
+    return G, jnp.cumsum(erases, axis=axis, dtype=jnp.int32)
+
+
+def _span(G_to, G_from, E_to=None, E_from=None):
+    """The log-decay from one token to a later one, `G_to - G_from`, or -inf where an erasing
+    gate lies between them (`erasing_cumsum`); E None: no erasing gates (bounded path)."""
+    if E_to is None:
+        return G_to - G_from
+    return jnp.where(E_to == E_from, G_to - G_from, -jnp.inf)
+
+
+def _expand(x, axis):
+    """`jnp.expand_dims(x, axis)`, None for None (the bounded path's absent counts)."""
+    return None if x is None else jnp.expand_dims(x, axis)
+
+
+def _off_diagonal_tiles(q, k, G, E=None):
     """Score tiles below the diagonal, anchored on each row tile's first token.
 
     Args:
       q, k, G: float32 [..., NT, 16, K] (NT tiles per chunk).
+      E: int32 [..., NT, 16, K] erasing-gate counts (`erasing_cumsum`), or None.
     Returns:
       (qk, kk): [..., NT, NT, 16, 16], tile (i, j) filled for j < i and zero elsewhere.
     """
     num_tiles = G.shape[-3]
     anchor = G[..., :, :1, :]  # [..., NT(i), 1, K]
-    row_decay = jnp.exp(G - anchor)  # exponent <= 0: the cumsum never increases
+    anchor_count = None if E is None else E[..., :, :1, :]
+    row_decay = jnp.exp(_span(G, anchor, E, anchor_count))  # exponent <= 0: G never increases
     earlier = jnp.arange(num_tiles)[None, :] < jnp.arange(num_tiles)[:, None]  # [i, j]: j < i
     # [..., NT(i), NT(j), 16, K]; only j < i is kept, so the exponent a_i - G_j is <= 0.
-    column_exponent = anchor[..., :, None, :, :] - G[..., None, :, :, :]
+    column_exponent = _span(_expand(anchor, -3), _expand(G, -4), _expand(anchor_count, -3),
+                            _expand(E, -4))
     column_decay = jnp.exp(jnp.where(earlier[:, :, None, None], column_exponent, -jnp.inf))
     k_columns = k[..., None, :, :, :] * column_decay
     qk = einsum("...irc,...ijsc->...ijrs", q * row_decay, k_columns)
@@ -81,16 +127,18 @@ def _off_diagonal_tiles(q, k, G):
     return qk, kk
 
 
-def _diagonal_tiles_exact(q, k, G):
+def _diagonal_tiles_exact(q, k, G, E=None):
     """Diagonal score tiles by the per-element sum; finite for any gate.
 
     Args:
       q, k, G: float32 [..., NT, 16, K].
+      E: int32 [..., NT, 16, K] erasing-gate counts (`erasing_cumsum`), or None.
     Returns:
       (qk, kk): [..., NT, 16, 16], lower triangle including the diagonal (masked by the caller).
     """
     causal = jnp.tril(jnp.ones((TILE_SIZE, TILE_SIZE), bool))
-    exponent = G[..., :, None, :] - G[..., None, :, :]  # [..., NT, r, s, K]
+    # [..., NT, r, s, K]: from column s to row r.
+    exponent = _span(_expand(G, -2), _expand(G, -3), _expand(E, -2), _expand(E, -3))
     decayed_k = k[..., None, :, :] * jnp.exp(jnp.where(causal[:, :, None], exponent, -jnp.inf))
     # Multiply-and-reduce (not einsum): XLA fuses it into one pass over the [r, s, K] products.
     return (jnp.sum(q[..., :, None, :] * decayed_k, axis=-1),
@@ -116,20 +164,22 @@ def _diagonal_tiles_bounded(q, k, G, lower_bound):
             einsum("...rc,...sc->...rs", k * rows, columns))
 
 
-def intra_chunk_scores(q, k, G, gate_lower_bound):
+def intra_chunk_scores(q, k, G, gate_lower_bound, E=None):
     """The chunk's score matrices, before beta and document masks.
 
     Args:
       q, k, G: float32 [..., C, K], C a multiple of 16.
       gate_lower_bound: None (exact diagonal tiles) or L in [-5, 0) (matmul diagonal tiles).
+      E: int32 [..., C, K] erasing-gate counts (`erasing_cumsum`; unbounded path), or None.
     Returns:
       (Aqk [..., C, C] with j <= i, Akk [..., C, C] with j < i), float32.
     """
     chunk = G.shape[-2]
     q, k, G = _tiles(q), _tiles(k), _tiles(G)
-    off_qk, off_kk = _off_diagonal_tiles(q, k, G)
+    E = None if E is None else _tiles(E)
+    off_qk, off_kk = _off_diagonal_tiles(q, k, G, E)
     if gate_lower_bound is None:
-        diag_qk, diag_kk = _diagonal_tiles_exact(q, k, G)
+        diag_qk, diag_kk = _diagonal_tiles_exact(q, k, G, E)
     else:
         diag_qk, diag_kk = _diagonal_tiles_bounded(q, k, G, gate_lower_bound)
     num_tiles = G.shape[-3]
@@ -244,10 +294,15 @@ def prepare_chunks(q, k, v, g, beta, *, scale, segment_ids, use_qk_l2norm, gate_
 
     q, k, v, g = map(to_chunks, (q, k, v, g))
     beta = to_chunks(beta)[..., None]  # [B, HV, N, C, 1]
-    G = jnp.cumsum(g, axis=-2)
-    Aqk, Akk = intra_chunk_scores(q, k, G, gate_lower_bound)
-    decay_from_start = jnp.exp(G)  # [B, HV, N, C, K]
-    decay_to_end = jnp.exp(G[..., -1:, :] - G)
+    if gate_lower_bound is None:  # any gate down to -inf: erasing gates counted apart
+        G, E = erasing_cumsum(g)
+        E_start, E_last = 0, E[..., -1:, :]
+    else:  # the caller promises g >= L >= -5: nothing erases
+        G, E = jnp.cumsum(g, axis=-2), None
+        E_start = E_last = None
+    Aqk, Akk = intra_chunk_scores(q, k, G, gate_lower_bound, E)
+    decay_from_start = jnp.exp(_span(G, 0.0, E, E_start))  # [B, HV, N, C, K]
+    decay_to_end = jnp.exp(_span(G[..., -1:, :], G, E_last, E))
     chunk_decay = decay_from_start[..., -1, :]  # [B, HV, N, K]
     if starts is not None:
         starts = pad_tokens(starts, chunk_size)
@@ -356,7 +411,8 @@ def chunk_kda(
     Args:
       q, k: [B, T, H, K].
       v: [B, T, HV, V], HV a multiple of H.
-      g: [B, T, HV, K] log-decay (<= 0).
+      g: [B, T, HV, K] log-decay (<= 0); without `gate_lower_bound` down to -inf (gates
+        <= ERASING_GATE erase their channel exactly).
       beta: [B, T, HV].
       scale: read scale.
       initial_state: float32 [B, HV, K, V] or None.
@@ -368,6 +424,9 @@ def chunk_kda(
       chunk_size: 16, 32 or 64 tokens; T need not be a multiple (the tail is padded).
     Returns:
       (o [B, T, HV, V] in v.dtype, final_state float32 [B, HV, K, V] or None).
+
+    A NaN (or a gate of +inf) here spreads through the chunk's matmuls to earlier tokens and
+    other documents; `kda.kda_attention` confines non-finite inputs around this op.
     """
     return chunk_kda_with_recurrence(
         chunk_recurrence, q, k, v, g, beta, scale=scale, initial_state=initial_state,

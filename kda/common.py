@@ -105,3 +105,32 @@ def document_index(segment_ids: jax.Array) -> jax.Array:
     """Each token's document, a run of equal ids (`document_starts`), numbered 0, 1, ... along its
     row: segment_ids [B, T] int -> [B, T] int32."""
     return jnp.cumsum(document_starts(segment_ids), axis=1, dtype=jnp.int32)
+
+
+def causal_reach(bad: jax.Array, segment_ids: jax.Array | None,
+                 bad_initial_state: jax.Array | None = None) -> jax.Array:
+    """Which tokens a bad token can reach: itself and the later tokens of its document.
+
+    A cumulative max of the last bad position, compared with the position where each token's
+    document began (`document_starts`): elementwise work and one scan over T.
+
+    Args:
+      bad: bool [B, T, HV], tokens whose state write is non-finite.
+      segment_ids: integer [B, T] or None (one document per row).
+      bad_initial_state: bool [B, HV] or None; a bad initial state reaches the row's first
+        document (the only one that reads it).
+    Returns:
+      bool [B, T, HV]: True where a bad token at or before this one lies in the same document.
+    """
+    length = bad.shape[1]
+    position = jnp.arange(length, dtype=jnp.int32)
+    last_bad = lax.cummax(jnp.where(bad, position[None, :, None], -1), axis=1)  # -1: none yet
+    starts = document_starts(segment_ids)
+    if starts is None:
+        document_start = jnp.zeros((bad.shape[0], length), jnp.int32)
+    else:
+        document_start = lax.cummax(jnp.where(starts, position[None], 0), axis=1)  # [B, T]
+    reached = last_bad >= document_start[..., None]
+    if bad_initial_state is not None:
+        reached = reached | (bad_initial_state[:, None, :] & (document_start == 0)[..., None])
+    return reached

@@ -53,6 +53,9 @@ class KDAConfig:
         no effect. They are more accurate than XLA's path (SiLU in float32, the filter's gradient
         never in bf16) and faster in the training step, where they also spare the backward XLA's
         recomputed forward (`benchmarks/short_conv_h200.md`, `benchmarks/train_h200.md`).
+      check_inputs: debugging aid, passed to `kda.kda_attention`: raise when the decay gate
+        breaks its promise (a NaN, a gate above 0, or one below `gate_lower_bound` with the
+        lower-bound gate), also inside `jit`; the host then waits for the gates on every call.
     """
 
     num_heads: int
@@ -65,6 +68,7 @@ class KDAConfig:
     norm_eps: float = 1e-5
     impl: str = "auto"
     conv_kernels: bool = True
+    check_inputs: bool = False
 
     def __post_init__(self):
         if self.num_value_heads is None:
@@ -77,8 +81,9 @@ class KDAConfig:
                 f"KDAConfig.num_value_heads ({self.num_value_heads}) must be a multiple of "
                 f"num_heads ({self.num_heads})"
             )
-        if not isinstance(self.conv_kernels, bool):
-            raise ValueError(f"KDAConfig.conv_kernels must be a bool, got {self.conv_kernels!r}")
+        for name in ("conv_kernels", "check_inputs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"KDAConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.gate not in GATES:
             raise ValueError(f"KDAConfig.gate must be one of {GATES}, got {self.gate!r}")
         if self.impl not in available_implementations():
@@ -303,7 +308,7 @@ class KDA(nnx.Module):
             output_final_state=return_cache, segment_ids=segment_ids, use_qk_l2norm=True,
             gate_lower_bound=cfg.gate_lower_bound if cfg.gate == "lower_bound" else None,
             # One token is one recurrence step: the chunked op would pad it to a whole chunk.
-            impl="reference" if length == 1 else cfg.impl,
+            impl="reference" if length == 1 else cfg.impl, check_inputs=cfg.check_inputs,
         )
         gate = self.out_gate(x).reshape(o.shape).astype(jnp.float32)
         o = rms_norm(o, self.out_norm_weight[...], cfg.norm_eps, dtype=jnp.float32)
