@@ -5,6 +5,7 @@
     python -m experiments.bench_kda --gpu --profile   # also the top device ops at the first shape
     python -m experiments.bench_kda --gpu --device-time   # also each call's summed device time
     python -m experiments.bench_kda --gpu --resume        # after a cut-short run: the other shapes
+    python -m experiments.bench_kda --gpu --long          # T = 256K..1M: whole and in segments
 
 Shapes are BxTxHxD (q, k, v [B, T, H, D], K = V = D). Every contender gets the same inputs (bf16
 q/k/v on GPU, float32 on CPU; lower-bound gates in [-5, 0); L2-normalised q and k); forward and
@@ -45,10 +46,15 @@ from kda.kernels.mosaic_gpu.op import kernel_recurrence
 from kda.kernels.mosaic_gpu.common import recurrence_operands
 from kda.kernels.mosaic_gpu.prepare import prepare_chunks_kernel
 from kda.kernels.mosaic_gpu.sequence_parallel import choose_num_segments
+from kda.segments import kda_attention_in_segments
 
 CPU_SHAPES = ["1x1024x4x64", "1x4096x4x64", "1x16384x4x64"]
 GPU_SHAPES = ["8x2048x16x128", "2x8192x16x128", "1x32768x16x128", "1x65536x32x128",
               "16x4096x32x128"]
+# `--long`: one sequence of up to a million tokens, the op whole and in recomputed segments
+# (`kda.segments`), against jla.
+LONG_SHAPES = ["1x262144x16x128", "1x524288x16x128", "1x1048576x16x128"]
+LONG_SEGMENT_TOKENS = 131072
 # The token-by-token oracle is a scan over T: beyond this many tokens it only measures patience.
 REFERENCE_MAX_TOKENS = 16384
 
@@ -187,11 +193,20 @@ def bench_jax(attention: Callable, inputs, device_time: bool = False) -> Contend
                      np.asarray(forward(*args), np.float32), timing)
 
 
-def ours(impl: str) -> Callable:
+def ours(impl: str, segment_tokens: int | None = None) -> Callable:
+    """Our op by `impl`; with `segment_tokens`, in recomputed segments of that many tokens."""
     def attention(q, k, v, g, beta):
-        return kda.kda_attention(q, k, v, g, beta, use_qk_l2norm=True, gate_lower_bound=-5.0,
-                                 impl=impl)[0]
+        options = dict(use_qk_l2norm=True, gate_lower_bound=-5.0, impl=impl)
+        if segment_tokens is None:
+            return kda.kda_attention(q, k, v, g, beta, **options)[0]
+        return kda_attention_in_segments(q, k, v, g, beta, segment_tokens=segment_tokens,
+                                         **options)[0]
     return attention
+
+
+def segmented_name(impl: str, segment_tokens: int) -> str:
+    size = f"{segment_tokens // 1024}K" if segment_tokens % 1024 == 0 else str(segment_tokens)
+    return f"{impl}, segments of {size}"
 
 
 # The options of every timed call: no documents, L2-normalised q and k, bounded gates.
@@ -319,12 +334,17 @@ SOFTMAX_ATTENTION = "cuDNN attention"
 
 
 def contenders(gpu: bool, impls: list[str], peers=PEERS, parts=True,
-               device_time=False) -> dict[str, Callable]:
+               device_time=False, segment_tokens: int | None = None) -> dict[str, Callable]:
     """name -> bench(inputs) -> `Contender`; `parts`: also the recurrence and the preparation
     alone, for each of our kernels (GPU only); `device_time`: also the device-op time of the
-    whole-op JAX contenders (`bench_jax`)."""
+    whole-op JAX contenders (`bench_jax`); `segment_tokens`: also each of our impls in recomputed
+    segments of that many tokens (`kda.segments`)."""
     whole_op = functools.partial(bench_jax, device_time=device_time)
     table = {impl: (lambda inputs, impl=impl: whole_op(ours(impl), inputs)) for impl in impls}
+    if segment_tokens is not None:
+        table.update({segmented_name(impl, segment_tokens): (
+            lambda inputs, impl=impl: whole_op(ours(impl, segment_tokens), inputs))
+            for impl in impls})
     if gpu and parts:
         # The sequential part alone, plain JAX against our kernel: how much the kernel saves.
         table["recurrence: chunked scan"] = functools.partial(bench_recurrence,
@@ -555,6 +575,13 @@ def main(argv=None):
     parser.add_argument("--device-time", action="store_true",
                         help="also sum the device ops of one call of each whole-op JAX contender "
                              "from a profiler trace (one more compile each)")
+    parser.add_argument("--segment-tokens", type=int, metavar="N",
+                        help="also time each of our impls in recomputed segments of N tokens "
+                             "(kda.segments; N a multiple of 64 dividing every T)")
+    parser.add_argument("--long", action="store_true",
+                        help=f"with --gpu: shapes {' '.join(LONG_SHAPES)}, segments of "
+                             f"{LONG_SEGMENT_TOKENS} tokens, auto and jla only, no part rows; "
+                             "the table goes to benchmarks/kda_long_h200.md")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path,
                         help="markdown file (default: benchmarks/kda_h200.md with --gpu, else "
@@ -567,6 +594,14 @@ def main(argv=None):
     if args.gpu and backend != "gpu":
         parser.error(f"--gpu needs a CUDA backend, but JAX runs on {backend!r}")
     # The registered kernels (`kda.kernels`) run only on GPUs; on CPU their rows would only say so.
+    if args.long:
+        if not args.gpu:
+            parser.error("--long times million-token sequences: it needs --gpu")
+        args.shapes = args.shapes or [Shape.parse(s) for s in LONG_SHAPES]
+        args.segment_tokens = args.segment_tokens or LONG_SEGMENT_TOKENS
+        args.impls = args.impls or ["auto"]
+        args.peers, args.parts = [peer for peer in args.peers if peer == "jla"], False
+        args.out = args.out or Path("benchmarks") / "kda_long_h200.md"
     if args.impls:
         impls = args.impls
     elif args.gpu:  # the token-by-token scan would only measure patience at these lengths
@@ -580,7 +615,13 @@ def main(argv=None):
                      f"{kda.available_implementations()}")
     shapes = args.shapes or [Shape.parse(s) for s in (GPU_SHAPES if args.gpu else CPU_SHAPES)]
     baseline = args.baseline or ("jla mosaic_gpu" if args.gpu else "chunked")
-    table = contenders(args.gpu, impls, args.peers, args.parts, args.device_time)
+    segment = args.segment_tokens
+    if segment is not None and any(segment % 64 or segment < 64 or shape.length % segment
+                                   for shape in shapes):
+        parser.error(f"--segment-tokens {args.segment_tokens} must be a multiple of 64 that "
+                     "divides every shape's T")
+    table = contenders(args.gpu, impls, args.peers, args.parts, args.device_time,
+                       args.segment_tokens)
     names = list(table)
     out = args.out or Path("benchmarks") / f"kda_{'h200' if args.gpu else backend}.md"
     command = command_line("experiments.bench_kda", argv)

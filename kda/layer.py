@@ -24,6 +24,7 @@ from kda.api import available_implementations, kda_attention
 from kda.common import document_index
 from kda.gate import check_lower_bound, lower_bound_gate, softplus_gate
 from kda.kernels.triton import short_conv
+from kda.segments import kda_attention_in_segments
 
 GATES = ("lower_bound", "softplus")
 
@@ -56,6 +57,10 @@ class KDAConfig:
       check_inputs: debugging aid, passed to `kda.kda_attention`: raise when the decay gate
         breaks its promise (a NaN, a gate above 0, or one below `gate_lower_bound` with the
         lower-bound gate), also inside `jit`; the host then waits for the gates on every call.
+      segment_tokens: run the op over calls longer than this in recomputed segments of this many
+        tokens (`kda.segments`; a positive multiple of 64 that divides the call's length): the
+        backward keeps one segment's residuals instead of the sequence's, for one more forward.
+        None: the whole call at once.
     """
 
     num_heads: int
@@ -69,6 +74,7 @@ class KDAConfig:
     impl: str = "auto"
     conv_kernels: bool = True
     check_inputs: bool = False
+    segment_tokens: int | None = None
 
     def __post_init__(self):
         if self.num_value_heads is None:
@@ -84,6 +90,11 @@ class KDAConfig:
         for name in ("conv_kernels", "check_inputs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KDAConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.segment_tokens is not None and (
+                isinstance(self.segment_tokens, bool) or not isinstance(self.segment_tokens, int)
+                or self.segment_tokens < 64 or self.segment_tokens % 64):
+            raise ValueError(f"KDAConfig.segment_tokens must be None or a positive multiple of "
+                             f"64, got {self.segment_tokens!r}")
         if self.gate not in GATES:
             raise ValueError(f"KDAConfig.gate must be one of {GATES}, got {self.gate!r}")
         if self.impl not in available_implementations():
@@ -303,7 +314,11 @@ class KDA(nnx.Module):
         k = k.reshape(batch, length, cfg.num_heads, cfg.head_dim)
         v = v.reshape(batch, length, cfg.num_value_heads, cfg.head_dim)
         beta = jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
-        o, state = kda_attention(
+        attend = kda_attention
+        if cfg.segment_tokens is not None and length > cfg.segment_tokens:
+            attend = functools.partial(kda_attention_in_segments,
+                                       segment_tokens=cfg.segment_tokens)
+        o, state = attend(
             q, k, v, self._decay(x), beta, initial_state=None if cache is None else cache.state,
             output_final_state=return_cache, segment_ids=segment_ids, use_qk_l2norm=True,
             gate_lower_bound=cfg.gate_lower_bound if cfg.gate == "lower_bound" else None,

@@ -1,12 +1,16 @@
 """The KDA layer: decode equals prefill, documents stay apart, counts and errors."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 
 from experiments.harness import relative_error
+from kda import layer as layer_module
 from kda.layer import KDA, KDAConfig, causal_depthwise_conv, count_kda_params
+from kda.segments import kda_attention_in_segments
 
 CONFIGS = {
     "k3": KDAConfig(num_heads=2, head_dim=16, gate="lower_bound", full_rank_gate=True),
@@ -102,6 +106,7 @@ def test_gradients_reach_every_parameter_in_bfloat16():
     (dict(gate_lower_bound=-8.0), r"KDAConfig.gate_lower_bound must lie in \[-5.0, 0\)"),
     (dict(head_dim=0), r"KDAConfig.head_dim must be >= 1"),
     (dict(conv_kernels="yes"), r"KDAConfig.conv_kernels must be a bool"),
+    (dict(segment_tokens=100), r"KDAConfig.segment_tokens must be None or a positive multiple"),
 ])
 def test_bad_configs_name_the_field(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -127,3 +132,26 @@ def test_conv_kernels_field_chooses_the_short_conv_path(monkeypatch, conv_kernel
     assert asked == []  # returning the cache: the XLA path, which also gives the conv's tail
     layer(_tokens(1, 8))
     assert asked == [expected]
+
+
+def test_segment_tokens_runs_long_calls_in_segments_with_the_same_result(monkeypatch):
+    """The layer over 256 tokens in segments of 64 equals the whole call (outputs, gradients),
+    and really takes the segmented path."""
+    whole = _layer("k3")
+    segmented = KDA(24, dataclasses.replace(CONFIGS["k3"], segment_tokens=64), rngs=nnx.Rngs(0))
+    x = _tokens(2, 256)
+    segment_ids = jnp.repeat(jnp.array([[1, 2, 2, 3]]), 64, axis=1).repeat(2, axis=0)
+    calls = []
+    monkeypatch.setattr(layer_module, "kda_attention_in_segments",
+                        lambda *a, **kw: calls.append(kw["segment_tokens"])
+                        or kda_attention_in_segments(*a, **kw))
+
+    def loss(layer):
+        return jnp.sum(jnp.sin(layer(x, segment_ids=segment_ids)))
+
+    (expected, want), (actual, got) = (nnx.value_and_grad(loss)(layer)
+                                       for layer in (whole, segmented))
+    assert calls == [64]
+    assert relative_error(actual, expected) <= 1e-5
+    for (path, a), (_, b) in zip(nnx.to_flat_state(got), nnx.to_flat_state(want)):
+        assert relative_error(a[...], b[...]) <= 1e-4, path
