@@ -22,7 +22,7 @@ import os
 import sys
 
 from models.config import preset
-from train.cli import config_dict, make_parser, resolve_config
+from train.cli import config_dict, make_parser, one_line_errors, resolve_config
 from train.corpus import EmbeddedCorpus
 from train.data import make_train_dataset
 from train.loop import Stage, TrainConfig, Trainer, train
@@ -155,18 +155,16 @@ def main(argv=None) -> dict:
         print(f"stage {index + 1}: {stage.steps} steps of {stage.data.batch_size} x "
               f"{stage.data.seq_len}; long documents {stage.data.long_document_bias:.0%}, "
               f"MQAR {stage.data.mqar_weight:g}, needle {stage.data.needle_weight:g}")
-    try:
+    with one_line_errors(args.debug):
         # Building every stage's pipeline now refuses a long stage without long enough
         # documents before the earlier stages have trained for hours.
         for stage in stages:
             make_train_dataset(stage.data)
         result = train(
             config.train_config(), out, resume=args.resume, stages=stages,
+            allow_data_change=args.allow_data_change,
             after_stage=lambda index, stage, trainer: recall_accuracy(config, trainer),
         )
-    except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
     stage_results = result.summary.get("stages", [])
     markdown = table(config, stage_results)
     with open(os.path.join(out, "context_extension.md"), "w") as f:

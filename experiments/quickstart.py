@@ -5,6 +5,10 @@
     python -m experiments.quickstart --out runs/qs --resume
     python -m experiments.quickstart --data notes.txt more.jsonl   # your own text instead
 
+Errors (a run folder that cannot be written, data files changed under a resumed run, damaged
+checkpoints with none intact, a full disk) print one line, `error: ...`, and exit with status 2;
+`--debug` shows the traceback.
+
 The model is the `tiny` preset: KDA and Gated MLA token mixers (3:1), Stable LatentMoE FFNs
 balanced by Quantile Balancing, Block Attention Residuals. The data is the Python standard
 library's own source and help text (no download), as bytes. The run prints a progress bar, the
@@ -20,7 +24,7 @@ import jax
 
 from models.config import PRESETS, count_params, format_count, preset
 from models.generate import Sampling, generate
-from train.cli import apply_overrides, config_dict, make_parser
+from train.cli import apply_overrides, config_dict, make_parser, one_line_errors
 from train.data import DataConfig
 from train.loop import TrainConfig, train
 from train.optim import OptimConfig
@@ -101,11 +105,9 @@ def main(argv=None) -> dict:
           f"({format_count(counts['active'])} active per token, embedding excluded); "
           f"{len(config.model.kda_layers)} KDA + {len(config.model.full_attn_layers)} MLA layers")
     print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; run folder: {out}")
-    try:
-        result = train(config, out, resume=args.resume)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+    # A refusal (run folder, data, checkpoints, a disk that fills up) is one line and exit 2.
+    with one_line_errors(args.debug):
+        result = train(config, out, resume=args.resume, allow_data_change=args.allow_data_change)
     summary = result.summary
     if args.sample_bytes:
         text = sample(result.model, args.prompt, args.sample_bytes)

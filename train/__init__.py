@@ -16,7 +16,8 @@ The training side (imported on first use, so the data modules stay light):
 - `train.step`: `TrainState` (model, optimizer, skipped-step count, the MoE expert weights'
   compute copies), `make_train_step` / `make_eval_step` (the jitted functional steps: QB
   router-bias update, non-finite steps skipped and counted, QK-Clip).
-- `train.checkpoint`: `Checkpointer` (orbax: state, data iterator, metadata; async, atomic).
+- `train.checkpoint`: `Checkpointer` (orbax: state, data iterator, metadata; async, atomic;
+  checksums verified on restore, damaged checkpoints skipped on resume).
 - `train.metrics`: JSONL rows, plots, `train_flops_per_token` for tokens/s and MFU.
 - `train.loop`: `TrainConfig`, `Trainer`, `Stage`, `train` (progress bar, evaluation,
   checkpoints, exact resume).

@@ -7,10 +7,17 @@ checked against the field's type, and a parser that refuses unknown or invalid o
 Values are read by the field's annotation: int, float, bool (true/false/1/0/yes/no), str, a
 Literal's choices, `X | None` ("none"), `tuple[X, ...]` (comma-separated, "" for empty). The config
 classes' own checks (`__post_init__`) then validate the result.
+
+The experiments run their job inside `one_line_errors(args.debug)`: the project's refusals (a
+ValueError or OSError: a bad setting, a run folder that cannot be written, changed data, a
+damaged checkpoint) end the process with one line, `error: ...`, on stderr and exit status 2;
+`--debug` shows the traceback instead.
 """
 
 import argparse
+import contextlib
 import dataclasses
+import sys
 import types
 import typing
 from collections.abc import Sequence
@@ -149,7 +156,8 @@ def config_dict(config) -> dict:
 
 
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """The shared options: --set (repeatable), --out, --resume. Unknown options are refused."""
+    """The shared options: --set (repeatable), --out, --resume, --allow-data-change,
+    --print-config, --debug. Unknown options are refused."""
     parser = argparse.ArgumentParser(
         prog=prog,
         description=description,
@@ -169,9 +177,42 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue the run in --out from its last checkpoint"
     )
     parser.add_argument(
+        "--allow-data-change", action="store_true",
+        help="with --resume: continue even though the data files changed since the run started "
+        "(the old data manifest is kept in data_manifest.json's history)",
+    )
+    parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
+    parser.add_argument(
+        "--debug", action="store_true",
+        help="on an error, show the full traceback instead of one line",
+    )
     return parser
+
+
+def error_line(error: BaseException) -> str:
+    """`error`'s message on one line (its lines joined by '; ')."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return "; ".join(lines) or type(error).__name__
+
+
+class RunStopped(RuntimeError):
+    """A run that stopped for a reason its message names, with what to do (`train.loop`)."""
+
+
+@contextlib.contextmanager
+def one_line_errors(debug: bool = False):
+    """Ends the process with `error: <message>` on stderr and exit status 2 when the block raises
+    a ValueError, an OSError or a `RunStopped` (the project's refusals name what to fix); with
+    `debug`, lets the exception through with its traceback."""
+    try:
+        yield
+    except (ValueError, OSError, RunStopped) as error:
+        if debug:
+            raise
+        print(f"error: {error_line(error)}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def resolve_config(parser: argparse.ArgumentParser, args: argparse.Namespace, config):

@@ -18,7 +18,9 @@ epoch), mixed with synthetic-task examples by weight, and packed into rows.
 
 import dataclasses
 import functools
+import hashlib
 import math
+import os
 import sys
 import zlib
 
@@ -281,13 +283,31 @@ def bits_per_byte(nll_nats: float, num_targets: float) -> float:
     return float(nll_nats / (num_targets * math.log(2.0)))
 
 
+@functools.lru_cache(maxsize=64)
+def _sha256_of_file(path: str, mtime_ns: int, size: int) -> str:
+    """sha256 of the file at `path`; the (mtime, size) stamp makes the cache notice edits."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_sha256(path: str) -> str:
+    """Hex sha256 of a data file's bytes (cached until the file's mtime or size changes)."""
+    stat = os.stat(path)
+    return _sha256_of_file(os.path.normpath(path), stat.st_mtime_ns, stat.st_size)
+
+
 def data_manifest(cfg: DataConfig) -> dict:
-    """What a run trained on, for its record: corpus name and hash, split sizes, and the
-    validation split's order-0 entropy (the bits per byte a context-free model would get)."""
+    """What a run trained on, for its record: corpus name and hash, split sizes, the validation
+    split's order-0 entropy (the bits per byte a context-free model would get) and, for `paths`
+    data, `files`: each file's sha256, keyed by its path as given (so a resumed run can say
+    which file changed)."""
     corpus = load_corpus(cfg.paths, cfg.corpus)
     train = split_corpus(corpus, "train", cfg.val_fraction)
     validation = split_corpus(corpus, "validation", cfg.val_fraction)
-    return {
+    manifest = {
         "corpus": corpus.name,
         "corpus_sha256": corpus.sha256,
         "train_documents": train.num_documents,
@@ -296,3 +316,6 @@ def data_manifest(cfg: DataConfig) -> dict:
         "validation_bytes": validation.num_bytes,
         "validation_unigram_bits_per_byte": validation.unigram_entropy_bits(),
     }
+    if cfg.paths:
+        manifest["files"] = {path: file_sha256(path) for path in cfg.paths}
+    return manifest

@@ -8,14 +8,34 @@ checkpoints/ (`train.checkpoint`), loss.png / max_vio.png / grad_norm.png and su
 `train(..., resume=True)` continues from the newest checkpoint: parameters, optimizer, router
 biases, counters and the data iterator come back exactly, so on one CPU device the resumed run
 computes the same losses as an uninterrupted one.
+
+What a run folder may have suffered is checked before anything trains:
+
+- The folder is created (or, on resume, found) and probed for writing up front: a read-only
+  folder, a path that is a file, or one under a non-folder raise an OSError of that kind whose
+  one-line message names the path and the reason.
+- Resuming skips damaged checkpoints: each checkpoint is verified against the checksums saved
+  with it (`train.checkpoint`); a damaged newer one is moved aside to `<step>.damaged`, with a
+  warning naming the step, the cause and the step resumed from, and metrics rows after that
+  step are dropped. When every checkpoint is damaged, a CheckpointError names each.
+- A missing config.json is rewritten, with a warning, from the config stored in the newest
+  checkpoint that holds one; it is then compared with the current config as usual.
+- Data that changed since the run started (data_manifest.json's corpus hash; for `--data`
+  files, each file's sha256) is refused with a ValueError naming each changed file with its
+  old and new sha256 prefixes, unless `allow_data_change=True` (`--allow-data-change`): then a
+  warning says so and the old manifest is kept in the new one's `history` (with the step it was
+  replaced at).
 """
 
 import dataclasses
+import errno
 import functools
 import json
 import math
 import os
+import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 import jax
@@ -26,8 +46,8 @@ from flax import nnx
 from models.config import ModelConfig, preset
 from models.lm import HybridLM
 from core.sharding import batch_sharding, make_mesh, state_shardings
-from train.checkpoint import Checkpointer, abstract_like
-from train.cli import config_dict
+from train.checkpoint import CheckpointError, Checkpointer, Resumed, abstract_like
+from train.cli import RunStopped, config_dict
 from train.data import (
     DataConfig,
     bits_per_byte,
@@ -58,6 +78,7 @@ from train.tokenizer import VOCAB_SIZE
 
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = "checkpoints"
+MANIFEST_FILE = "data_manifest.json"
 # Fields that may differ between a run and its resumption (they change how the step runs, not
 # what it computes beyond float32 rounding).
 RUNTIME_FIELDS = ("progress", "fast_compile", "loss_chunk_tokens", "max_consecutive_skips")
@@ -141,7 +162,7 @@ class TrainConfig:
             )
 
 
-class RunDiverged(RuntimeError):
+class RunDiverged(RunStopped):
     """Training cannot usefully go on: a step left a non-finite state, or too many steps in a
     row were skipped. The newest checkpoint is the last good state."""
 
@@ -267,8 +288,84 @@ def _differences(saved, current, prefix: str = "") -> list[str]:
     return [] if saved == current else [prefix[:-1]]
 
 
+def _folder_problem(path: str, error: OSError) -> str:
+    """Why `path` cannot be a run folder, in words, from the OSError that said so."""
+    if isinstance(error, FileExistsError) or (os.path.exists(path) and not os.path.isdir(path)):
+        return "it is a file, not a folder"
+    if isinstance(error, NotADirectoryError):
+        parent = os.path.dirname(os.path.abspath(path))
+        while parent != os.path.dirname(parent) and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if os.path.exists(parent) and not os.path.isdir(parent):
+            return f"{parent!r} is not a folder"
+    return error.strerror or str(error)
+
+
+def _check_writable(run_dir: str, create: bool) -> None:
+    """Creates `run_dir` (with `create`) and probes that it and its checkpoint folder take new
+    files, so that a folder that cannot be written fails now, in one line, rather than in a
+    background checkpoint write later.
+
+    Raises an OSError of the failure's kind (PermissionError, NotADirectoryError, ...) whose
+    message names the folder and the reason.
+    """
+    for folder in (run_dir, os.path.join(run_dir, CHECKPOINT_DIR)):
+        if folder != run_dir and not os.path.isdir(folder):
+            continue  # created by the checkpointer, in a folder just shown to be writable
+        try:
+            if create:
+                os.makedirs(folder, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as error:
+            fix = ("choose another --out or make it writable"
+                   if isinstance(error, PermissionError) or error.errno == errno.EROFS
+                   else "choose another --out")
+            role = "as the run folder" if folder == run_dir else "for the run's checkpoints"
+            raise type(error)(
+                f"cannot use {folder!r} {role}: {_folder_problem(folder, error)}; {fix}"
+            ) from error
+
+
+def _saved_config(run_dir: str, config_path: str) -> dict:
+    """The run's config.json; when it is missing, the config stored in the newest checkpoint
+    whose metadata reads, written back to config.json with a warning.
+
+    Raises ValueError when neither is there.
+    """
+    if os.path.exists(config_path):
+        return read_json(config_path)
+    checkpointer = Checkpointer(os.path.join(run_dir, CHECKPOINT_DIR))
+    try:
+        for step in sorted(checkpointer.all_steps(), reverse=True):
+            try:
+                meta = checkpointer.metadata(step)
+            except CheckpointError:
+                continue  # the full restore later names what is wrong with it
+            if isinstance(meta, dict) and isinstance(meta.get("config"), dict):
+                saved = meta["config"]
+                break
+        else:
+            raise ValueError(
+                f"--resume: {config_path} is missing and no checkpoint of {run_dir!r} holds the "
+                "run's config; restore config.json, or start a new run with another --out"
+            )
+    finally:
+        checkpointer.close()
+    with open(config_path, "w") as f:
+        json.dump(saved, f, indent=2)
+    warnings.warn(f"--resume: {config_path} was missing; rewrote it from the config stored in "
+                  f"checkpoint step {step}", stacklevel=4)
+    return saved
+
+
 def _prepare_run_dir(config: TrainConfig, run_dir: str, resume: bool) -> dict:
-    """Creates or checks the run folder; returns the config as JSON."""
+    """Creates or checks the run folder; returns the config as JSON.
+
+    Raises ValueError for a run folder that does not fit (no checkpoint to resume, checkpoints
+    of another run, a changed config), and an OSError naming the folder when it cannot be
+    created or written (`_check_writable`).
+    """
     config_json = json.loads(json.dumps(config_dict(config)))  # tuples become lists
     config_path = os.path.join(run_dir, "config.json")
     checkpoints = os.path.join(run_dir, CHECKPOINT_DIR)
@@ -281,7 +378,8 @@ def _prepare_run_dir(config: TrainConfig, run_dir: str, resume: bool) -> dict:
                 f"--resume: {run_dir!r} holds no complete checkpoint to continue from; run "
                 "without --resume to start it"
             )
-        saved = read_json(config_path)
+        _check_writable(run_dir, create=False)
+        saved = _saved_config(run_dir, config_path)
         changed = [key for key in _differences(saved, config_json) if key not in RUNTIME_FIELDS]
         if changed:
             raise ValueError(
@@ -294,13 +392,90 @@ def _prepare_run_dir(config: TrainConfig, run_dir: str, resume: bool) -> dict:
             f"{run_dir!r} already holds checkpoints of a run; pass --resume to continue it or "
             "choose another --out"
         )
-    os.makedirs(run_dir, exist_ok=True)
+    _check_writable(run_dir, create=True)
     with open(config_path, "w") as f:
         json.dump(config_json, f, indent=2)
     for stale in (METRICS_FILE, "summary.json"):
         if os.path.exists(os.path.join(run_dir, stale)):
             os.remove(os.path.join(run_dir, stale))
     return config_json
+
+
+def _data_changes(saved: dict, current: dict) -> list[str]:
+    """How the data of manifest `current` differs from the `saved` one, one phrase per changed
+    file (name and old -> new sha256 prefixes), or per corpus without per-file hashes; [] when
+    the corpus hash is the same."""
+    if saved.get("corpus_sha256") == current["corpus_sha256"]:
+        return []
+    old, new = saved.get("files"), current.get("files")
+    if isinstance(old, dict) and isinstance(new, dict):
+        changes = []
+        for name in sorted(set(old) | set(new)):
+            before, after = old.get(name), new.get(name)
+            if before != after:
+                changes.append(f"{name} (sha256 {str(before)[:12]} -> {str(after)[:12]})")
+        if changes:
+            return changes
+    return [f"corpus {saved.get('corpus')!r} -> {current['corpus']!r} (sha256 "
+            f"{str(saved.get('corpus_sha256'))[:12]} -> {current['corpus_sha256'][:12]})"]
+
+
+def _check_data(run_dir: str, manifest: dict, resume: bool,
+                allow_data_change: bool) -> tuple[dict | None, bool]:
+    """On resume, compares the data with the run's saved manifest; returns (the saved manifest
+    or None, whether the data changed).
+
+    Raises ValueError naming each changed file, unless `allow_data_change` (then it warns).
+    """
+    path = os.path.join(run_dir, MANIFEST_FILE)
+    if not resume:
+        return None, False
+    if not os.path.exists(path):
+        warnings.warn(f"--resume: {path} is missing, so the data cannot be compared with what "
+                      "the run started on; recording the current data", stacklevel=3)
+        return None, False
+    saved = read_json(path)
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path}: expected a JSON object (the data manifest), got "
+                         f"{type(saved).__name__}; repair the file or move it away")
+    changes = _data_changes(saved, manifest)
+    if not changes:
+        return saved, False
+    what = (f"the training data changed since {run_dir!r} was started: {'; '.join(changes)}")
+    if not allow_data_change:
+        raise ValueError(
+            f"--resume: {what}. The earlier steps and validations were on the old data; restore "
+            "the files, start a new run with another --out, or pass --allow-data-change "
+            "(train(..., allow_data_change=True)) to continue on the new data"
+        )
+    warnings.warn(f"--resume: {what}; continuing on the new data (--allow-data-change); the "
+                  f"old manifest is kept in {MANIFEST_FILE}'s history", stacklevel=3)
+    return saved, True
+
+
+def _write_manifest(run_dir: str, manifest: dict, saved: dict | None, changed: bool,
+                    start: int) -> None:
+    """Writes data_manifest.json: `manifest`, with the saved manifest's `history`, plus the saved
+    manifest itself (and the step it was replaced at) when the data `changed`."""
+    history = list(saved.get("history", [])) if saved else []
+    if changed:
+        history.append({**{k: v for k, v in saved.items() if k != "history"},
+                        "replaced_at_step": start})
+    record = {**manifest, **({"history": history} if history else {})}
+    with open(os.path.join(run_dir, MANIFEST_FILE), "w") as f:
+        json.dump(record, f, indent=2)
+
+
+def _warn_damaged(resumed: Resumed) -> None:
+    """Warns, naming each damaged checkpoint, its cause and where it went, and the step that
+    the run resumes from instead."""
+    if not resumed.damaged:
+        return
+    damaged = " ".join(f"{error} (moved aside to {moved_to})." for error, moved_to in
+                       resumed.damaged)
+    warnings.warn(f"--resume: {len(resumed.damaged)} damaged checkpoint(s) set aside: {damaged} "
+                  f"Resuming from step {resumed.step}, the newest intact checkpoint.",
+                  stacklevel=3)
 
 
 def _truncate_metrics(path: str, last_step: int) -> None:
@@ -393,6 +568,7 @@ def train(
     until_step: int | None = None,
     stages: Sequence[Stage] | None = None,
     after_stage: StageHook | None = None,
+    allow_data_change: bool = False,
 ) -> RunResult:
     """Runs (or continues) training to `config.steps`, or only to `until_step` (a checkpoint is
     saved there, as a session boundary; the schedule still spans config.steps).
@@ -401,9 +577,13 @@ def train(
         config.data). Each stage ends with an evaluation on its own data and a checkpoint.
     after_stage: called as after_stage(index, stage, trainer) when a stage ends; the dict it
         returns is logged as a metrics row (with `step` and `stage`) and kept in the summary.
+    allow_data_change: resume even though the data changed since the run started (see the
+        module docstring); without it such a resume is refused.
 
-    Raises ValueError for stages that do not add up, or a run folder that does not fit (see
-    `_prepare_run_dir`).
+    Raises ValueError for stages that do not add up, a run folder that does not fit (see
+    `_prepare_run_dir`), or changed data; an OSError naming the folder when it cannot be
+    written; a CheckpointError (a ValueError) when resuming finds no intact checkpoint, or a
+    checkpoint cannot be written.
     """
     stages = tuple(stages or (Stage(config.data, config.steps),))
     ends = np.cumsum([stage.steps for stage in stages])
@@ -417,8 +597,7 @@ def train(
     stop = config.steps if until_step is None else until_step
     manifests = [data_manifest(stage.data) for stage in stages]  # missing files fail here
     config_json = _prepare_run_dir(config, run_dir, resume)
-    with open(os.path.join(run_dir, "data_manifest.json"), "w") as f:
-        json.dump(manifests[0], f, indent=2)
+    saved_manifest, data_changed = _check_data(run_dir, manifests[0], resume, allow_data_change)
 
     trainer = Trainer.create(config)
     checkpointer = Checkpointer(
@@ -430,15 +609,22 @@ def train(
         """Index of the stage that runs `step` (1-based)."""
         return int(np.searchsorted(ends, step))
 
-    start = checkpointer.latest_step() if resume else 0
     # The iterator of the stage that was running; a checkpoint that ends a stage is followed by
     # a fresh iterator of the next stage (in the loop below).
-    stage_index = stage_of(max(start, 1))
-    data_iterator = make_train_iterator(stages[stage_index].data)
+    def iterator_at(step: int):
+        return make_train_iterator(stages[stage_of(max(step, 1))].data)
+
+    start = 0
     if resume:
-        target = abstract_like(trainer.state, trainer.shardings)
-        trainer.state, _ = checkpointer.restore(target, data_iterator, step=start)
+        resumed = checkpointer.restore_newest_intact(
+            abstract_like(trainer.state, trainer.shardings), iterator_at)
+        _warn_damaged(resumed)
+        start, trainer.state, data_iterator = resumed.step, resumed.state, resumed.data_iterator
         _truncate_metrics(metrics_path, start)
+    else:
+        data_iterator = iterator_at(start)
+    stage_index = stage_of(max(start, 1))
+    _write_manifest(run_dir, manifests[0], saved_manifest, data_changed, start)
     writer = MetricsWriter(metrics_path)
 
     schedule = learning_rate_schedule(config.optim, config.steps)

@@ -2,6 +2,8 @@
 (imported by the tests and by the child process they kill during a save)."""
 
 import dataclasses
+import json
+import os
 
 from train.cli import apply_overrides
 from train.loop import Stage, TrainConfig
@@ -24,3 +26,18 @@ def small_run(overrides: list[str], stages: list[tuple[int, int, int]]):
         Stage(dataclasses.replace(config.data, seq_len=length, batch_size=rows), steps)
         for length, rows, steps in stages
     ]
+
+
+def write_corpus(folder) -> list[str]:
+    """Two small data files in `folder`, for runs whose data a test can rewrite: docs.jsonl (300
+    short documents, so both splits have some) and notes.txt (one document). Returns their paths."""
+    docs = os.path.join(folder, "docs.jsonl")
+    with open(docs, "w") as f:
+        for number in range(300):
+            words = (f"word{(number * 7 + k) % 97}" for k in range(40))
+            text = f"document {number}: " + " ".join(words)
+            f.write(json.dumps({"text": text}) + "\n")
+    notes = os.path.join(folder, "notes.txt")
+    with open(notes, "w") as f:
+        f.write("notes on the run: " * 50 + "\n")
+    return [docs, notes]

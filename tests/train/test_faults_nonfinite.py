@@ -11,7 +11,7 @@ import pytest
 
 from tests.train.small_run import SMALL_RUN, small_run
 from tests.train.toy_model import make_batch, split_state
-from train.cli import apply_overrides
+from train.cli import apply_overrides, one_line_errors
 from train.loop import CHECKPOINT_DIR, RunDiverged, TrainConfig, Trainer, check_health, train
 from train.optim import OptimConfig
 from train.step import FAST_COMPILE_OPTIONS, make_train_step
@@ -91,3 +91,11 @@ def test_a_diverged_run_stops_and_keeps_its_last_good_checkpoints(tmp_path, monk
     saved = sorted(int(name) for name in os.listdir(os.path.join(run_dir, CHECKPOINT_DIR))
                    if name.isdigit())
     assert saved == kept and steps_run[-1] == (3 if fault == "nonfinite_state" else 4)
+
+
+def test_the_command_line_reports_a_diverged_run_in_one_line(capsys):
+    with pytest.raises(SystemExit) as stopped, one_line_errors():
+        check_health(rows(1, 1), 0, 2, 4)
+    assert stopped.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: 2 steps in a row") and "(step 4)" in line

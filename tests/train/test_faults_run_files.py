@@ -26,7 +26,7 @@ def test_non_finite_numbers_read_back_as_floats(tmp_path):
 def test_the_quickstart_summary_reports_a_nan_validation(tmp_path, monkeypatch, capsys):
     out = str(tmp_path / "run")
 
-    def diverged_train(config, run_dir, resume):
+    def diverged_train(config, run_dir, resume, **options):
         """What `train` summarises from a run whose final validation was NaN."""
         path = os.path.join(run_dir, METRICS_FILE)
         metrics.MetricsWriter(path).write([{"step": 1, "loss": math.nan, "skipped_steps": 1},
