@@ -21,7 +21,9 @@ The training side (imported on first use, so the data modules stay light):
 - `train.metrics`: JSONL rows, plots, `train_flops_per_token` for tokens/s and MFU.
 - `train.loop`: `TrainConfig`, `Trainer`, `Stage`, `train` (progress bar, evaluation,
   checkpoints, exact resume).
-- `train.cli`: `apply_overrides` (typed `--set key=value`) and the shared experiment options.
+- `train.cli`: `apply_overrides` (typed `--set key=value`), `config_from_dict` (a config back
+  from its JSON) and the shared experiment options.
+- `train.inference`: `load_model` (a run's trained model alone, on any mesh, in bf16).
 """
 
 import importlib

@@ -432,6 +432,59 @@ class Checkpointer:
                                               f"({_one_line(error)})") from error
         return state, {k: v for k, v in meta.items() if k not in (STATE_CHECKSUMS, DATA_SHA256)}
 
+    def restore_model(self, abstract_model: nnx.State, step: int | None = None) -> nnx.State:
+        """Loads only the model's variables (parameters, router biases) of checkpoint `step`
+        (default: the latest), without the optimizer moments or the data iterator, into arrays
+        shaped and placed like `abstract_model` (leaves `jax.ShapeDtypeStruct` with a sharding:
+        any mesh, whatever mesh the run trained on), and checks them against their checksums.
+
+        Raises FileNotFoundError when there is no complete checkpoint, and CheckpointError when
+        this one cannot be read back as saved.
+        """
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        path = self.step_dir(step)
+        # The tree as orbax wrote it: nested dicts named by each leaf's path under "model".
+        paths_and_leaves, structure = jax.tree_util.tree_flatten_with_path(abstract_model)
+        names = [("model", *_path_name(path).split(".")) for path, _ in paths_and_leaves]
+        target: dict = {}
+        for name, (_, leaf) in zip(names, paths_and_leaves):
+            node = target
+            for part in name[:-1]:
+                node = node.setdefault(part, {})
+            node[name[-1]] = leaf
+        restore_args = jax.tree.map(
+            lambda x: ocp.ArrayRestoreArgs(dtype=x.dtype, sharding=x.sharding), target)
+        # The state was saved as a standard pytree; orbax's PyTree handler reads the same files
+        # and can restore a part of the tree.
+        reader = ocp.CheckpointManager(self.directory, item_handlers={
+            "state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+        try:
+            restored = reader.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(target, restore_args=restore_args,
+                                             partial_restore=True),
+                meta=ocp.args.JsonRestore()))
+        except Exception as error:  # orbax, TensorStore and JSON errors alike
+            raise CheckpointError(step, path, _unreadable(path, error)) from error
+        finally:
+            reader.close()
+        model = restored["state"]["model"]
+        expected = (restored["meta"] or {}).get(STATE_CHECKSUMS)
+        if expected is not None:
+            actual = state_checksums({"model": model})  # keyed by the same path names
+            differ = sorted(name for name in actual if expected.get(name) != actual[name])
+            if differ:
+                raise CheckpointError(step, path, f"state: {len(differ)} model array(s) differ "
+                                                  f"from what was saved: {', '.join(differ[:3])}")
+        leaves = []
+        for name in names:
+            node = restored["state"]
+            for part in name:
+                node = node[part]
+            leaves.append(node)
+        return jax.tree.unflatten(structure, leaves)
+
     def restore_newest_intact(
         self,
         abstract_state: nnx.State,

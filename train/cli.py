@@ -155,6 +155,31 @@ def config_dict(config) -> dict:
     return dataclasses.asdict(config)
 
 
+def _tuples(value):
+    """JSON lists back to the tuples the configs hold (nested ones too)."""
+    return tuple(_tuples(item) for item in value) if isinstance(value, list) else value
+
+
+def config_from_dict(cls, data: dict):
+    """The frozen dataclass `cls` from its `config_dict` form (as read back from JSON): the
+    inverse of `config_dict`. Fields missing from `data` keep their defaults; an unknown key
+    raises a ValueError naming it, and the config class checks the values as usual."""
+    fields = {field.name: field for field in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field(s) {unknown}; its fields are "
+                         f"{', '.join(fields)}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, value in data.items():
+        kinds = typing.get_args(hints[name]) or (hints[name],)
+        nested = [kind for kind in kinds if dataclasses.is_dataclass(kind)]
+        if isinstance(value, dict) and nested:
+            value = config_from_dict(nested[0], value)
+        values[name] = _tuples(value)
+    return cls(**values)
+
+
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """The shared options: --set (repeatable), --out, --resume, --allow-data-change,
     --print-config, --debug. Unknown options are refused."""
