@@ -46,7 +46,7 @@ from kda.kernels.mosaic_gpu.op import kernel_recurrence
 from kda.kernels.mosaic_gpu.common import recurrence_operands
 from kda.kernels.mosaic_gpu.prepare import prepare_chunks_kernel
 from kda.kernels.mosaic_gpu.sequence_parallel import choose_num_segments
-from kda.segments import kda_attention_in_segments
+from kda.segments import is_segment_size, kda_attention_in_segments
 
 CPU_SHAPES = ["1x1024x4x64", "1x4096x4x64", "1x16384x4x64"]
 GPU_SHAPES = ["8x2048x16x128", "2x8192x16x128", "1x32768x16x128", "1x65536x32x128",
@@ -616,8 +616,8 @@ def main(argv=None):
     shapes = args.shapes or [Shape.parse(s) for s in (GPU_SHAPES if args.gpu else CPU_SHAPES)]
     baseline = args.baseline or ("jla mosaic_gpu" if args.gpu else "chunked")
     segment = args.segment_tokens
-    if segment is not None and any(segment % 64 or segment < 64 or shape.length % segment
-                                   for shape in shapes):
+    if segment is not None and (not is_segment_size(segment)
+                                or any(shape.length % segment for shape in shapes)):
         parser.error(f"--segment-tokens {args.segment_tokens} must be a multiple of 64 that "
                      "divides every shape's T")
     table = contenders(args.gpu, impls, args.peers, args.parts, args.device_time,

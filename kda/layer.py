@@ -24,7 +24,7 @@ from kda.api import available_implementations, kda_attention
 from kda.common import document_index
 from kda.gate import check_lower_bound, lower_bound_gate, softplus_gate
 from kda.kernels.triton import short_conv
-from kda.segments import kda_attention_in_segments
+from kda.segments import is_segment_size, kda_attention_in_segments
 
 GATES = ("lower_bound", "softplus")
 
@@ -90,9 +90,7 @@ class KDAConfig:
         for name in ("conv_kernels", "check_inputs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KDAConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        if self.segment_tokens is not None and (
-                isinstance(self.segment_tokens, bool) or not isinstance(self.segment_tokens, int)
-                or self.segment_tokens < 64 or self.segment_tokens % 64):
+        if self.segment_tokens is not None and not is_segment_size(self.segment_tokens):
             raise ValueError(f"KDAConfig.segment_tokens must be None or a positive multiple of "
                              f"64, got {self.segment_tokens!r}")
         if self.gate not in GATES:

@@ -26,6 +26,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from kda.api import kda_attention
+from kda.chunked import CHUNK_SIZE
+
+
+def is_segment_size(segment_tokens) -> bool:
+    """Whether `segment_tokens` can cut sequences into segments: an int, a positive multiple of
+    the 64-token chunk (so that segment boundaries are chunk boundaries)."""
+    return (isinstance(segment_tokens, int) and not isinstance(segment_tokens, bool)
+            and segment_tokens >= CHUNK_SIZE and segment_tokens % CHUNK_SIZE == 0)
 
 
 def _to_segments(x: jax.Array, num_segments: int) -> jax.Array:
@@ -81,8 +89,7 @@ def kda_attention_in_segments(
       (o [B, T, HV, V], final_state float32 [B, HV, K, V] or None).
     """
     batch, length = q.shape[:2]
-    if (isinstance(segment_tokens, bool) or not isinstance(segment_tokens, int)
-            or segment_tokens < 64 or segment_tokens % 64 or length % segment_tokens):
+    if not is_segment_size(segment_tokens) or length % segment_tokens:
         raise ValueError(
             f"segment_tokens must be a positive multiple of 64 that divides the sequence length "
             f"T = {length}, got {segment_tokens!r}"

@@ -470,13 +470,8 @@ class Checkpointer:
         finally:
             reader.close()
         model = restored["state"]["model"]
-        expected = (restored["meta"] or {}).get(STATE_CHECKSUMS)
-        if expected is not None:
-            actual = state_checksums({"model": model})  # keyed by the same path names
-            differ = sorted(name for name in actual if expected.get(name) != actual[name])
-            if differ:
-                raise CheckpointError(step, path, f"state: {len(differ)} model array(s) differ "
-                                                  f"from what was saved: {', '.join(differ[:3])}")
+        _check_state(step, path, {"model": model}, (restored["meta"] or {}).get(STATE_CHECKSUMS),
+                     part="model ")
         leaves = []
         for name in names:
             node = restored["state"]
@@ -556,24 +551,30 @@ class Checkpointer:
                 self._manager.close()
 
 
+def _check_state(step: int, path: str, state, expected: dict | None, part: str = "") -> None:
+    """Raises CheckpointError naming the arrays of `state` whose checksums differ from the saved
+    `expected` ones (None: saved without checksums, unchecked). part: "" when `state` is the
+    whole saved state (an array missing on either side differs too), else a word naming the
+    part restored ("model "), whose arrays alone are compared."""
+    if expected is None:
+        return
+    actual = state_checksums(state)
+    names = set(actual) if part else set(expected) | set(actual)
+    differ = sorted(name for name in names if expected.get(name) != actual.get(name))
+    if differ:
+        shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3
+                                         else "")
+        raise CheckpointError(step, path, f"state: {len(differ)} {part}array(s) differ from what "
+                                          f"was saved (checksum mismatch): {shown}")
+
+
 def _verify(step: int, path: str, state: nnx.State, data_state, meta) -> None:
     """Raises CheckpointError where the restored state or iterator position differs from the
     checksums saved with it (checkpoints saved without checksums pass unchecked)."""
     if not isinstance(meta, dict):
         raise CheckpointError(step, path,
                               f"meta: expected a JSON object, got {type(meta).__name__}")
-    expected = meta.get(STATE_CHECKSUMS)
-    if expected is not None:
-        actual = state_checksums(state)
-        differ = sorted(name for name in set(expected) | set(actual)
-                        if expected.get(name) != actual.get(name))
-        if differ:
-            shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3
-                                             else "")
-            raise CheckpointError(
-                step, path, f"state: {len(differ)} array(s) differ from what was saved "
-                f"(checksum mismatch): {shown}",
-            )
+    _check_state(step, path, state, meta.get(STATE_CHECKSUMS))
     if DATA_SHA256 in meta and _json_sha256(data_state) != meta[DATA_SHA256]:
         raise CheckpointError(step, path, "data: the iterator position differs from what was "
                                           "saved (sha256 mismatch)")
