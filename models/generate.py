@@ -52,20 +52,29 @@ class Sampling:
             raise ValueError(f"top_p must be None or in (0, 1], got {self.top_p}")
 
 
-def filter_logits(logits: jax.Array, top_k: int | None, top_p: float | None) -> jax.Array:
-    """Sets the logits outside the top-k / top-p (nucleus) set to -inf. logits: [B, V] float32."""
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth_largest = jax.lax.top_k(logits, top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
-    if top_p is not None and top_p < 1:
-        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        # A token stays if the tokens ranked above it hold less than top_p: the first always does.
-        mass_above = jnp.cumsum(probs, axis=-1) - probs
-        kept = jnp.where(mass_above < top_p, sorted_logits, jnp.inf)
-        threshold = jnp.min(kept, axis=-1, keepdims=True)
-        logits = jnp.where(logits < threshold, -jnp.inf, logits)
-    return logits
+def filter_logits(logits: jax.Array, top_k, top_p) -> jax.Array:
+    """Sets the logits outside the top-k, then top-p (nucleus), set to -inf. logits: [B, V] float32.
+
+    top_k: None (all), an int >= 1, or per row [B] int32 (values >= V keep all).
+    top_p: None (all), a float in (0, 1], or per row [B] float32 (1 keeps all). The nucleus is
+      the smallest set of most likely tokens, after top_k, whose probability reaches top_p.
+    Tokens tied with the last one kept are kept too.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    vocab, rows = logits.shape[-1], logits.shape[:-1]
+    top_k = jnp.broadcast_to(jnp.asarray(vocab if top_k is None else top_k, jnp.int32), rows)
+    top_p = jnp.broadcast_to(jnp.asarray(1.0 if top_p is None else top_p, jnp.float32), rows)
+    sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+    in_top_k = jnp.arange(vocab) < top_k[..., None]
+    sorted_logits = jnp.where(in_top_k, sorted_logits, -jnp.inf)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    # A token stays if the tokens ranked above it hold less than top_p: the first always does.
+    mass_above = jnp.cumsum(probs, axis=-1) - probs
+    in_nucleus = (mass_above < top_p[..., None]) | (top_p[..., None] >= 1)
+    kept = jnp.where(in_top_k & in_nucleus, sorted_logits, jnp.inf)
+    threshold = jnp.min(kept, axis=-1, keepdims=True)
+    return jnp.where(logits < threshold, -jnp.inf, logits)
 
 
 def sample_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:

@@ -95,6 +95,11 @@ class PageAllocator:
 
     A sequence is a row of the block table; `reserve(row, n)` makes sure pages cover its first n
     tokens (allocating lazily from the free list), `release(row)` returns its pages.
+
+    Pages are reference counted, so that sequences with a common prefix can hold the same full
+    pages (`share`) and a prefix cache can keep pages after their sequences end (`retain`,
+    `drop`): a page returns to the free list when its last holder lets it go. Nothing writes into
+    a shared page: a sequence appends only past its own length, and shared pages are full.
     """
 
     def __init__(self, num_pages: int, page_size: int, num_sequences: int, max_pages_per_seq: int):
@@ -110,6 +115,7 @@ class PageAllocator:
         self.page_size = page_size
         self.num_pages = num_pages
         self._free = collections.deque(range(1, num_pages))
+        self._holders = np.zeros(num_pages, np.int64)  # rows and `retain` calls holding a page
         self._pages_of = [[] for _ in range(num_sequences)]
         self.block_tables = np.full((num_sequences, max_pages_per_seq), NULL_PAGE, np.int32)
 
@@ -149,11 +155,43 @@ class PageAllocator:
             )
         while len(owned) < needed:
             page = self._free.popleft()
+            self._holders[page] = 1
             self.block_tables[row, len(owned)] = page
             owned.append(page)
 
     def release(self, row: int) -> None:
-        """Ends sequence `row`: its pages go back to the free list, its row to the null page."""
-        self._free.extend(self._pages_of[row])
+        """Ends sequence `row`: its pages go back to the free list (those no other holder
+        keeps), its row to the null page."""
+        self.drop(self._pages_of[row])
         self._pages_of[row] = []
         self.block_tables[row] = NULL_PAGE
+
+    def pages_of(self, row: int) -> tuple[int, ...]:
+        """The physical pages of sequence `row`, in logical order."""
+        return tuple(self._pages_of[row])
+
+    def share(self, row: int, pages) -> None:
+        """Starts the empty sequence `row` on `pages` (full pages another holder keeps: a common
+        prefix), which it now holds too."""
+        if self._pages_of[row]:
+            raise ValueError(f"sequence {row} already holds pages; release it before sharing")
+        if len(pages) > self.max_pages_per_seq:
+            raise ValueError(f"{len(pages)} shared pages exceed the block table's "
+                             f"{self.max_pages_per_seq} pages per sequence")
+        self.retain(pages)
+        self._pages_of[row] = list(pages)
+        self.block_tables[row, : len(pages)] = pages
+
+    def retain(self, pages) -> None:
+        """One more holder of each of `pages` (pages in use)."""
+        for page in pages:
+            if self._holders[page] < 1:
+                raise ValueError(f"page {page} is not in use and cannot be retained")
+            self._holders[page] += 1
+
+    def drop(self, pages) -> None:
+        """One holder fewer for each of `pages`; a page nobody holds returns to the free list."""
+        for page in pages:
+            self._holders[page] -= 1
+            if self._holders[page] == 0:
+                self._free.append(page)

@@ -1,0 +1,630 @@
+"""Serving: continuous batching of requests over fixed sequence slots and one shared page pool.
+
+    engine = Engine(model, slots=8, num_pages=1024, page_size=16, max_seq_len=4096,
+                    prefill_chunk_tokens=256)
+    request_id = engine.submit(Request(prompt_ids, sampling=Sampling(temperature=0.8, top_p=0.95),
+                                       seed=1, max_tokens=64, stop_tokens=(EOS,)))
+    for event in engine.stream():     # TokenEvent(request_id, token, logprob, finish_reason)
+        ...                           # tokens as they are produced, all requests interleaved
+    completions = engine.run(requests)  # [Completion] in request order (tokens, logprobs, reason)
+
+Slots: the engine holds the decode state of `slots` sequences: per KDA layer each slot's conv
+tail and float32 recurrent state (constant size), per MLA layer one paged latent pool that every
+slot reaches through its row of the block table (`models.paged_cache`; attention reads only the
+pages a row holds, `models.attention.paged_latent_attention`). A request takes a free slot,
+prefills, decodes, and leaves at its end; its slot and pages go to the next one (continuous
+batching). Each `step()` runs, in order:
+
+    admit     waiting requests take free slots, oldest first, if the pool has the pages for
+              their prompt (else they wait)
+    prefill   one chunk of one slot's prompt: the slot's KDA state is read out of the batch,
+              continued by the chunk, and written back; its latents go to pages reserved for it
+    decode    one token of every slot whose prompt is in: [slots, 1] in one program, sampled per
+              request; idle and prefilling slots keep their KDA state and write their (ignored)
+              latents to the null page
+
+A prompt's last token goes in through a decode step, which samples the first generated token, so
+every token is sampled by the same program. Pages are reserved just before the step that writes
+them. When the pool runs out, cached prefixes are evicted first, then the newest running request
+is preempted: its pages are freed and it waits at the front of the queue, to be prefilled again
+from its prompt and the tokens it has generated (the same tokens come out, up to float32 rounding
+of the recomputation, and the same sampling keys).
+
+Compiled programs: decode is always [slots, 1]; prefill chunks are [1, C] for C in a few buckets
+(`chunk_buckets`: page_size * 2^j up to prefill_chunk_tokens, and the powers of two below a page
+for a prompt's tail), and a prompt is cut into pieces of exactly those lengths, so no padding ever
+enters the KDA recurrence. A server thus compiles len(buckets) + 1 programs (+ 2 small copies with
+prefix sharing) whatever its traffic: `compiled_programs()` counts them, `warmup()` compiles them
+all up front. The decode and prefill programs donate the cache buffers (updated in place).
+
+Sampling (`sample_rows`): per request greedy (temperature 0) or temperature / top_k / top_p, from a
+key derived from the request's seed and the token's index, never from the batch: a request gives
+the same tokens alone or among others. Log-probabilities are those of the sampled token under the
+distribution it was drawn from (see `sample_rows`).
+
+Prefix sharing (`prefix_sharing=True`): at each page boundary where a prefill chunk ends, the
+engine keeps the sequence's full pages (reference counted, never written again) and a copy of its
+slot's KDA state. A request whose tokens start with a kept prefix starts from it: it holds the
+same pages and prefills only the rest. Kept prefixes are evicted least recently used first, when
+pages run out or more than `max_prefixes` are kept.
+"""
+
+import collections
+import dataclasses
+import functools
+import heapq
+import math
+import numbers
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.generate import Sampling, filter_logits
+from models.lm import DecodeState, HybridLM
+from models.paged_cache import NULL_PAGE, PageAllocator
+from models.prefill import check_positive_int, check_prompts
+
+FinishReason = Literal["stop", "length"]
+SEED_LIMIT = 2**32
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One generation request.
+
+    prompt: token ids (at least one), each in [0, vocab_size).
+    sampling: greedy (the default), or temperature with optional top_k / top_p (`Sampling`).
+    seed: an int in [0, 2^32); token i is drawn with the key fold_in(key(seed), i).
+    max_tokens: tokens to generate at most.
+    stop_tokens: the request ends after generating any of these (the stop token is returned).
+    """
+
+    prompt: tuple[int, ...]
+    sampling: Sampling = Sampling()
+    seed: int = 0
+    max_tokens: int = 16
+    stop_tokens: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        ids = np.asarray(self.prompt)
+        if ids.ndim != 1 or ids.size < 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"prompt must be a non-empty sequence of int token ids, got "
+                             f"{_short(self.prompt)}")
+        object.__setattr__(self, "prompt", tuple(int(t) for t in ids))
+        if not isinstance(self.sampling, Sampling):
+            raise ValueError(f"sampling must be a models.generate.Sampling, got {self.sampling!r}")
+        if (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
+                or not 0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"seed must be an int in [0, 2^32), got {self.seed!r}")
+        check_positive_int("max_tokens", self.max_tokens, "tokens generated at most")
+        stops = tuple(self.stop_tokens)
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in stops):
+            raise ValueError(f"stop_tokens must be int token ids, got {self.stop_tokens!r}")
+        object.__setattr__(self, "stop_tokens", tuple(int(t) for t in stops))
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) < 80 else text[:77] + "..."
+
+
+class TokenEvent(NamedTuple):
+    """One generated token of a request; finish_reason is set on its last token."""
+
+    request_id: int
+    token: int
+    logprob: float
+    finish_reason: FinishReason | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """A finished request: its generated tokens, their log-probabilities (`sample_rows`), and why
+    it ended ("stop": a stop token, the last of `tokens`; "length": max_tokens, or the engine's
+    max_seq_len reached)."""
+
+    request_id: int
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: FinishReason
+    preemptions: int
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters of an engine's work since it was built."""
+
+    steps: int = 0
+    prefill_chunks: int = 0
+    decode_steps: int = 0
+    preemptions: int = 0
+    prefill_tokens: int = 0  # prompt (and recomputed) tokens run through prefill chunks
+    shared_tokens: int = 0  # tokens not prefilled because a kept prefix covered them
+    peak_pages: int = 0  # most pages held at once (by sequences and kept prefixes)
+
+
+class RowSampling(NamedTuple):
+    """Per-row sampling parameters, each [B]: temperature float32 (0: greedy), top_k int32
+    (>= vocab: all), top_p float32 (1: all), seed uint32, index int32 (the generated token's
+    position in its request: the key is fold_in(key(seed), index))."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seed: jax.Array
+    index: jax.Array
+
+
+def sample_rows(logits: jax.Array, rows: RowSampling) -> tuple[jax.Array, jax.Array]:
+    """Next tokens [B] int32 and their log-probabilities [B] float32 from logits [B, V], each row
+    by its own parameters and key.
+
+    Log-probabilities: for temperature > 0, under the distribution the token was drawn from:
+    softmax of logits / temperature restricted to the top_k, then top_p set (`filter_logits`)
+    and renormalised; for greedy rows (temperature 0), under the model's own distribution,
+    softmax(logits).
+    """
+    logits = logits.astype(jnp.float32)
+    greedy = rows.temperature == 0
+    scaled = logits / jnp.where(greedy, 1.0, rows.temperature)[:, None]
+    filtering = jnp.any((rows.top_k < logits.shape[-1]) | (rows.top_p < 1))
+    filtered = jax.lax.cond(filtering, lambda x: filter_logits(x, rows.top_k, rows.top_p),
+                            lambda x: x, scaled)
+    keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed), index))(
+        rows.seed, rows.index)
+    drawn = jax.vmap(jax.random.categorical)(keys, filtered)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    log_probs = jax.nn.log_softmax(jnp.where(greedy[:, None], logits, filtered), axis=-1)
+    return tokens, jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
+
+
+def chunk_buckets(page_size: int, max_chunk: int) -> tuple[int, ...]:
+    """The prefill chunk lengths, ascending: page_size * 2^j up to max_chunk (whole pages) and
+    the powers of two up to page_size (a prompt's tail within its last page)."""
+    whole = [page_size << j for j in range(int(math.log2(max_chunk // page_size)) + 1)]
+    tail = [1 << i for i in range(int(math.log2(page_size)) + 1)]
+    return tuple(sorted(set(whole) | set(tail)))
+
+
+def next_chunk(fed: int, stop: int, page_size: int, max_chunk: int) -> int:
+    """The next prefill chunk's length for a sequence with `fed` tokens in its cache and tokens up
+    to `stop` to prefill (fed < stop; fed at a page boundary or past the last one before stop).
+
+    Whole pages first, in the largest bucket that fits (so every chunk up to the last page
+    boundary ends on a page boundary, where a prefix can be kept), then the tail in descending
+    powers of two: one of `chunk_buckets(page_size, max_chunk)`.
+    """
+    boundary = stop // page_size * page_size
+    if fed < boundary:
+        pages = min((boundary - fed) // page_size, max_chunk // page_size)
+        return page_size << (pages.bit_length() - 1)
+    return 1 << ((stop - fed).bit_length() - 1)
+
+
+def slot_axes(model: HybridLM) -> tuple[int | None, ...]:
+    """For each leaf of the decode state's caches (in `jax.tree.leaves` order): the axis that
+    indexes sequences (KDA conv tails and states; 1 in a scanned group's stacked caches), or
+    None for the MLA page pools that every sequence shares."""
+    def caches(batch):
+        return jax.eval_shape(lambda: model.init_decode_state(
+            batch, num_pages=2, page_size=1, max_pages_per_seq=1).caches)
+
+    axes = []
+    for one, two in zip(jax.tree.leaves(caches(1)), jax.tree.leaves(caches(2))):
+        differ = [axis for axis, (a, b) in enumerate(zip(one.shape, two.shape)) if a != b]
+        axes.append(differ[0] if differ else None)
+    return tuple(axes)
+
+
+def _fresh_or_kept(leaf: jax.Array, axis: int, start: jax.Array) -> jax.Array:
+    """The slot state leaf, zeroed where a row starts a sequence (start [B] == 0): a new request
+    never continues the state its slot's previous occupant left."""
+    shape = [1] * leaf.ndim
+    shape[axis] = start.shape[0]
+    return jnp.where(start.reshape(shape) > 0, leaf, jnp.zeros_like(leaf))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def _prefill_program(graphdef, axes, variables, caches, slot, tokens, block_row, start):
+    """One prompt chunk tokens [1, C] of the sequence in `slot` (int32 scalar), whose block table
+    row is block_row [1, P] and whose cache holds start [1] tokens. Returns the caches with the
+    slot's KDA state continued and the chunk's latents in its pages (the rest unchanged)."""
+    leaves, treedef = jax.tree.flatten(caches)
+    mine = [leaf if axis is None else _fresh_or_kept(
+        jax.lax.dynamic_index_in_dim(leaf, slot, axis, keepdims=True), axis, start)
+        for leaf, axis in zip(leaves, axes)]
+    state = DecodeState(jax.tree.unflatten(treedef, mine), block_row, start)
+    _, state = nnx.merge(graphdef, variables).extend(tokens, state, all_logits=False)
+    updated = [new if axis is None else jax.lax.dynamic_update_index_in_dim(leaf, new, slot, axis)
+               for leaf, new, axis in zip(leaves, jax.tree.leaves(state.caches), axes)]
+    return jax.tree.unflatten(treedef, updated)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def _decode_program(graphdef, axes, variables, caches, tokens, block_tables, lengths, active,
+                    rows: RowSampling):
+    """One token tokens [S, 1] for every slot: the next tokens [S] and their log-probabilities
+    [S] (`sample_rows`), and the caches. Rows not `active` [S] keep their KDA state; their block
+    table rows must point at the null page (their latents land there)."""
+    leaves, treedef = jax.tree.flatten(caches)
+    fresh = [leaf if axis is None else _fresh_or_kept(leaf, axis, lengths)
+             for leaf, axis in zip(leaves, axes)]
+    state = DecodeState(jax.tree.unflatten(treedef, fresh), block_tables, lengths)
+    logits, state = nnx.merge(graphdef, variables).extend(tokens, state, all_logits=False)
+    kept = []
+    for old, new, axis in zip(leaves, jax.tree.leaves(state.caches), axes):
+        if axis is None:
+            kept.append(new)
+            continue
+        shape = [1] * old.ndim
+        shape[axis] = active.shape[0]
+        kept.append(jnp.where(active.reshape(shape), new, old))
+    next_tokens, logprobs = sample_rows(logits, rows)
+    return jax.tree.unflatten(treedef, kept), next_tokens, logprobs
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _read_slot(axes, caches, slot):
+    """A copy of one slot's KDA state: the per-slot leaves, [1, ...] along their slot axis."""
+    return tuple(jax.lax.dynamic_index_in_dim(leaf, slot, axis, keepdims=True)
+                 for leaf, axis in zip(jax.tree.leaves(caches), axes) if axis is not None)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
+def _write_slot(axes, caches, slot, saved):
+    """The caches with one slot's KDA state replaced by `saved` (from `_read_slot`)."""
+    leaves, treedef = jax.tree.flatten(caches)
+    saved = iter(saved)
+    return jax.tree.unflatten(treedef, [
+        leaf if axis is None else jax.lax.dynamic_update_index_in_dim(leaf, next(saved), slot, axis)
+        for leaf, axis in zip(leaves, axes)])
+
+
+_PROGRAMS = (_prefill_program, _decode_program, _read_slot, _write_slot)
+
+
+def compiled_programs() -> int:
+    """Programs the serving functions have compiled in this process (all engines together)."""
+    return sum(program._cache_size() for program in _PROGRAMS)
+
+
+@dataclasses.dataclass
+class _Sequence:
+    """A request in flight: its tokens so far and where its state lives."""
+
+    id: int
+    request: Request
+    generated: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    fed: int = 0  # tokens in the slot's cache
+    admitted: int = -1  # admission order: the highest is the newest (preempted first)
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self.request.prompt + tuple(self.generated)
+
+
+@dataclasses.dataclass
+class _Prefix:
+    """A kept prefix: its full pages and a copy of the KDA state after its last token."""
+
+    pages: tuple[int, ...]
+    kda_state: tuple
+
+
+class Engine:
+    """Continuous batching over `slots` sequence slots (see the module docstring).
+
+    model: the HybridLM (its parameters as they are: bf16 for `train.inference.load_model`).
+    slots: sequences decoded together (the decode batch).
+    num_pages: the shared page pool (page 0 is the null page); it bounds the MLA cache's memory,
+      and may be far below slots * max_seq_len / page_size.
+    page_size: tokens per page.
+    max_seq_len: tokens a sequence may hold, prompt and generated together.
+    prefill_chunk_tokens: the longest prefill chunk, page_size times a power of two.
+    prefix_sharing: keep prefixes at page boundaries for later requests to start from.
+    max_prefixes: kept prefixes at most (each holds one slot's KDA state on the device).
+    """
+
+    def __init__(self, model: HybridLM, *, slots: int, num_pages: int, page_size: int = 16,
+                 max_seq_len: int, prefill_chunk_tokens: int = 256,
+                 prefix_sharing: bool = False, max_prefixes: int = 64):
+        check_positive_int("slots", slots, "sequences decoded together")
+        check_positive_int("page_size", page_size, "tokens per page of the MLA latent cache")
+        check_positive_int("max_seq_len", max_seq_len, "tokens a sequence holds at most")
+        check_positive_int("prefill_chunk_tokens", prefill_chunk_tokens,
+                           "the longest prompt chunk of a prefill step")
+        check_positive_int("max_prefixes", max_prefixes, "kept prefixes at most")
+        whole_pages = prefill_chunk_tokens // page_size
+        if prefill_chunk_tokens % page_size or whole_pages & (whole_pages - 1):
+            raise ValueError(f"prefill_chunk_tokens must be page_size ({page_size}) times a power "
+                             f"of two, got {prefill_chunk_tokens}")
+        if not isinstance(num_pages, numbers.Integral) or num_pages < 2:
+            raise ValueError(f"num_pages must be an int >= 2 (page 0 is the null page), got "
+                             f"{num_pages!r}")
+        self.model = model
+        self.slots = slots
+        self.page_size = page_size
+        self.max_seq_len = max_seq_len
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.buckets = chunk_buckets(page_size, prefill_chunk_tokens)
+        self.stats = EngineStats()
+        self._graphdef, self._variables = nnx.split(model)
+        self._axes = slot_axes(model)
+        self._allocator = PageAllocator(num_pages, page_size, slots,
+                                        math.ceil(max_seq_len / page_size))
+        self._caches = model.init_decode_state(
+            slots, num_pages=num_pages, page_size=page_size,
+            max_pages_per_seq=self._allocator.max_pages_per_seq).caches
+        self._running: list[_Sequence | None] = [None] * slots
+        self._waiting: list[tuple[int, _Sequence]] = []  # heap by request id: oldest first
+        self._next_id = 0
+        self._admissions = 0
+        self._prefixes: collections.OrderedDict[tuple[int, ...], _Prefix] | None = (
+            collections.OrderedDict() if prefix_sharing else None)
+        self._max_prefixes = max_prefixes
+        self._completed: dict[int, Completion] = {}  # finished, not yet handed out
+
+    # Requests in and out.
+
+    def submit(self, request: Request) -> int:
+        """Queues `request`; returns its id. Raises a ValueError naming what does not fit."""
+        vocab = self.model.cfg.vocab_size
+        check_prompts(np.asarray(request.prompt)[None], vocab)
+        if any(not 0 <= t < vocab for t in request.stop_tokens):
+            raise ValueError(f"stop_tokens must be token ids in [0, {vocab}), got "
+                             f"{request.stop_tokens}")
+        if len(request.prompt) >= self.max_seq_len:
+            raise ValueError(
+                f"prompt of {len(request.prompt)} tokens leaves no room to generate within the "
+                f"engine's max_seq_len of {self.max_seq_len} tokens; shorten the prompt or build "
+                "the engine with a larger max_seq_len")
+        longest = min(len(request.prompt) + request.max_tokens, self.max_seq_len)
+        pages = math.ceil((longest - 1) / self.page_size)  # the last token is never fed
+        if pages > self._allocator.num_pages - 1:
+            raise ValueError(
+                f"the request may need {pages} pages of {self.page_size} tokens, the pool holds "
+                f"{self._allocator.num_pages - 1}; build the engine with num_pages >= {pages + 1} "
+                "or lower max_tokens")
+        sequence = _Sequence(self._next_id, request)
+        self._next_id += 1
+        heapq.heappush(self._waiting, (sequence.id, sequence))
+        return sequence.id
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting) or any(s is not None for s in self._running)
+
+    @property
+    def pages_in_use(self) -> int:
+        return self._allocator.num_pages - 1 - self._allocator.num_free
+
+    def stream(self) -> Iterator[TokenEvent]:
+        """Steps until every submitted request has finished, yielding tokens as they come."""
+        while self.has_work:
+            yield from self.step()
+
+    def run(self, requests: Iterable[Request]) -> list[Completion]:
+        """Submits `requests`, runs them to their ends; their Completions, in request order."""
+        ids = [self.submit(request) for request in requests]
+        done = {}
+        for event in self.stream():
+            if event.finish_reason is not None:
+                done[event.request_id] = self._completed.pop(event.request_id)
+        return [done[i] for i in ids]
+
+    def warmup(self) -> None:
+        """Compiles every program a server can need (each prefill bucket, the decode step, the
+        prefix copies) on idle slots. Raises unless the engine is idle."""
+        if self.has_work:
+            raise ValueError("warmup needs an idle engine: call it before submitting requests")
+        null_row = np.full((1, self._allocator.max_pages_per_seq), NULL_PAGE, np.int32)
+        for size in self.buckets:
+            self._caches = _prefill_program(
+                self._graphdef, self._axes, self._variables, self._caches, np.int32(0),
+                np.zeros((1, size), np.int32), null_row, np.zeros((1,), np.int32))
+        self._decode(warmup=True)
+        if self._prefixes is not None:
+            saved = _read_slot(self._axes, self._caches, np.int32(0))
+            self._caches = _write_slot(self._axes, self._caches, np.int32(0), saved)
+
+    # The step.
+
+    def step(self) -> list[TokenEvent]:
+        """Admits waiting requests, runs one prefill chunk and one decode step; the tokens made."""
+        self.stats.steps += 1
+        self._admit()
+        self._prefill()
+        return self._decode()
+
+    def _admit(self) -> None:
+        while self._waiting and None in self._running:
+            _, sequence = self._waiting[0]
+            prefix = self._longest_prefix(sequence.tokens)
+            shared = 0 if prefix is None else len(prefix)
+            needed = math.ceil(len(sequence.tokens) / self.page_size) - shared // self.page_size
+            while needed > self._allocator.num_free and self._evict_prefix(keep=prefix):
+                pass
+            if needed > self._allocator.num_free:
+                return  # waits for running requests to free pages
+            heapq.heappop(self._waiting)
+            slot = self._running.index(None)
+            self._running[slot] = sequence
+            sequence.slot, sequence.fed = slot, 0
+            sequence.admitted, self._admissions = self._admissions, self._admissions + 1
+
+    def _prefill(self) -> None:
+        waiting = [s for s in self._running if s is not None and s.fed < len(s.tokens) - 1]
+        if not waiting:
+            return
+        sequence = min(waiting, key=lambda s: s.admitted)
+        if sequence.fed == 0 and self._start_from_prefix(sequence):
+            return  # the kept prefix holds all but the last token: the decode step takes it
+        size = next_chunk(sequence.fed, len(sequence.tokens) - 1, self.page_size,
+                          self.prefill_chunk_tokens)
+        if not self._reserve(sequence, sequence.fed + size):
+            return
+        slot, start = sequence.slot, sequence.fed
+        tokens = np.asarray(sequence.tokens[start : start + size], np.int32)[None]
+        self._caches = _prefill_program(
+            self._graphdef, self._axes, self._variables, self._caches, np.int32(slot), tokens,
+            self._allocator.block_tables[slot : slot + 1], np.array([start], np.int32))
+        sequence.fed += size
+        self.stats.prefill_chunks += 1
+        self.stats.prefill_tokens += size
+        if self._prefixes is not None and sequence.fed % self.page_size == 0:
+            self._keep_prefix(sequence)
+
+    def _decode(self, warmup: bool = False) -> list[TokenEvent]:
+        ready = sorted((s for s in self._running if s is not None and s.fed == len(s.tokens) - 1),
+                       key=lambda s: s.admitted)
+        for sequence in ready:
+            if sequence.slot is not None:
+                self._reserve(sequence, sequence.fed + 1)
+        ready = [s for s in ready if s.slot is not None]
+        if not ready and not warmup:
+            return []
+        tokens = np.zeros((self.slots, 1), np.int32)
+        lengths = np.zeros((self.slots,), np.int32)
+        active = np.zeros((self.slots,), bool)
+        tables = np.full_like(self._allocator.block_tables, NULL_PAGE)
+        vocab = self.model.cfg.vocab_size
+        rows = RowSampling(np.zeros(self.slots, np.float32), np.full(self.slots, vocab, np.int32),
+                           np.ones(self.slots, np.float32), np.zeros(self.slots, np.uint32),
+                           np.zeros(self.slots, np.int32))
+        for sequence in ready:
+            slot, sampling = sequence.slot, sequence.request.sampling
+            tokens[slot, 0] = sequence.tokens[sequence.fed]
+            lengths[slot] = sequence.fed
+            active[slot] = True
+            tables[slot] = self._allocator.block_tables[slot]
+            rows.temperature[slot] = sampling.temperature
+            rows.top_k[slot] = vocab if sampling.top_k is None else min(sampling.top_k, vocab)
+            rows.top_p[slot] = 1.0 if sampling.top_p is None else sampling.top_p
+            rows.seed[slot] = sequence.request.seed
+            rows.index[slot] = len(sequence.generated)
+        self._caches, next_tokens, logprobs = _decode_program(
+            self._graphdef, self._axes, self._variables, self._caches, tokens, tables, lengths,
+            active, rows)
+        if not ready:
+            return []
+        self.stats.decode_steps += 1
+        next_tokens, logprobs = np.asarray(next_tokens), np.asarray(logprobs)
+        events = []
+        for sequence in ready:
+            token, logprob = int(next_tokens[sequence.slot]), float(logprobs[sequence.slot])
+            sequence.fed += 1
+            sequence.generated.append(token)
+            sequence.logprobs.append(logprob)
+            reason = self._finish_reason(sequence, token)
+            if reason is not None:
+                self._finish(sequence, reason)
+            events.append(TokenEvent(sequence.id, token, logprob, reason))
+        return events
+
+    # Sequences' ends.
+
+    def _finish_reason(self, sequence: _Sequence, token: int) -> FinishReason | None:
+        if token in sequence.request.stop_tokens:
+            return "stop"
+        if (len(sequence.generated) == sequence.request.max_tokens
+                or len(sequence.tokens) == self.max_seq_len):
+            return "length"
+        return None
+
+    def _finish(self, sequence: _Sequence, reason: FinishReason) -> None:
+        self._allocator.release(sequence.slot)
+        self._running[sequence.slot] = None
+        sequence.slot = None
+        self._completed[sequence.id] = Completion(
+            sequence.id, sequence.request.prompt, tuple(sequence.generated),
+            tuple(sequence.logprobs), reason, sequence.preemptions)
+
+    def completion(self, request_id: int) -> Completion:
+        """The Completion of a finished request (handed out once)."""
+        return self._completed.pop(request_id)
+
+    # Pages.
+
+    def _reserve(self, sequence: _Sequence, num_tokens: int) -> bool:
+        """Pages for `sequence` to hold `num_tokens` tokens, evicting kept prefixes and then
+        preempting the newest running requests while the pool is short. False if `sequence`
+        itself was preempted."""
+        missing = (math.ceil(num_tokens / self.page_size)
+                   - len(self._allocator.pages_of(sequence.slot)))
+        while missing > self._allocator.num_free:
+            if self._evict_prefix():
+                continue
+            newest = max((s for s in self._running if s is not None), key=lambda s: s.admitted)
+            self._preempt(newest)
+            if newest is sequence:
+                return False
+        self._allocator.reserve(sequence.slot, num_tokens)
+        self.stats.peak_pages = max(self.stats.peak_pages, self.pages_in_use)
+        return True
+
+    def _preempt(self, sequence: _Sequence) -> None:
+        """Frees the slot and pages of `sequence`, which waits to be recomputed from its tokens."""
+        self._allocator.release(sequence.slot)
+        self._running[sequence.slot] = None
+        sequence.slot, sequence.fed = None, 0
+        sequence.preemptions += 1
+        self.stats.preemptions += 1
+        heapq.heappush(self._waiting, (sequence.id, sequence))
+
+    # Kept prefixes.
+
+    def _longest_prefix(self, tokens: Sequence[int]) -> tuple[int, ...] | None:
+        """The longest kept prefix of `tokens` that leaves at least their last token to feed."""
+        if not self._prefixes:
+            return None
+        lengths = sorted({len(p) for p in self._prefixes if len(p) < len(tokens)}, reverse=True)
+        for length in lengths:
+            key = tuple(tokens[:length])
+            if key in self._prefixes:
+                return key
+        return None
+
+    def _start_from_prefix(self, sequence: _Sequence) -> bool:
+        """Starts `sequence` (no tokens in its cache yet) from its longest kept prefix, if any:
+        its slot holds the prefix's pages and KDA state. Looked up when its prefill begins
+        (prefills run one at a time, oldest first), so requests admitted together with a common
+        prompt share what the first of them has prefilled. True if only its last token is left."""
+        key = self._longest_prefix(sequence.tokens)
+        if key is None:
+            return False
+        kept = self._prefixes[key]
+        self._prefixes.move_to_end(key)
+        self._allocator.share(sequence.slot, kept.pages)
+        self._caches = _write_slot(self._axes, self._caches, np.int32(sequence.slot),
+                                   kept.kda_state)
+        sequence.fed = len(key)
+        self.stats.shared_tokens += len(key)
+        return sequence.fed == len(sequence.tokens) - 1
+
+    def _keep_prefix(self, sequence: _Sequence) -> None:
+        key = sequence.tokens[: sequence.fed]
+        if key in self._prefixes:
+            self._prefixes.move_to_end(key)
+            return
+        pages = self._allocator.pages_of(sequence.slot)[: sequence.fed // self.page_size]
+        self._allocator.retain(pages)
+        self._prefixes[key] = _Prefix(pages, _read_slot(self._axes, self._caches,
+                                                        np.int32(sequence.slot)))
+        if len(self._prefixes) > self._max_prefixes:
+            self._evict_prefix()
+
+    def _evict_prefix(self, keep: tuple[int, ...] | None = None) -> bool:
+        """Forgets the least recently used kept prefix (not `keep`); False if there is none."""
+        for key in self._prefixes or ():
+            if key != keep:
+                self._allocator.drop(self._prefixes.pop(key).pages)
+                return True
+        return False

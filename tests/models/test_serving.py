@@ -1,0 +1,259 @@
+"""The serving engine: greedy == argmax of the full forward, a mixed batch gives each request its
+tokens alone, log-probabilities of the distribution sampled from, a pool smaller than the worst
+case completes everything by waiting and preempting (same tokens), prefix sharing (same tokens,
+fewer pages), a fixed handful of compiled programs, clear refusals.
+
+Every engine here has one shape (3 slots, a pool of 12 pages of 4 tokens, sequences of 24 tokens,
+prefill chunks of 1, 2, 4 and 8 tokens), so the module compiles the serving programs once.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.generate import Sampling, filter_logits
+from models.paged_cache import NULL_PAGE, PageAllocator
+from models.serving import (
+    Engine,
+    Request,
+    RowSampling,
+    chunk_buckets,
+    compiled_programs,
+    next_chunk,
+    sample_rows,
+)
+
+VOCAB = 264
+PAGE, SLOTS, POOL, MAX_LEN, CHUNK = 4, 3, 13, 24, 8
+RNG = np.random.default_rng(0)
+
+
+def prompt(length: int) -> tuple[int, ...]:
+    return tuple(int(t) for t in RNG.integers(0, VOCAB, length))
+
+
+# Prompt lengths 1 (straight to decode), 13 (chunks 8, 4), 6 (4, 1), 9 (8), 4 (2, 1).
+REQUESTS = [
+    Request(prompt(1), max_tokens=6),
+    Request(prompt(13), Sampling(temperature=0.8), seed=1, max_tokens=8),
+    Request(prompt(6), Sampling(temperature=1.0, top_k=5), seed=2, max_tokens=7),
+    Request(prompt(9), Sampling(temperature=1.2, top_p=0.9), seed=3, max_tokens=9),
+    Request(prompt(4), max_tokens=9),
+]
+# Four requests of up to 23 tokens (6 pages each, 24 for all) for a pool of 12 pages.
+LONG = [Request(prompt(10), Sampling(temperature=0.0 if i % 2 else 1.0), seed=i, max_tokens=13)
+        for i in range(4)]
+
+
+def make_engine(model, **options) -> Engine:
+    return Engine(model, slots=SLOTS, num_pages=POOL, page_size=PAGE, max_seq_len=MAX_LEN,
+                  prefill_chunk_tokens=CHUNK, **options)
+
+
+@pytest.fixture(scope="module")
+def programs(model):
+    """(compiled serving programs before, after) a warmup that compiles all of them."""
+    before = compiled_programs()
+    make_engine(model, prefix_sharing=True).warmup()
+    return before, compiled_programs()
+
+
+@pytest.fixture(scope="module")
+def alone(model, programs):
+    """Each request of REQUESTS and LONG run by itself, one after another on one engine."""
+    engine = make_engine(model)
+    return [engine.run([request])[0] for request in REQUESTS + LONG]
+
+
+@pytest.fixture(scope="module")
+def batched(model, programs):
+    """(engine, completions) of REQUESTS submitted together."""
+    engine = make_engine(model)
+    return engine, engine.run(REQUESTS)
+
+
+@pytest.fixture(scope="module")
+def full_logits(model, full_forward, alone):
+    """The full forward's logits [N, MAX_LEN, V] of each of REQUESTS' prompt + completion
+    (zero-padded: a causal model's logits do not see the padding after them)."""
+    rows = np.zeros((len(REQUESTS), MAX_LEN), np.int32)
+    for row, done in enumerate(alone[: len(REQUESTS)]):
+        rows[row, : len(done.prompt) + len(done.tokens)] = done.prompt + done.tokens
+    return np.asarray(full_forward(model, jnp.asarray(rows)))
+
+
+def test_greedy_is_the_argmax_of_the_full_forward(alone, batched, full_logits):
+    for row, request in enumerate(REQUESTS):
+        if request.sampling.temperature:
+            continue
+        for done in (alone[row], batched[1][row]):
+            # Token i follows prompt + tokens[:i]: the logits at position len(prompt) - 1 + i.
+            positions = len(done.prompt) - 1 + np.arange(len(done.tokens))
+            np.testing.assert_array_equal(done.tokens, full_logits[row, positions].argmax(-1))
+            assert done.finish_reason == "length" and len(done.tokens) == request.max_tokens
+
+
+def test_a_mixed_batch_gives_each_request_its_tokens_alone(alone, batched):
+    engine, completions = batched
+    for done, single in zip(completions, alone):
+        assert done.tokens == single.tokens and done.finish_reason == single.finish_reason
+        np.testing.assert_allclose(done.logprobs, single.logprobs, rtol=0, atol=1e-6)
+    # The requests ran together: prefill chunks shared steps with decode steps.
+    stats = engine.stats
+    assert stats.steps < stats.prefill_chunks + stats.decode_steps
+    assert stats.decode_steps < sum(len(done.tokens) for done in completions)
+    assert engine.pages_in_use == 0 and not engine.has_work
+
+
+def test_logprobs_are_of_the_distribution_sampled_from(alone, full_logits):
+    # Every position of every request in one call: temperature, top_k and top_p per row.
+    temperature = np.repeat([r.sampling.temperature or 1.0 for r in REQUESTS], MAX_LEN)
+    top_k = np.repeat([r.sampling.top_k or VOCAB for r in REQUESTS], MAX_LEN).astype(np.int32)
+    top_p = np.repeat([r.sampling.top_p or 1.0 for r in REQUESTS], MAX_LEN).astype(np.float32)
+    logits = full_logits.reshape(-1, VOCAB) / temperature[:, None].astype(np.float32)
+    log_probs = np.asarray(jax.jit(lambda x, k, p: jax.nn.log_softmax(filter_logits(x, k, p)))(
+        logits, top_k, top_p)).reshape(full_logits.shape)
+    for row, request in enumerate(REQUESTS):
+        done = alone[row]
+        positions = len(done.prompt) - 1 + np.arange(len(done.tokens))
+        expected = log_probs[row, positions, list(done.tokens)]
+        assert np.isfinite(expected).all()  # every drawn token lies in the filtered set
+        # The cached and the full forward's logits differ by float32 rounding (test_prefill).
+        np.testing.assert_allclose(done.logprobs, expected, rtol=0, atol=1e-4)
+
+
+def test_the_seed_sets_the_draw_and_a_stop_token_ends_the_request(model, alone):
+    engine = make_engine(model)
+    sampled = REQUESTS[1]
+    reseeded = engine.run([Request(sampled.prompt, sampled.sampling, seed=9,
+                                   max_tokens=sampled.max_tokens)])[0]
+    assert reseeded.tokens != alone[1].tokens
+    stop = alone[1].tokens[2]
+    end = alone[1].tokens.index(stop) + 1
+    stopped = engine.run([Request(sampled.prompt, sampled.sampling, seed=sampled.seed,
+                                  max_tokens=sampled.max_tokens, stop_tokens=(stop,))])[0]
+    assert stopped.finish_reason == "stop" and stopped.tokens == alone[1].tokens[:end]
+
+
+def test_a_pool_smaller_than_the_worst_case_waits_preempts_and_recomputes(model, alone):
+    engine = make_engine(model)
+    worst = len(LONG) * math.ceil((len(LONG[0].prompt) + LONG[0].max_tokens - 1) / PAGE)
+    assert worst > POOL - 1
+    completions = engine.run(LONG)
+    assert engine.stats.preemptions >= 1
+    assert sum(done.preemptions for done in completions) == engine.stats.preemptions
+    for done, single in zip(completions, alone[len(REQUESTS):]):
+        assert done.tokens == single.tokens and len(done.tokens) == LONG[0].max_tokens
+        np.testing.assert_allclose(done.logprobs, single.logprobs, rtol=0, atol=1e-5)
+    assert engine.stats.peak_pages <= POOL - 1
+    assert engine.pages_in_use == 0  # every page went back to the free list
+
+
+def test_prefix_sharing_gives_the_same_tokens_with_fewer_pages(model, programs):
+    common = prompt(8)  # two full pages
+    requests = [Request(common + prompt(1), max_tokens=4),
+                Request(common + prompt(5), Sampling(temperature=1.0), seed=5, max_tokens=4),
+                Request(common + prompt(3), max_tokens=4)]
+    requests.append(Request(requests[0].prompt, Sampling(temperature=1.0), seed=6, max_tokens=4))
+    plain, shared = make_engine(model), make_engine(model, prefix_sharing=True)
+    expected, got = plain.run(requests), shared.run(requests)
+    for done, reference in zip(got, expected):
+        assert done.tokens == reference.tokens
+        np.testing.assert_allclose(done.logprobs, reference.logprobs, rtol=0, atol=1e-5)
+    # The first prefills the common pages; the other three start from them.
+    assert shared.stats.shared_tokens == 3 * len(common)
+    assert shared.stats.prefill_tokens == plain.stats.prefill_tokens - 3 * len(common)
+    assert shared.stats.peak_pages < plain.stats.peak_pages
+
+
+def test_a_server_compiles_a_fixed_handful_of_programs(model, programs, alone, batched):
+    before, warm = programs
+    buckets = chunk_buckets(PAGE, CHUNK)
+    assert buckets == (1, 2, 4, 8)
+    assert warm - before <= len(buckets) + 1 + 2  # prefill buckets, decode, prefix copies
+    rng = np.random.default_rng(1)
+    engine = make_engine(model, prefix_sharing=True)
+    engine.run([Request(prompt(int(rng.integers(1, 16))),
+                        Sampling(temperature=float(rng.uniform(0.5, 1.5)),
+                                 top_k=int(rng.integers(1, 50)), top_p=float(rng.uniform(0.5, 1))),
+                        seed=int(rng.integers(0, 2**32)), max_tokens=int(rng.integers(1, 8)))
+                for _ in range(8)])
+    assert compiled_programs() == warm
+
+
+def test_chunks_are_buckets_that_end_on_page_boundaries():
+    buckets = chunk_buckets(4, 16)
+    assert buckets == (1, 2, 4, 8, 16)
+    for stop in range(1, 40):
+        for fed in range(0, stop, 4):
+            ends = [fed]
+            while ends[-1] < stop:
+                size = next_chunk(ends[-1], stop, 4, 16)
+                assert size in buckets
+                ends.append(ends[-1] + size)
+            assert ends[-1] == stop
+            boundary = stop // 4 * 4
+            assert all(end % 4 == 0 for end in ends if end <= boundary)
+            assert boundary in ends or boundary <= fed  # where the last full page's prefix is kept
+
+
+def test_each_row_samples_with_its_own_parameters_and_key():
+    # Rows 0 .. 3997: one seed, successive token indices, temperature 1 and top_k 2; row 3998
+    # greedy (its top_k of 3 changes nothing); row 3999 top_k 1.
+    rows = 4000
+    logits = jnp.log(jnp.tile(jnp.array([0.2, 0.5, 0.3]), (rows, 1)))
+    sampling = RowSampling(
+        temperature=jnp.ones(rows).at[rows - 2].set(0.0),
+        top_k=jnp.full(rows, 2, jnp.int32).at[rows - 2].set(3).at[rows - 1].set(1),
+        top_p=jnp.ones(rows), seed=jnp.full(rows, 7, jnp.uint32),
+        index=jnp.arange(rows, dtype=jnp.int32))
+    tokens, logprobs = jax.jit(sample_rows)(logits, sampling)
+    tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+    drawn = tokens[: rows - 2]
+    np.testing.assert_allclose(np.bincount(drawn, minlength=3) / drawn.size, [0, 0.625, 0.375],
+                               atol=0.03)
+    np.testing.assert_allclose(logprobs[: rows - 2], np.log([1, 0.625, 0.375])[drawn], rtol=1e-5)
+    np.testing.assert_array_equal(tokens[rows - 2 :], [1, 1])
+    np.testing.assert_allclose(logprobs[rows - 2 :], [np.log(0.5), 0.0], atol=1e-6)
+
+
+def test_bad_requests_and_engines_are_refused_naming_the_argument(model):
+    engine = make_engine(model)
+    refusals = [
+        (lambda: engine.submit(Request(prompt(MAX_LEN))), "max_seq_len"),
+        (lambda: engine.submit(Request((1, VOCAB))), "vocab_size"),
+        (lambda: engine.submit(Request((1,), stop_tokens=(VOCAB,))), "stop_tokens"),
+        (lambda: Request(()), "prompt"),
+        (lambda: Request((1,), seed=-1), "seed"),
+        (lambda: Request((1,), max_tokens=0), "max_tokens"),
+        (lambda: Request((1,), sampling=Sampling(top_p=0.0)), "top_p"),
+        (lambda: make_engine(model, max_prefixes=0), "max_prefixes"),
+        (lambda: Engine(model, slots=1, num_pages=4, page_size=PAGE, max_seq_len=MAX_LEN,
+                        prefill_chunk_tokens=12), "prefill_chunk_tokens"),
+        (lambda: Engine(model, slots=1, num_pages=3, page_size=PAGE, max_seq_len=MAX_LEN
+                        ).submit(Request(prompt(10), max_tokens=5)), "num_pages"),
+    ]
+    for refuse, name in refusals:
+        with pytest.raises(ValueError, match=name):
+            refuse()
+    assert not engine.has_work  # nothing refused was queued
+
+
+def test_a_shared_page_returns_to_the_free_list_with_its_last_holder():
+    allocator = PageAllocator(num_pages=6, page_size=4, num_sequences=2, max_pages_per_seq=3)
+    allocator.reserve(0, 8)  # two pages
+    prefix = allocator.pages_of(0)
+    allocator.retain(prefix)  # a kept prefix
+    allocator.share(1, prefix)
+    allocator.reserve(1, 12)  # one page of its own past the shared two
+    assert allocator.num_free == 2 and allocator.pages_of(1)[:2] == prefix
+    allocator.release(0)
+    allocator.release(1)
+    assert allocator.num_free == 3  # its own page; the prefix's are still held
+    allocator.drop(prefix)
+    assert allocator.num_free == 5 and (allocator.block_tables == NULL_PAGE).all()
+    with pytest.raises(ValueError, match="not in use"):
+        allocator.retain(prefix)
