@@ -27,9 +27,11 @@ from moe.config import MoEConfig, count_moe_params
 # How much of each layer a backward pass recomputes instead of storing (`jax.checkpoint`):
 #   none: store everything; full: store only layer inputs; dots: store matmul outputs;
 #   dots_no_batch: store matmul outputs without batch dimensions (weights-only products);
-#   dots_kernels: store matmul outputs and the GPU kernels' outputs (`models.lm.REMAT`).
-RematPolicy = Literal["none", "full", "dots", "dots_no_batch", "dots_kernels"]
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_kernels")
+#   dots_kernels: store matmul outputs and the GPU kernels' outputs;
+#   offload: as full, but each layer's input waits for the backward pass in pinned host memory
+#     instead of on the device (`models.lm.REMAT`).
+RematPolicy = Literal["none", "full", "dots", "dots_no_batch", "dots_kernels", "offload"]
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_kernels", "offload")
 RESIDUAL_MODES = ("block_attn_res", "full_attn_res", "plain")
 
 

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from kda.layer import KDA
 from models.attention import GatedMLA
@@ -95,12 +96,21 @@ def dots_and_kernels_saveable(prim, *avals, **params) -> bool:
             or _KEPT_NAMES(prim, *avals, **params))
 
 
+# Each layer's live residual input, named so that a policy can move it off the device.
+LAYER_INPUT_NAME = "layer_input"
+
 REMAT = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "dots_kernels": dots_and_kernels_saveable,
+    # `full` with the layer inputs in pinned host memory from the forward pass to the backward
+    # pass: the device holds one layer's recomputation and the AttnRes snapshots (inputs of many
+    # layers, so they stay), not one [B, T, D] input per layer.
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=(LAYER_INPUT_NAME,),
+        offload_src="device", offload_dst="pinned_host"),
 }
 STREAM_AXES = ("batch", "seq", "embed")
 # The parts of a training step, each a `jax.named_scope` (`profile_scope`). A norm belongs to
@@ -474,6 +484,7 @@ def _rematted(layer: DecoderLayer, remat, period, segment_ids, page_table):
     graphdef, state = nnx.split(layer)
 
     def call(state, stream, index, cache):
+        stream = dataclasses.replace(stream, live=checkpoint_name(stream.live, LAYER_INPUT_NAME))
         return nnx.merge(graphdef, state)(stream, index, period, segment_ids, cache, page_table)
 
     def apply(stream, index, cache):

@@ -249,13 +249,38 @@ def assert_grads_close(got, want):
         np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-4 * np.abs(w).max(), err_msg=name)
 
 
+REMAT_TOKENS = random_tokens(10, (2, 8))
+
+
+@pytest.fixture(scope="module")
+def gradients_without_remat():
+    """The five-layer model's gradients at REMAT_TOKENS, nothing recomputed."""
+    model = HybridLM(reference_kda_config(**FIVE), rngs=nnx.Rngs(6))
+    return nnx.to_pure_dict(value_and_grad(model, REMAT_TOKENS)[1])
+
+
 @pytest.mark.slow
-def test_dots_remat_keeps_gradients():
-    tokens = random_tokens(10, (2, 8))
-    _, want = value_and_grad(HybridLM(reference_kda_config(**FIVE), rngs=nnx.Rngs(6)), tokens)
+def test_dots_remat_keeps_gradients(gradients_without_remat):
     rematted = HybridLM(reference_kda_config(remat="dots", **FIVE), rngs=nnx.Rngs(6))
-    _, got = value_and_grad(rematted, tokens)
-    assert_grads_close(nnx.to_pure_dict(got), nnx.to_pure_dict(want))
+    _, got = value_and_grad(rematted, REMAT_TOKENS)
+    assert_grads_close(nnx.to_pure_dict(got), gradients_without_remat)
+
+
+def _host_offloads(jaxpr) -> list:
+    """The avals that `jaxpr` (nested jaxprs included) moves to pinned host memory."""
+    return [var.aval for eqn in _equations(jaxpr) if eqn.primitive.name == "device_put"
+            for var in eqn.outvars if var.aval.memory_space == jax.memory.Space.Host]
+
+
+@pytest.mark.slow
+def test_offload_remat_keeps_gradients_and_sends_each_layer_input_to_host(
+        gradients_without_remat):
+    offload = HybridLM(reference_kda_config(remat="offload", **FIVE), rngs=nnx.Rngs(6))
+    _, got = value_and_grad(offload, REMAT_TOKENS)
+    assert_grads_close(nnx.to_pure_dict(got), gradients_without_remat)
+    # The backward pass finds each layer's [B, T, D] input in host memory, nothing else.
+    moved = _host_offloads(jax.make_jaxpr(nnx.grad(loss_fn))(offload, REMAT_TOKENS).jaxpr)
+    assert [aval.shape for aval in moved] == [(2, 8, offload.cfg.d_model)] * FIVE["num_layers"]
 
 
 @pytest.mark.slow
