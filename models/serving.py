@@ -246,11 +246,14 @@ def _prefill_program(graphdef, axes, variables, caches, slot, tokens, block_row,
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def _decode_program(graphdef, axes, variables, caches, tokens, block_tables, lengths, active,
+def decode_program(graphdef, axes, variables, caches, tokens, block_tables, lengths, active,
                     rows: RowSampling):
-    """One token tokens [S, 1] for every slot: the next tokens [S] and their log-probabilities
-    [S] (`sample_rows`), and the caches. Rows not `active` [S] keep their KDA state; their block
-    table rows must point at the null page (their latents land there)."""
+    """The engine's decode step (benchmarks call it on caches they fill): one token tokens
+    [S, 1] for every slot, with block_tables [S, P], lengths [S] (tokens already cached; 0 starts
+    a fresh KDA state) and per-row sampling `rows`. Returns the caches, the next tokens [S] and
+    their log-probabilities [S] (`sample_rows`). Rows not `active` [S] keep their KDA state;
+    their block table rows must point at the null page (their latents land there). The caches
+    are donated."""
     leaves, treedef = jax.tree.flatten(caches)
     fresh = [leaf if axis is None else _fresh_or_kept(leaf, axis, lengths)
              for leaf, axis in zip(leaves, axes)]
@@ -285,7 +288,7 @@ def _write_slot(axes, caches, slot, saved):
         for leaf, axis in zip(leaves, axes)])
 
 
-_PROGRAMS = (_prefill_program, _decode_program, _read_slot, _write_slot)
+_PROGRAMS = (_prefill_program, decode_program, _read_slot, _write_slot)
 
 
 def compiled_programs() -> int:
@@ -510,7 +513,7 @@ class Engine:
             rows.top_p[slot] = 1.0 if sampling.top_p is None else sampling.top_p
             rows.seed[slot] = sequence.request.seed
             rows.index[slot] = len(sequence.generated)
-        self._caches, next_tokens, logprobs = _decode_program(
+        self._caches, next_tokens, logprobs = decode_program(
             self._graphdef, self._axes, self._variables, self._caches, tokens, tables, lengths,
             active, rows)
         if not ready:

@@ -58,8 +58,14 @@ def load_model(
     finally:
         checkpointer.close()
     if dtype is not None:
-        params, rest = nnx.split_state(state, nnx.Param, ...)
-        cast = jax.jit(lambda tree: jax.tree.map(
-            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree))
-        state = nnx.merge_state(cast(params), rest)
+        state = cast_params(state, dtype)
     return nnx.merge(graphdef, state), config
+
+
+def cast_params(state: nnx.State, dtype: str) -> nnx.State:
+    """`state` with its floating parameters (`nnx.Param`) cast to `dtype` on their devices; other
+    variables (router biases) keep their dtype."""
+    params, rest = nnx.split_state(state, nnx.Param, ...)
+    cast = jax.jit(lambda tree: jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree))
+    return nnx.merge_state(cast(params), rest)

@@ -142,11 +142,17 @@ def test_a_pool_smaller_than_the_worst_case_waits_preempts_and_recomputes(model,
     engine = make_engine(model)
     worst = len(LONG) * math.ceil((len(LONG[0].prompt) + LONG[0].max_tokens - 1) / PAGE)
     assert worst > POOL - 1
-    completions = engine.run(LONG)
+    ids = [engine.submit(request) for request in LONG]
+    streamed = {i: [] for i in ids}
+    for event in engine.stream():
+        streamed[event.request_id].append(event.token)
+    completions = [engine.completion(i) for i in ids]
     assert engine.stats.preemptions >= 1
     assert sum(done.preemptions for done in completions) == engine.stats.preemptions
     for done, single in zip(completions, alone[len(REQUESTS):]):
         assert done.tokens == single.tokens and len(done.tokens) == LONG[0].max_tokens
+        # Each token is streamed once: a resumed request recomputes, it does not re-emit.
+        assert tuple(streamed[done.request_id]) == done.tokens
         np.testing.assert_allclose(done.logprobs, single.logprobs, rtol=0, atol=1e-5)
     assert engine.stats.peak_pages <= POOL - 1
     assert engine.pages_in_use == 0  # every page went back to the free list
