@@ -9,6 +9,8 @@ breakdown of where the time goes (KDA, Gated MLA attention, MoE, rest).
     python -m experiments.bench_train --gpu --versus model.kda.conv_kernels=false
                                                          # A/B of an override in one process
     python -m experiments.bench_train --gpu --set model.mla.implementation=cudnn
+    python -m experiments.bench_train --gpu --long       # one row of 128K..1M tokens, the
+                                                         # memory-lean policy -> benchmarks/
 
 The step is the real one (`train.loop.Trainer`: forward, backward, AdamW, the QB router-bias
 update, the non-finite check) on one reused synthetic batch (random bytes, four packed documents a
@@ -27,6 +29,12 @@ printed as soon as it is measured and the table and JSON rewritten each time, so
 keeps what it measured. Why the `--gpu` defaults (remat, rows, unrolled layers) are what they are,
 with the plans and timings behind them: `benchmarks/train_notes.md`.
 
+`--long` steps one row of each of `LONG_LENGTHS` tokens with the memory-lean policy (`LONG_POLICY`:
+layer inputs offloaded to host, the loss, KDA and the MoE in token chunks): for each length the
+planner's estimate (`models.memory`), XLA's plan, and, where the plan fits, the step's time and
+measured peak; a length that does not fit is recorded with where its memory goes, and the next one
+is still tried. `--preset small` for the fallback the million-token issue names.
+
 Breakdown: one KDA, one Gated MLA and one MoE layer are timed alone (forward and backward under the
 same remat policy) times their number of layers; "rest" is the step minus those. `--profile` traces
 a few steps and sums each device op's time under the innermost named scope of
@@ -39,10 +47,11 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import gc
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from unittest import mock
 
 import flax
@@ -51,8 +60,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.harness import (command_line, median_seconds, pipelined_seconds, write_json,
-                                 write_markdown)
+from experiments.harness import (cell, command_line, median_seconds, pipelined_seconds,
+                                 write_json, write_markdown)
 from experiments.profiling import (idle_markdown, idle_summary_line, ops_markdown,
                                    profile_compiler_options, scope_ops_markdown, scopes_markdown,
                                    trace_device_ops)
@@ -66,6 +75,7 @@ from models import lm as models_lm
 from models.attention import GatedMLA, pad_head_dims
 from models.attention import causal_document_attention as _xla_attention
 from models.config import ModelConfig, count_params, format_count, preset
+from models.memory import plan_memory
 from models.lm import PROFILE_SCOPES, REMAT
 from moe import grouped_matmul
 from moe.experts import StableLatentMoE
@@ -123,6 +133,17 @@ GPU = BenchSetup("1b", batch=6, seq_len=4096, steps=20, warmup=3, remat="dots_ke
 # (`benchmarks/train_notes.md`). Read when the backend starts, so set before the first device call.
 GPU_MEMORY_FRACTION = "0.92"
 SMOKE = BenchSetup("tiny", batch=2, seq_len=64, steps=3, warmup=1, remat="none")
+# `--long`: one row per length, few steps (a million-token step takes seconds), no layer breakdown.
+LONG_LENGTHS = (131072, 262144, 524288, 1048576)
+LONG_SMOKE_LENGTHS = (256, 512)
+LONG = BenchSetup("1b", batch=1, seq_len=LONG_LENGTHS[0], steps=3, warmup=1, remat="offload",
+                  layers=False)
+# The memory-lean settings of `--long` (`--set` adds to or overrides them), in tokens per chunk:
+# the LM head and loss, KDA's recomputed segments, the MoE's per-token work.
+LONG_POLICY = ("loss_chunk_tokens=8192", "model.kda.segment_tokens=65536",
+               "model.moe.token_chunk=65536")
+LONG_SMOKE_POLICY = ("loss_chunk_tokens=128", "model.kda.segment_tokens=128",
+                     "model.moe.token_chunk=128")
 
 
 def synthetic_batch(setup: BenchSetup, seed: int = 0) -> dict[str, np.ndarray]:
@@ -541,6 +562,83 @@ def _part(layers: int | None, seconds: float, step_seconds: float, flops: float)
     }
 
 
+def long_row(setup: BenchSetup, optimizer: str) -> dict:
+    """One `--long` row: the planner's estimate and XLA's plan of the step at `setup` and, where
+    the plan fits the device, its timing and the allocator's measured peak. A length that does not
+    fit is recorded (with the planner's breakdown) rather than raised."""
+    config = train_config(setup, optimizer)
+    plan = plan_memory(config.model, {}, batch_size=setup.batch, seq_len=setup.seq_len,
+                       loss_chunk_tokens=config.loss_chunk_tokens)
+    print(plan.report(), flush=True)
+    row = {"seq_len": setup.seq_len, "planned_gib": plan.total / GIB,
+           "planned_host_gib": plan.host_offload / GIB, "plan": plan.report()}
+    try:
+        trainer, batch, compiled, compiled_result = compiled_trainer(config, setup)
+    except RuntimeError as error:  # the preflight's "needs more than the device has"
+        return {**row, "note": str(error)}
+    row.update(compiled_result)
+    try:
+        with explained_out_of_memory(setup, compiled_result["memory_gib"]):
+            flops = train_flops_per_token(config.model, setup.seq_len)["total"]
+            row.update(timed_step(step_runner(trainer, compiled, batch), setup, flops))
+    except RuntimeError as error:
+        row["note"] = str(error)
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        row["measured_peak_gib"] = stats["peak_bytes_in_use"] / GIB
+    return row
+
+
+def run_long(setup: BenchSetup, lengths: Sequence[int], optimizer: str,
+             report: Callable[[dict], None]) -> dict:
+    """`long_row` at each length, longest last, freeing each step's arrays before the next;
+    `report(result so far)` after each row."""
+    result = {"setup": dataclasses.asdict(setup), "optimizer": optimizer, "rows": [],
+              "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "flax": flax.__version__, "date": datetime.date.today().isoformat()}
+    for length in lengths:
+        print(f"--long: {setup.preset} at 1 x {length} tokens", flush=True)
+        result["rows"].append(long_row(dataclasses.replace(setup, seq_len=length), optimizer))
+        gc.collect()
+        report(result)
+    return result
+
+
+def long_markdown(result: dict, command: str) -> str:
+    """The `--long` table: per length, planned and measured memory, step time, tokens/s, MFU."""
+    setup = result["setup"]
+    lines = [
+        f"# Long-context training step: `{setup['preset']}` preset, one row a step",
+        "",
+        f"`{command}` on {result['device']} (jax {result['jax']}, flax {result['flax']}, "
+        f"{result['date']}); optimizer {result['optimizer']}, remat {setup['remat']}, layers "
+        f"{'scanned' if setup['scan_layers'] else 'unrolled'}; settings "
+        + ", ".join(f"`{s}`" for s in setup["settings"]) + f"; median of {setup['steps']} steps.",
+        "",
+        "Planned: `models.memory`'s estimate for the device (host: the layer inputs offloaded). "
+        "XLA peak: the compiled step's memory analysis (arguments + outputs - aliased + "
+        "temporaries). Measured peak: the allocator's high-water mark after the steps.",
+        "",
+        "| tokens | planned GiB (host) | XLA peak GiB | measured peak GiB | step s | tokens/s | "
+        "MFU | note |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        xla = row.get("memory_gib", {}).get("peak")
+        lines.append(
+            f"| {row['seq_len']:,} | {row['planned_gib']:.1f} ({row['planned_host_gib']:.1f}) | "
+            f"{cell(xla, '.1f')} | {cell(row.get('measured_peak_gib'), '.1f')} | "
+            f"{cell(row.get('step_seconds'), '.2f')} | "
+            f"{cell(row.get('tokens_per_second'), ',.0f')} | "
+            f"{cell(None if 'mfu' not in row else 100 * row['mfu'], '.1f')} | "
+            f"{row.get('note', '').splitlines()[0] if row.get('note') else ''} |")
+    for row in result["rows"]:
+        if "step_seconds" not in row:
+            lines += ["", f"Where the memory goes at {row['seq_len']:,} tokens (the planner):",
+                      "", "```", row["plan"], "```"]
+    return "\n".join(lines) + "\n"
+
+
 def markdown(result: dict, command: str) -> str:
     """The result as a markdown table; the parts a run cut short did not measure are left out."""
     setup = result["setup"]
@@ -632,6 +730,12 @@ def write_result(result: dict, command: str, out: str) -> None:
     write_json(os.path.splitext(out)[0] + ".json", result)
 
 
+def write_long_result(result: dict, command: str, out: str) -> None:
+    """`write_result` for `--long`."""
+    write_markdown(out, long_markdown(result, command))
+    write_json(os.path.splitext(out)[0] + ".json", result)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m experiments.bench_train",
                                      description=__doc__.split("\n\n")[0], allow_abbrev=False)
@@ -665,16 +769,35 @@ def main(argv=None) -> dict:
                         "added (repeatable), in the same process: an A/B on one machine")
     parser.add_argument("--no-layers", action="store_true",
                         help="time the step only, not each layer kind alone (the breakdown)")
+    parser.add_argument("--long", action="store_true",
+                        help="one row of each --lengths tokens with the memory-lean policy "
+                        "(--gpu: benchmarks/long_context_h200.md); with --smoke, tiny lengths")
+    parser.add_argument("--lengths", type=int, nargs="+", metavar="T",
+                        help=f"--long's tokens per row (--gpu: {' '.join(map(str, LONG_LENGTHS))})")
+    parser.add_argument("--preset", help="the model preset (--gpu and --long: 1b, --smoke: tiny)")
     parser.add_argument("--out", help="write the markdown table here (--gpu default: "
                         "benchmarks/train_h200.md) and the numbers next to it as .json, "
                         "rewritten as each number is measured")
     args = parser.parse_args(argv)
-    setup = GPU if args.gpu else SMOKE
+    if args.lengths and not args.long:
+        parser.error("--lengths sets --long's lengths; add --long")
+    if args.long and (args.versus or args.profile or args.seq_len):
+        parser.error("--long runs its own lengths (--lengths); drop --versus, --profile and "
+                     "--seq-len")
+    if args.long:
+        setup = LONG if args.gpu else dataclasses.replace(LONG, preset=SMOKE.preset)
+        policy = LONG_POLICY if args.gpu else LONG_SMOKE_POLICY
+        lengths = args.lengths or (LONG_LENGTHS if args.gpu else LONG_SMOKE_LENGTHS)
+        settings = policy + tuple(args.set)
+    else:
+        setup = GPU if args.gpu else SMOKE
+        settings = tuple(args.set)
     overrides = {k: v for k, v in (("batch", args.batch), ("seq_len", args.seq_len),
-                                   ("steps", args.steps), ("remat", args.remat)) if v is not None}
-    setup = dataclasses.replace(setup, scan_layers=args.scanned, settings=tuple(args.set),
-                                layers=not args.no_layers, versus=tuple(args.versus),
-                                **overrides)
+                                   ("steps", args.steps), ("remat", args.remat),
+                                   ("preset", args.preset)) if v is not None}
+    setup = dataclasses.replace(setup, scan_layers=args.scanned, settings=settings,
+                                layers=setup.layers and not args.no_layers,
+                                versus=tuple(args.versus), **overrides)
     if args.gpu:  # before anything starts the backend, which reads it once
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
     try:
@@ -689,6 +812,13 @@ def main(argv=None) -> dict:
     if args.cpu_plan:
         return cpu_plan(setup, args.optimizer)
     command = command_line("experiments.bench_train", argv)
+    if args.long:
+        out = args.out or ("benchmarks/long_context_h200.md" if args.gpu else None)
+        report = (lambda result: None) if out is None else (
+            lambda result: write_long_result(result, command, out))
+        result = run_long(setup, lengths, args.optimizer, report)
+        print(long_markdown(result, command))
+        return result
     out = args.out or ("benchmarks/train_h200.md" if args.gpu else None)
     report = (lambda result: None) if out is None else (
         lambda result: write_result(result, command, out))

@@ -16,11 +16,15 @@ the real model.
 
 Temporaries are an estimate: the float32 gradients; the activations the backward pass keeps
 per token and layer under the config's remat policy (flash attention assumed: no [T, T] scores),
-the AttnRes snapshots and the float32 logits; every MoE layer's router statistics, held from the
-forward until the router-bias update; and, on a mesh, the largest layer's weights gathered whole
-over the fsdp and expert axes for its matmuls, with their unreduced gradients. XLA's real peak
-adds fusion temporaries and collective buffers; `tests/models/test_memory.py` checks the plan
-against XLA's memory analysis of the compiled step and states the tolerances.
+the AttnRes snapshots and the float32 logits (of `loss_chunk_tokens` positions at a time when the
+loss runs in chunks); every MoE layer's router statistics, held from the forward until the
+router-bias update; and, on a mesh, the largest layer's weights gathered whole over the fsdp and
+expert axes for its matmuls, with their unreduced gradients. Under `full` and `offload` one layer
+is recomputed at a time, over KDA's `segment_tokens` and the MoE's `token_chunk` positions at
+once where those are set; `offload` keeps the layer inputs in pinned host memory (`host_offload`,
+reported apart from the device's total). XLA's real peak adds fusion temporaries and collective
+buffers; `tests/models/test_memory.py` checks the plan against XLA's memory analysis of the
+compiled step and states the tolerances.
 """
 
 import argparse
@@ -72,6 +76,7 @@ class MemoryPlan:
     activations: float
     router_stats: float
     gathered_weights: float
+    host_offload: float  # pinned host memory, not the device's: the layer inputs under `offload`
     largest: tuple[tuple[str, float], ...]  # the biggest per-device parameter shards
 
     @property
@@ -107,6 +112,8 @@ class MemoryPlan:
             f"  {'total':17}{self.total / GIB:10.2f} GiB of {device_bytes / GIB:.1f} GiB "
             f"({100 * self.total / device_bytes:.0f}%)"
             + ("" if self.total <= device_bytes else "  DOES NOT FIT"),
+            *([f"  {'host (offload)':17}{self.host_offload / GIB:10.2f} GiB  (pinned host "
+               "memory, not counted above)"] if self.host_offload else []),
             f"all {devices} devices: {devices * self.total / 2**40:.1f} TiB",
             "largest parameter shards per device:",
         ]
@@ -144,13 +151,12 @@ def _mixer_kernel_floats(cfg: ModelConfig, mixer: str, tensor: int) -> float:
     return mla.num_heads * (mla.v_head_dim + 2) / tensor
 
 
-def _layer_activation_floats(cfg: ModelConfig, mixer: str, ffn: str, tensor: int):
-    """Numbers kept per token by one layer: (matmul outputs, everything else).
-
-    Widths that tensor parallelism splits (heads, mlp) are divided by the tensor axis size.
-    """
+def _mixer_activation_floats(cfg: ModelConfig, mixer: str, tensor: int):
+    """Numbers kept per token by one token mixer (its RMSNorm and AttnRes read included):
+    (matmul outputs, everything else). Widths that tensor parallelism splits (heads) are divided
+    by the tensor axis size."""
     d = cfg.d_model
-    kda, mla, moe = cfg.kda, cfg.mla, cfg.moe
+    kda, mla = cfg.kda, cfg.mla
     if mixer == "kda":
         keys = kda.num_value_heads * kda.head_dim
         matmul = (kda.qkv_dim + keys + kda.num_value_heads + keys) / tensor + kda.head_dim + d
@@ -164,44 +170,73 @@ def _layer_activation_floats(cfg: ModelConfig, mixer: str, ffn: str, tensor: int
         matmul = (queries + mla.latent_dim + d
                   + heads * (mla.qk_head_dim + mla.qk_nope_head_dim + 2 * mla.v_head_dim) / tensor)
         other = queries + mla.kv_lora_rank + heads * (2 * mla.v_head_dim + 2) / tensor
+    # An AttnRes read and an RMSNorm (inputs kept in float32 for the backward pass).
+    return matmul, other + 2 * 2 * d
+
+
+def _ffn_activation_floats(cfg: ModelConfig, ffn: str, tensor: int):
+    """`_mixer_activation_floats` for one FFN (dense GLU or Stable LatentMoE)."""
+    d, moe = cfg.d_model, cfg.moe
     if ffn == "dense":
-        matmul += 2 * cfg.dense_hidden / tensor + d
-        other += cfg.dense_hidden / tensor
+        matmul = 2 * cfg.dense_hidden / tensor + d
+        other = cfg.dense_hidden / tensor
     else:
         width = moe.routed_width(d)
         copies = moe.slots_per_token
-        matmul += (2 * moe.num_experts  # float32 router logits
-                   + (width if moe.latent_dim else 0)
-                   + copies * (2 * moe.expert_hidden / tensor + width)
-                   + 2 * moe.shared_hidden / tensor + 2 * d)
-        other += (2 * moe.num_experts + copies * (width + moe.expert_hidden / tensor)
-                  + 2 * width + moe.shared_hidden / tensor)
-    # Two AttnRes reads and two RMSNorms (inputs kept in float32 for the backward pass).
-    other += 4 * 2 * d
-    return matmul, other
+        matmul = (2 * moe.num_experts  # float32 router logits
+                  + (width if moe.latent_dim else 0)
+                  + copies * (2 * moe.expert_hidden / tensor + width)
+                  + 2 * moe.shared_hidden / tensor + 2 * d)
+        other = (2 * moe.num_experts + copies * (width + moe.expert_hidden / tensor)
+                 + 2 * width + moe.shared_hidden / tensor)
+    return matmul, other + 2 * 2 * d
 
 
-def estimate_activation_bytes(cfg: ModelConfig, sizes: Mapping[str, int], tokens: int) -> float:
-    """Activation bytes per device kept for the backward pass of `tokens` tokens on each device
-    (see the module docstring)."""
+def _recomputed_layer_bytes(cfg: ModelConfig, mixer: str, ffn: str, tensor: int, rows: int,
+                            seq_len: int) -> float:
+    """Bytes one layer's recomputation holds in the backward pass under `full` or `offload`: its
+    activations for the positions it works on at once (KDA's `segment_tokens`, the MoE's
+    `token_chunk`, else the whole row)."""
+    mixer_positions = min(seq_len, (mixer == "kda" and cfg.kda.segment_tokens) or seq_len)
+    ffn_positions = min(seq_len, (ffn == "moe" and cfg.moe.token_chunk) or seq_len)
+    floats = (mixer_positions * sum(_mixer_activation_floats(cfg, mixer, tensor))
+              + ffn_positions * sum(_ffn_activation_floats(cfg, ffn, tensor)))
+    return rows * floats * cfg.compute_dtype.itemsize
+
+
+def estimate_activation_bytes(cfg: ModelConfig, sizes: Mapping[str, int], rows: int,
+                              seq_len: int, loss_chunk_tokens: int | None = None
+                              ) -> tuple[float, float]:
+    """(device bytes, pinned host bytes) of the activations kept for the backward pass of `rows`
+    rows of `seq_len` tokens on each device (see the module docstring); the host holds the
+    layer inputs under `offload`. loss_chunk_tokens: the LM head's and loss's positions at once
+    (`train.loop.TrainConfig`; None: all of them)."""
     tensor = sizes.get("tensor", 1)
-    per_layer = [
-        _layer_activation_floats(cfg, mixer, ffn, tensor)
-        for mixer, ffn in zip(cfg.mixer_kinds, cfg.ffn_kinds)
-    ]
+    kinds = list(zip(cfg.mixer_kinds, cfg.ffn_kinds))
+    per_layer = [tuple(map(sum, zip(_mixer_activation_floats(cfg, mixer, tensor),
+                                    _ffn_activation_floats(cfg, ffn, tensor))))
+                 for mixer, ffn in kinds]
+    tokens = rows * seq_len
+    itemsize = cfg.compute_dtype.itemsize
+    inputs = cfg.num_layers * cfg.d_model  # each layer's input, kept unless recomputed
+    recomputed, host = 0.0, 0.0
     if cfg.remat == "none":
         kept = sum(m + o for m, o in per_layer)
     elif cfg.remat in ("dots", "dots_no_batch"):
-        kept = sum(m for m, _ in per_layer) + cfg.num_layers * cfg.d_model
+        kept = sum(m for m, _ in per_layer) + inputs
     elif cfg.remat == "dots_kernels":
-        kept = (sum(m for m, _ in per_layer) + cfg.num_layers * cfg.d_model
+        kept = (sum(m for m, _ in per_layer) + inputs
                 + sum(_mixer_kernel_floats(cfg, mixer, tensor) for mixer in cfg.mixer_kinds))
-    else:  # "full": each layer keeps its input; one layer at a time is recomputed
-        kept = cfg.num_layers * cfg.d_model + max(m + o for m, o in per_layer)
+    else:  # "full" and "offload": each layer keeps its input; one layer at a time is recomputed
+        kept = inputs if cfg.remat == "full" else 0
+        host = tokens * inputs * itemsize if cfg.remat == "offload" else 0.0
+        recomputed = max(_recomputed_layer_bytes(cfg, mixer, ffn, tensor, rows, seq_len)
+                         for mixer, ffn in kinds)
     snapshots = (num_seal_slots(2 * cfg.num_layers, cfg.seal_period) + 1) * cfg.d_model
     floats = kept + snapshots + cfg.d_model  # the embedding output
-    logits_bytes = 2 * 4 * cfg.vocab_size / tensor  # float32 logits and their gradient
-    return tokens * (floats * cfg.compute_dtype.itemsize + logits_bytes)
+    logit_positions = rows * min(seq_len, loss_chunk_tokens or seq_len)
+    logits_bytes = logit_positions * 2 * 4 * cfg.vocab_size / tensor  # float32, and gradient
+    return tokens * floats * itemsize + recomputed + logits_bytes, host
 
 
 def router_stats_bytes(cfg: ModelConfig, tokens: int) -> float:
@@ -221,12 +256,14 @@ def plan_memory(
     seq_len: int,
     optimizer_moments: int = 2,
     moment_dtype: jnp.dtype = jnp.float32,
+    loss_chunk_tokens: int | None = None,
     top: int = 5,
 ) -> MemoryPlan:
     """Per-device memory of training `cfg` on `mesh` ({axis: size}, or a mesh), AdamW-style,
     on batches [batch_size, seq_len].
 
     optimizer_moments: float arrays the optimizer keeps per parameter (AdamW: 2, SGD-momentum: 1).
+    loss_chunk_tokens: `train.loop.TrainConfig.loss_chunk_tokens` (None: the full logits).
     """
     sizes = dict(mesh) if isinstance(mesh, Mapping) else dict(mesh.shape)
     unknown = set(sizes) - set(MESH_AXES)
@@ -275,6 +312,8 @@ def plan_memory(
     gathered = max(gathered_by_unit.values(), default=0.0) * (
         cfg.compute_dtype.itemsize + cfg.parameter_dtype.itemsize)
     local_params = params_bytes / cfg.parameter_dtype.itemsize
+    activations, host_offload = estimate_activation_bytes(cfg, sizes, rows, seq_len,
+                                                          loss_chunk_tokens)
     return MemoryPlan(
         mesh={name: sizes.get(name, 1) for name in MESH_AXES},
         batch_size=batch_size,
@@ -288,7 +327,8 @@ def plan_memory(
         other_state=other_bytes,
         batch=tokens * BATCH_BYTES_PER_TOKEN,
         gradients=params_bytes,
-        activations=estimate_activation_bytes(cfg, sizes, tokens),
+        activations=activations,
+        host_offload=host_offload,
         router_stats=router_stats_bytes(cfg, tokens),
         gathered_weights=gathered,
         largest=tuple(sorted(shards, key=lambda s: -s[1])[:top]),
@@ -334,6 +374,8 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=_positive_int, default=1024, help="sequences per step")
     parser.add_argument("--seq", type=_positive_int, default=8192, help="tokens per sequence")
     parser.add_argument("--remat", default="full", choices=REMAT_POLICIES)
+    parser.add_argument("--loss-chunk", type=_positive_int, metavar="TOKENS",
+                        help="positions of the LM head and loss at once (default: all)")
     args = parser.parse_args(argv)
     try:
         mesh = _parse_mesh(args.mesh)
@@ -342,7 +384,8 @@ def main(argv=None) -> None:
     cfg = preset(args.preset, remat=args.remat, scan_layers=True)
     print(f"{args.preset}: {format_count(count_params(cfg)['total'])} parameters, "
           f"{format_count(count_params(cfg)['active'])} active per token")
-    print_memory_plan(cfg, mesh, batch_size=args.batch, seq_len=args.seq)
+    print_memory_plan(cfg, mesh, batch_size=args.batch, seq_len=args.seq,
+                      loss_chunk_tokens=args.loss_chunk)
 
 
 if __name__ == "__main__":

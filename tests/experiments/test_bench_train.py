@@ -246,3 +246,38 @@ def test_versus_times_the_step_again_with_the_override_in_one_process(tmp_path, 
     with pytest.raises(SystemExit):
         bench_train.main(["--smoke", "--versus", "model.kda.no_such_field=1"])
     assert "--versus" in capsys.readouterr().err
+
+
+def test_long_rows_record_what_fits_and_where_the_rest_goes(monkeypatch, tmp_path, capsys):
+    """`--long` steps each length it can and records, for one over the device, the planner's
+    breakdown instead of stopping (the steps stood in: the table's logic, not XLA, is tested)."""
+    def compiled_trainer(config, setup):
+        if setup.seq_len > 256:
+            raise RuntimeError(f"the step at 1 x {setup.seq_len} tokens needs 9.0 GiB, more than "
+                               "the 1.0 GiB the device allocator has")
+        assert config.loss_chunk_tokens == 128 and config.model.moe.token_chunk == 128
+        memory = {"argument": 0.1, "output": 0.1, "alias": 0.1, "temp": 0.4, "peak": 0.5}
+        return None, None, None, {"compile_seconds": 2.0, "lowering_seconds": 1.0,
+                                  "memory_gib": memory}
+
+    monkeypatch.setattr(bench_train, "compiled_trainer", compiled_trainer)
+    monkeypatch.setattr(bench_train, "step_runner", lambda *args: None)
+    monkeypatch.setattr(bench_train, "timed_step", lambda step, setup, flops: {
+        "step_seconds": 0.25, "tokens_per_second": setup.tokens / 0.25, "mfu": 0.01})
+    out = tmp_path / "long.md"
+    result = bench_train.main(["--smoke", "--long", "--lengths", "256", "512", "--out", str(out)])
+    fits, over = result["rows"]
+    assert fits["tokens_per_second"] == 1024 and "note" not in fits
+    assert "needs 9.0 GiB" in over["note"] and "step_seconds" not in over
+    assert 0 < fits["planned_gib"] < over["planned_gib"]
+    assert fits["planned_host_gib"] > 0  # offload: the layer inputs wait in host memory
+    text = out.read_text()
+    assert "| 256 | " in text and "| 0.25 | 1,024 | 1.0 |" in text
+    assert "| 512 | " in text and "needs 9.0 GiB" in text
+    assert "Where the memory goes at 512 tokens" in text
+    assert "Where the memory goes at 256 tokens" not in text
+    assert "host (offload)" in text and "activations" in text
+    assert json.loads(out.with_suffix(".json").read_text())["rows"][1]["seq_len"] == 512
+    with pytest.raises(SystemExit):
+        bench_train.main(["--smoke", "--lengths", "256"])
+    assert "add --long" in capsys.readouterr().err

@@ -22,6 +22,7 @@ and the temporaries. Tolerances, from the measurements tabled at `ARGUMENT_CASES
   XLA:CPU's peak.
 """
 
+import dataclasses
 import functools
 import math
 
@@ -32,6 +33,7 @@ import pytest
 from core.sharding import batch_sharding
 from kda.layer import count_kda_params
 from models.attention import count_mla_params
+from models import memory
 from models.config import count_params, preset
 from models.memory import BATCH_BYTES_PER_TOKEN, _parse_mesh, plan_memory, print_memory_plan
 from train.data import DataConfig
@@ -186,3 +188,32 @@ def test_k3_memory_plan_on_large_meshes(capsys, devices, mesh):
     assert plan.total == pytest.approx(plan.arguments + plan.temporaries)
     assert plan.total < 141e9  # fits an H200 with these settings
     assert math.prod(plan.mesh.values()) == devices
+
+
+def test_long_context_settings_move_memory_as_planned():
+    """Offloading, the chunked loss and the chunked KDA and MoE each take out of the device's
+    activations what they promise (no compile: the planner's own accounting)."""
+    rows, seq_len = 2, 1024
+    full = preset("tiny", remat="full")
+    plan = lambda cfg, **kw: plan_memory(cfg, {}, batch_size=rows, seq_len=seq_len, **kw)  # noqa: E731
+    on_device = plan(full)
+    offloaded = plan(dataclasses.replace(full, remat="offload"))
+    layer_inputs = rows * seq_len * full.num_layers * full.d_model * full.compute_dtype.itemsize
+    assert on_device.host_offload == 0 and offloaded.host_offload == layer_inputs
+    assert on_device.activations - offloaded.activations == pytest.approx(layer_inputs)
+    chunked_loss = plan(full, loss_chunk_tokens=128)
+    logits = rows * (seq_len - 128) * 2 * 4 * full.vocab_size  # float32 logits and gradient
+    assert on_device.activations - chunked_loss.activations == pytest.approx(logits)
+    segmented = dataclasses.replace(
+        full, kda=dataclasses.replace(full.kda, segment_tokens=128),
+        moe=dataclasses.replace(full.moe, token_chunk=128))
+    # The largest recomputed layer was a KDA + MoE layer whole; now it is the first, KDA in
+    # 128-token segments and its dense FFN whole (neither MLA nor the dense FFN is chunked).
+    floats = lambda part, kind: sum(part(full, kind, 1))  # noqa: E731
+    kda, mla = (floats(memory._mixer_activation_floats, kind) for kind in ("kda", "mla"))
+    dense, moe = (floats(memory._ffn_activation_floats, kind) for kind in ("dense", "moe"))
+    assert full.ffn_kinds == ("dense", "moe", "moe", "moe") and full.mixer_kinds[0] == "kda"
+    before, after = seq_len * (kda + moe), 128 * kda + seq_len * dense
+    assert after > seq_len * mla + 128 * moe  # the MLA layer, now the second largest
+    assert on_device.activations - plan(segmented).activations == pytest.approx(
+        rows * (before - after) * full.compute_dtype.itemsize)
