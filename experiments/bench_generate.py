@@ -1,8 +1,8 @@
 """Generation benchmark: time to first token, decode tokens/s against the memory-read floor, and
 the latent cache's bytes per token, for the serving engine (`models.serving`).
 
-    python -m experiments.bench_generate --gpu       # 1b preset in bf16; benchmarks/generate_h200.md
-    python -m experiments.bench_generate --smoke     # tiny preset on CPU, a few seconds a cell
+    python -m experiments.bench_generate --gpu     # 1b in bf16 -> benchmarks/generate_h200.md
+    python -m experiments.bench_generate --smoke   # a two-layer tiny model on CPU
 
 What it measures, in one process:
 
@@ -15,9 +15,10 @@ What it measures, in one process:
   decode          batch B at context C: the engine's decode program (`serving.decode_program`,
                   [B, 1], every row active, greedy) on caches of the right shapes filled with
                   random values (KDA conv tails and states, MLA pages: C tokens per row in its
-                  own pages), not by prefill; median over --repeats steps. One pool per batch
-                  size (sized for its longest context that fits), so one compiled program per
-                  batch size. Cells whose pages do not fit the device's memory are skipped.
+                  own pages; a pool repeats one random page), not by prefill; median over
+                  --repeats steps. One pool per batch size (sized for its longest context that
+                  fits), so one compiled program per batch size. Cells whose pages do not fit
+                  the device's memory are skipped.
   floor           the bytes a decode step must read once: the active weights (all but the
                   routed experts and the embedding table; of those the B token rows, and each
                   MoE layer's expected share of distinct experts under uniform routing,
@@ -31,6 +32,7 @@ What it measures, in one process:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 
@@ -79,11 +81,16 @@ SMOKE = Size("tiny", dict(num_layers=2, kda_layers=(1,), full_attn_layers=(2,)),
              bandwidth_bytes=64 << 20, memory_margin=0)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _initial_state(config: ModelConfig) -> nnx.State:
+    return nnx.state(HybridLM(config, rngs=nnx.Rngs(0)))
+
+
 def build_model(size: Size) -> HybridLM:
     """The preset's model, initialised on the device in one program, parameters in size.dtype."""
     config = preset(size.preset, **size.overrides)
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: HybridLM(config, rngs=nnx.Rngs(0))))
-    state = jax.jit(lambda: nnx.state(HybridLM(config, rngs=nnx.Rngs(0))))()
+    state = _initial_state(config)
     if size.dtype is not None:
         state = cast_params(state, size.dtype)
     return nnx.merge(graphdef, state)
@@ -145,13 +152,16 @@ def random_caches(model: HybridLM, batch: int, num_pages: int, page_size: int, m
         batch, num_pages=num_pages, page_size=page_size, max_pages_per_seq=max_pages).caches)
     leaves, treedef = jax.tree.flatten(shapes)
 
+    def random_leaf(key, leaf):
+        # Big leaves (page pools) repeat one random slice along their first axis, broadcast into
+        # the output: the program allocates nothing but the outputs.
+        shape = (1, *leaf.shape[1:]) if leaf.size > 1 << 24 else leaf.shape
+        return jnp.broadcast_to(0.1 * jax.random.normal(key, shape, leaf.dtype), leaf.shape)
+
     @jax.jit
     def fill(key):
-        # A random block repeated to each leaf's size: the program allocates the outputs only.
         keys = jax.random.split(key, len(leaves))
-        return jax.tree.unflatten(treedef, [
-            jnp.resize(0.1 * jax.random.normal(k, (min(leaf.size, 1 << 22),), leaf.dtype),
-                       leaf.shape) for k, leaf in zip(keys, leaves)])
+        return jax.tree.unflatten(treedef, [random_leaf(k, leaf) for k, leaf in zip(keys, leaves)])
 
     return fill(jax.random.key(seed))
 

@@ -145,6 +145,7 @@ class EngineStats:
     preemptions: int = 0
     prefill_tokens: int = 0  # prompt (and recomputed) tokens run through prefill chunks
     shared_tokens: int = 0  # tokens not prefilled because a kept prefix covered them
+    pages_allocated: int = 0  # pages taken from the free list
     peak_pages: int = 0  # most pages held at once (by sequences and kept prefixes)
 
 
@@ -313,6 +314,18 @@ class _Sequence:
     def tokens(self) -> tuple[int, ...]:
         return self.request.prompt + tuple(self.generated)
 
+    @property
+    def length(self) -> int:
+        """Tokens so far, prompt and generated."""
+        return len(self.request.prompt) + len(self.generated)
+
+    def token(self, position: int) -> int:
+        """The token at `position` (without building the whole sequence)."""
+        prompt = self.request.prompt
+        if position < len(prompt):
+            return prompt[position]
+        return self.generated[position - len(prompt)]
+
 
 @dataclasses.dataclass
 class _Prefix:
@@ -444,15 +457,21 @@ class Engine:
         """Admits waiting requests, runs one prefill chunk and one decode step; the tokens made."""
         self.stats.steps += 1
         self._admit()
+        if self._waiting and not any(self._running):
+            # Nothing runs, so nothing will free pages: waiting would never end.
+            raise RuntimeError(
+                f"no request can be admitted: {self._allocator.num_free} pages are free and none "
+                f"is held by a running request; the page accounting has lost "
+                f"{self._allocator.num_pages - 1 - self._allocator.num_free} pages")
         self._prefill()
         return self._decode()
 
     def _admit(self) -> None:
         while self._waiting and None in self._running:
             _, sequence = self._waiting[0]
-            prefix = self._longest_prefix(sequence.tokens)
+            prefix = self._longest_prefix(sequence.tokens) if self._prefixes else None
             shared = 0 if prefix is None else len(prefix)
-            needed = math.ceil(len(sequence.tokens) / self.page_size) - shared // self.page_size
+            needed = math.ceil(sequence.length / self.page_size) - shared // self.page_size
             while needed > self._allocator.num_free and self._evict_prefix(keep=prefix):
                 pass
             if needed > self._allocator.num_free:
@@ -464,20 +483,20 @@ class Engine:
             sequence.admitted, self._admissions = self._admissions, self._admissions + 1
 
     def _prefill(self) -> None:
-        waiting = [s for s in self._running if s is not None and s.fed < len(s.tokens) - 1]
+        waiting = [s for s in self._running if s is not None and s.fed < s.length - 1]
         if not waiting:
             return
         sequence = min(waiting, key=lambda s: s.admitted)
         if sequence.fed == 0 and self._start_from_prefix(sequence):
             return  # the kept prefix holds all but the last token: the decode step takes it
-        size = next_chunk(sequence.fed, len(sequence.tokens) - 1, self.page_size,
+        size = next_chunk(sequence.fed, sequence.length - 1, self.page_size,
                           self.prefill_chunk_tokens)
         if not self._reserve(sequence, sequence.fed + size):
             return
         slot, start = sequence.slot, sequence.fed
-        tokens = np.asarray(sequence.tokens[start : start + size], np.int32)[None]
+        tokens = np.asarray([sequence.token(i) for i in range(start, start + size)], np.int32)
         self._caches = _prefill_program(
-            self._graphdef, self._axes, self._variables, self._caches, np.int32(slot), tokens,
+            self._graphdef, self._axes, self._variables, self._caches, np.int32(slot), tokens[None],
             self._allocator.block_tables[slot : slot + 1], np.array([start], np.int32))
         sequence.fed += size
         self.stats.prefill_chunks += 1
@@ -486,7 +505,7 @@ class Engine:
             self._keep_prefix(sequence)
 
     def _decode(self, warmup: bool = False) -> list[TokenEvent]:
-        ready = sorted((s for s in self._running if s is not None and s.fed == len(s.tokens) - 1),
+        ready = sorted((s for s in self._running if s is not None and s.fed == s.length - 1),
                        key=lambda s: s.admitted)
         for sequence in ready:
             if sequence.slot is not None:
@@ -504,7 +523,7 @@ class Engine:
                            np.zeros(self.slots, np.int32))
         for sequence in ready:
             slot, sampling = sequence.slot, sequence.request.sampling
-            tokens[slot, 0] = sequence.tokens[sequence.fed]
+            tokens[slot, 0] = sequence.token(sequence.fed)
             lengths[slot] = sequence.fed
             active[slot] = True
             tables[slot] = self._allocator.block_tables[slot]
@@ -538,7 +557,7 @@ class Engine:
         if token in sequence.request.stop_tokens:
             return "stop"
         if (len(sequence.generated) == sequence.request.max_tokens
-                or len(sequence.tokens) == self.max_seq_len):
+                or sequence.length == self.max_seq_len):
             return "length"
         return None
 
@@ -570,6 +589,7 @@ class Engine:
             if newest is sequence:
                 return False
         self._allocator.reserve(sequence.slot, num_tokens)
+        self.stats.pages_allocated += max(missing, 0)
         self.stats.peak_pages = max(self.stats.peak_pages, self.pages_in_use)
         return True
 
@@ -610,7 +630,7 @@ class Engine:
                                    kept.kda_state)
         sequence.fed = len(key)
         self.stats.shared_tokens += len(key)
-        return sequence.fed == len(sequence.tokens) - 1
+        return sequence.fed == sequence.length - 1
 
     def _keep_prefix(self, sequence: _Sequence) -> None:
         key = sequence.tokens[: sequence.fed]
