@@ -1,0 +1,21 @@
+"""Agentic RL post-training on our own trainer.
+
+- `train.rl.losses`: group-relative advantages (GRPO, Dr.GRPO, RLOO), the clipped policy-gradient
+  objective against the behaviour policy's per-token log-probs (DAPO's clip-higher, token-level,
+  sequence-level and constant aggregation), KL to a frozen reference (k1, k3), DAPO's over-long
+  filtering or penalty and dynamic sampling; `RLLossConfig` and `policy_loss`, the train step's
+  entry.
+- `train.rl.tools`: the tool-call syntax of the byte vocabulary (`<c>37*12</c><r>444</r>`), its
+  parser, the calculator, the "notes" search over the embedded corpus and injected tool failures.
+- `train.rl.sandbox`: the Python tool, a `python -I -S` subprocess with resource limits, a wall
+  timeout and, where the kernel offers them, Landlock and a network namespace.
+
+Why our own learner and not Tunix (the JAX RL library): Tunix would add about 60 packages and
+750 MB to every set-up and its next release caps jax below the version we pin; its loss drops the
+model's second output, the router statistics, so Quantile Balancing's bias update, the auxiliary
+loss and QK-Clip would not run; and its rollout renders and re-prefills the whole conversation
+every turn, throwing away KDA's constant-size state and the paged latent cache. A learner of our
+own is a few pure functions fed to `train.step`'s machinery (optimizers, QB, QK-Clip, finite
+checks, checkpoints), and its rollouts run on `models.serving`. Ideas borrowed from Tunix, verl,
+slime and AReaL; the code is ours.
+"""
