@@ -45,6 +45,9 @@ def test_every_cell_is_timed_or_says_why_not(smoke):
         assert cell["step_ms"] > 0 and cell["tokens_per_s"] == pytest.approx(
             key[0] / cell["step_ms"] * 1e3)
         assert cell["floor_ratio"] == pytest.approx(cell["step_ms"] / cell["floor_ms"])
+        bandwidth = results["bandwidth_gb_per_s"]  # the floor: bytes read once at the bandwidth
+        assert cell["floor_ms"] == pytest.approx(sum(cell["bytes_read_gb"].values()) / bandwidth
+                                                 * 1e3)
         # The floor's bytes: every row's pages (40 numbers a token, float32, one MLA layer).
         assert cell["bytes_read_gb"]["mla_pages"] == pytest.approx(key[0] * key[1] * 160 / 1e9)
         assert f"| {key[0]} | {key[1]} | {cell['step_ms']:.2f} |" in markdown

@@ -25,6 +25,7 @@ from train.tokenizer import decode, encode
 
 # A small engine, float32 parameters (exact comparisons). Every prompt of the tests is BOS and two
 # bytes: one prefill chunk of 2 tokens, then decode steps (two compiled programs).
+GREEDY_TOKENS = 8
 ENGINE = ["--slots", "2", "--max-seq-len", "32", "--page-size", "4", "--prefill-chunk", "8",
           "--dtype", "float32"]
 
@@ -71,7 +72,8 @@ def run(argv, capsys, stdin: str = "") -> tuple[int, str, str]:
 def results(run_dir, tmp_path_factory) -> list[dict]:
     """--requests of three requests: greedy text, sampled with a stop byte, token ids."""
     folder = tmp_path_factory.mktemp("requests")
-    lines = [{"id": "greedy", "prompt": "ab", "temperature": 0, "max_tokens": 6},
+    # The first request runs longest: the others finish before it, their results come after it.
+    lines = [{"id": "greedy", "prompt": "ab", "temperature": 0, "max_tokens": GREEDY_TOKENS},
              {"prompt": "hi", "seed": 3, "stop": ["e", "a"]},
              {"id": 7, "prompt_tokens": [257, 104, 105], "temperature": 1.0, "top_k": 5}]
     (folder / "in.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
@@ -87,7 +89,7 @@ def test_requests_give_one_result_a_request_in_order(run_dir, results):
         assert result["text"] == decode(result["tokens"])
         assert len(result["logprobs"]) == len(result["tokens"])
         assert all(p <= 0 for p in result["logprobs"])
-    assert len(greedy["tokens"]) == 6 and greedy["finish_reason"] == "length"  # its own max
+    assert len(greedy["tokens"]) == GREEDY_TOKENS and greedy["finish_reason"] == "length"
     assert tokens["prompt"] is None and len(tokens["tokens"]) == 5  # the flag's max_tokens
     stops = {ord("e"), ord("a")}
     ended = sampled["tokens"][-1] in stops
@@ -117,14 +119,15 @@ def test_prompt_streams_tokens_as_they_come(run_dir, results, monkeypatch):
     out = _Writes()
     monkeypatch.setattr(sys, "stdout", out)
     generate.main(["--checkpoint", run_dir, "--prompt", "ab", "--temperature", "0",
-                   "--max-tokens", "6", *ENGINE])
+                   "--max-tokens", str(GREEDY_TOKENS), *ENGINE])
     assert out.getvalue() == "ab" + results[0]["text"] + "\n"
-    assert len([piece for piece in out.pieces if piece]) >= 1 + 6  # the prompt, then a token each
+    assert len([piece for piece in out.pieces if piece]) >= 1 + GREEDY_TOKENS  # prompt, tokens
 
 
 def test_interactive_reads_prompts_from_stdin(run_dir, results, capsys):
     status, out, _ = run(["--checkpoint", run_dir, "--interactive", "--temperature", "0",
-                          "--max-tokens", "6", *ENGINE], capsys, stdin="ab\nab\n")
+                          "--max-tokens", str(GREEDY_TOKENS), *ENGINE], capsys,
+                         stdin="ab\nab\n")
     assert status == 0
     assert out.splitlines() == ["ab" + results[0]["text"]] * 2
 
