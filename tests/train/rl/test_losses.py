@@ -169,8 +169,9 @@ def test_group_advantages_match_numpy(algorithm, estimator):
 @pytest.mark.parametrize("estimator", [lambda r: grpo_advantages(r, 1e-6), dr_grpo_advantages,
                                        rloo_advantages])
 def test_groups_of_equal_rewards_get_exactly_zero_advantage(estimator):
-    """0.1 * 3 / 3 is not 0.1 in floating point, and std 0 would divide 0 by eps or by 0."""
-    rewards = jnp.array([[0.1, 0.1, 0.1], [1.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
+    """The mean of three 0.3s is not 0.3 in float64 (nor of 0.7s): without the exact zero, GRPO
+    would divide a rounding error by a rounding error (advantage ~0.8)."""
+    rewards = jnp.array([[0.3, 0.3, 0.3], [0.7, 0.7, 0.7], [0.0, 1.0, 0.0]])
     advantages = np.asarray(estimator(rewards))
     assert (advantages[:2] == 0).all() and np.isfinite(advantages).all()
     assert (advantages[2] != 0).all()
