@@ -17,6 +17,8 @@ The router bias is a `RouterBias` variable, not an `nnx.Param`: optimizers built
 Dispatch: dropless (sort by expert, two grouped matmuls, un-sort) on each device; under a mesh with
 an `expert` axis (`jax.set_mesh`) the layer runs expert parallel with fixed-capacity all-to-all
 (`MoEConfig.capacity_factor`, None = never drop; dropped copies are counted in `stats.dropped`).
+At long T, `MoEConfig.token_chunk` runs everything after the routing on [B, token_chunk] tokens
+at a time, each chunk recomputed in the backward pass (`docs/latent_moe.md`, "Token chunks").
 Grouped matmuls (`MoEConfig.gmm_backend`, `moe.grouped_matmul`) run on Hopper through our
 warp-specialized Mosaic GPU kernels (`moe.kernels.mosaic_gpu`: the row-ragged products and the
 weight gradient), and through `jax.lax.ragged_dot` elsewhere. Their GLU-fused epilogues

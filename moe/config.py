@@ -67,6 +67,13 @@ class MoEConfig:
             epilogues (`moe.dispatch.fused_expert_mlp`) where the Mosaic GPU kernels run;
             elsewhere it has no effect. False by default: the fused path is slower than the
             unfused one (`benchmarks/expert_mlp_h200.md`).
+        token_chunk: positions per chunk along T for the layer's per-token part (None = all
+            tokens at once). The router, the routing and the `RouterStats` always cover all
+            B·T tokens; the down-projection, dispatch, expert MLPs, latent norm, up-projection
+            and shared expert then run on [B, token_chunk] tokens at a time, each chunk under
+            `jax.checkpoint`, so a backward pass holds one chunk's dispatch buffers. Equal to the
+            unchunked layer up to float rounding (`docs/latent_moe.md`), except that under
+            expert parallelism with a `capacity_factor` the buffers are sized per chunk.
     """
 
     num_experts: int = 64
@@ -93,6 +100,7 @@ class MoEConfig:
     qb_minibatches: int = 1
     gmm_backend: str = "auto"
     fuse_glu_epilogues: bool = False
+    token_chunk: int | None = None
 
     def __post_init__(self):
         _require(self.num_experts >= 1, "num_experts", self.num_experts, "an integer >= 1")
@@ -174,6 +182,14 @@ class MoEConfig:
             "fuse_glu_epilogues",
             self.fuse_glu_epilogues,
             "True or False",
+        )
+        _require(
+            self.token_chunk is None
+            or (isinstance(self.token_chunk, int) and not isinstance(self.token_chunk, bool)
+                and self.token_chunk >= 1),
+            "token_chunk",
+            self.token_chunk,
+            "None (all tokens at once) or an integer >= 1 (positions per chunk along T)",
         )
 
     def routed_width(self, d_model: int) -> int:

@@ -9,7 +9,9 @@ Stable LatentMoE (Kimi K3 report Eq. 11-13; derivation in `docs/latent_moe.md`):
 x, y: [B, T, D]; the router runs in float32, experts and projections in `dtype` (bf16 by
 default) with float32 parameters. Experts and the shared expert are GLU MLPs with the configured
 activation (SiTU-GLU by default). With `latent_dim=None` it is a plain MoE (experts read x
-directly, no W_down / W_up / norm).
+directly, no W_down / W_up / norm). With `MoEConfig.token_chunk`, everything after the routing
+runs on [B, token_chunk] tokens at a time, each chunk recomputed in the backward pass, while the
+routing and its statistics still cover all tokens (`docs/latent_moe.md`, "Token chunks").
 
 The balancer (`update_router_biases`) runs after the optimizer step on the `RouterStats` each
 layer returns, outside the gradient: it writes the `RouterBias` variables in place.
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from core.chunks import merge_chunks, split_chunks
 from core.norms import rms_norm
 from core.sharding import logical
 from moe.activations import GLUActivation, fused_glu
@@ -117,7 +120,8 @@ class StableLatentMoE(nnx.Module):
     expert width axis is "embed".
 
     Under a mesh with an `expert` axis of size > 1 (`jax.set_mesh`), the routed experts run expert
-    parallel (`moe.dispatch.expert_parallel_moe`); otherwise dropless on each device.
+    parallel (`moe.dispatch.expert_parallel_moe`; with `token_chunk`, chunk by chunk, each chunk's
+    B·token_chunk tokens split over all devices); otherwise dropless on each device.
     """
 
     def __init__(
@@ -236,16 +240,15 @@ class StableLatentMoE(nnx.Module):
             checkpoint_name(a, PERMUTATION_NAME)
             for a in (expert_ids, jnp.where(copy_mask, weights, 0.0), copy_mask))
 
-        routed_in = tokens.astype(self.dtype)
-        if cfg.latent_dim is not None:
-            routed_in = routed_in @ self.w_down[...].astype(self.dtype)
-        routed, dropped = self._routed_experts(routed_in, expert_ids, weights, copy_mask)
-        routed = checkpoint_name(routed, PERMUTATION_NAME)
-        if cfg.latent_norm:
-            routed = rms_norm(routed, self.latent_gain[...], cfg.norm_eps)
-        if cfg.latent_dim is not None:
-            routed = routed @ self.w_up[...].astype(self.dtype)
-        y = routed if self.shared is None else routed + self.shared(tokens)
+        w_in, w_out = (checkpoint_name(weight[...].astype(self.dtype), EXPERT_WEIGHTS_NAME)
+                       for weight in self.kernel_weights().values())
+        if cfg.token_chunk is None:
+            y, dropped = self._per_token(tokens, expert_ids, weights, copy_mask, w_in, w_out)
+        else:
+            y, dropped = self._per_token_in_chunks(
+                x, *(a.reshape(batch, length, -1) for a in (expert_ids, weights, copy_mask)),
+                w_in, w_out,
+            )
 
         aux_loss = (
             cfg.aux_loss_weight * switch_aux_loss(scores, expert_ids, copy_mask)
@@ -263,18 +266,93 @@ class StableLatentMoE(nnx.Module):
         )
         return y.reshape(batch, length, self.d_model).astype(self.dtype), stats
 
+    def _per_token(self, tokens, expert_ids, weights, copy_mask, w_in, w_out):
+        """Everything of the layer after the routing, on n tokens routed already.
+
+        Args:
+            tokens: [n, D] layer input.
+            expert_ids: [n, S] int32, weights: [n, S] float32 (0 where the copy is masked),
+                copy_mask: [n, S] bool: the routing (`route` or `dynamic_route`).
+            w_in: [E, W, 2, M], w_out: [E, M, W] expert weights in self.dtype.
+
+        Returns:
+            y: [n, D] in self.dtype, `W_up RMSNorm(sum_j p_j E_j(W_down x)) + Shared(x)`.
+            dropped: [] float32 token copies dropped by expert parallelism.
+        """
+        cfg = self.cfg
+        routed_in = tokens.astype(self.dtype)
+        if cfg.latent_dim is not None:
+            routed_in = routed_in @ self.w_down[...].astype(self.dtype)
+        routed, dropped = self._routed_experts(
+            routed_in, expert_ids, weights, copy_mask, w_in, w_out
+        )
+        routed = checkpoint_name(routed, PERMUTATION_NAME)
+        if cfg.latent_norm:
+            routed = rms_norm(routed, self.latent_gain[...], cfg.norm_eps)
+        if cfg.latent_dim is not None:
+            routed = routed @ self.w_up[...].astype(self.dtype)
+        y = routed if self.shared is None else routed + self.shared(tokens)
+        return y, dropped
+
+    def _per_token_in_chunks(self, x, expert_ids, weights, copy_mask, w_in, w_out):
+        """`_per_token` on [B, token_chunk] tokens at a time (`MoEConfig.token_chunk`).
+
+        Args:
+            x: [B, T, D] layer input.
+            expert_ids, weights, copy_mask: [B, T, S] the routing of all B·T tokens.
+            w_in, w_out: expert weights in self.dtype, as `_per_token`'s.
+
+        Returns:
+            y: [B·T, D] in self.dtype; dropped: [] float32, summed over chunks.
+
+        `lax.map` over `core.chunks.split_chunks` of the inputs, each chunk under `jax.checkpoint`
+        that saves nothing inside, so the backward pass rebuilds and holds one chunk's dispatch
+        buffers at a time. Inside an enclosing checkpoint, that one's policy decides instead:
+        `dots_kernels` saves the named routing and permutation chunk by chunk, stacked [chunks,
+        ...], and the expert weights, the same for every chunk, once. The tail positions that
+        pad T to whole chunks have x 0, copy_mask False and weight 0: they send nothing under
+        expert parallelism, add 0 on one device, and are cut from the output, so they reach
+        neither y nor any gradient.
+
+        The expert weights enter the map in float32 and are cast back inside it: the map's
+        backward sums the gradients of what it closes over chunk by chunk in their dtype, and
+        float32 keeps that sum as precise as the unchunked layer's one grouped product (the
+        round trip from self.dtype is exact).
+        """
+        batch, length, _ = x.shape
+        chunk = self.cfg.token_chunk
+        mesh = jax.sharding.get_abstract_mesh()
+        if _expert_shards(mesh) > 1 and batch * chunk % mesh.size:
+            raise ValueError(
+                f"MoEConfig.token_chunk={chunk} with batch {batch} gives chunks of "
+                f"{batch * chunk} tokens, which expert parallelism splits over all "
+                f"{mesh.size} devices of the mesh: choose token_chunk so that "
+                f"batch * token_chunk divides by {mesh.size}."
+            )
+        w_in, w_out = (w.astype(jnp.float32) for w in (w_in, w_out))
+
+        @functools.partial(jax.checkpoint, prevent_cse=False)  # lax.map already prevents CSE
+        def one_chunk(chunk_arrays):
+            tokens, ids, chunk_weights, mask = (a.reshape(batch * chunk, -1) for a in chunk_arrays)
+            y, dropped = self._per_token(tokens, ids, chunk_weights, mask,
+                                         w_in.astype(self.dtype), w_out.astype(self.dtype))
+            return y.reshape(batch, chunk, -1), dropped
+
+        chunks = [split_chunks(a, chunk) for a in (x, expert_ids, weights, copy_mask)]
+        y, dropped = jax.lax.map(one_chunk, chunks)
+        return merge_chunks(y, length).reshape(batch * length, -1), jnp.sum(dropped)
+
     def kernel_weights(self) -> dict[str, nnx.Param]:
         """The parameters the routed experts read in `self.dtype`, by attribute name: the grouped
         GEMM kernels take them as they are, so their cast from float32 cannot fuse into them
         (`train.step.TrainState` keeps them rounded, written by the update)."""
         return {"expert_w_in": self.expert_w_in, "expert_w_out": self.expert_w_out}
 
-    def _routed_experts(self, z, expert_ids, weights, copy_mask):
-        """Routed-expert mix of z [N, W]: expert parallel under an `expert` mesh axis."""
-        w_in, w_out = (checkpoint_name(weight[...].astype(self.dtype), EXPERT_WEIGHTS_NAME)
-                       for weight in self.kernel_weights().values())
+    def _routed_experts(self, z, expert_ids, weights, copy_mask, w_in, w_out):
+        """Routed-expert mix of z [N, W] with expert weights w_in [E, W, 2, M], w_out [E, M, W]:
+        expert parallel under an `expert` mesh axis."""
         mesh = jax.sharding.get_abstract_mesh()
-        if EXPERT_AXIS in mesh.axis_names and mesh.shape[EXPERT_AXIS] > 1:
+        if _expert_shards(mesh) > 1:
             return expert_parallel_moe(
                 z,
                 expert_ids,
@@ -293,6 +371,11 @@ class StableLatentMoE(nnx.Module):
             fuse_glu_epilogues=self.cfg.fuse_glu_epilogues,
         )
         return y, jnp.zeros((), jnp.float32)
+
+
+def _expert_shards(mesh) -> int:
+    """Size of the mesh's `expert` axis (1 without one): above 1, the experts run in parallel."""
+    return mesh.shape[EXPERT_AXIS] if EXPERT_AXIS in mesh.axis_names else 1
 
 
 def moe_layers(model: nnx.Module) -> list[StableLatentMoE]:

@@ -510,3 +510,54 @@ def test_dots_kernels_remat_keeps_the_moe_routing_and_permutation():
         assert unrematted[name] >= 1, name
         assert counts("dots_kernels")[name] == unrematted[name], name
         assert counts("dots")[name] > unrematted[name], name
+
+
+def _moe_loss(token_chunk, policy=None):
+    """(loss(state, x) = sum(y * cotangent) of the tiny preset's MoE layer, whole or in chunks
+    of `token_chunk` positions, under a checkpoint with REMAT[policy]; its state)."""
+    cfg = preset("tiny")
+    layer = StableLatentMoE(cfg.d_model, dataclasses.replace(cfg.moe, token_chunk=token_chunk),
+                            dtype=jnp.float32, rngs=nnx.Rngs(16))
+    graphdef, state = nnx.split(layer)
+    segment_ids = jnp.array([[1] * 9 + [0] * 3, [1] * 12])
+    cotangent = jax.random.normal(jax.random.key(18), (2, 12, cfg.d_model))
+
+    def loss(state, x):
+        return jnp.sum(nnx.merge(graphdef, state)(x, segment_ids)[0] * cotangent)
+
+    return (loss if policy is None else jax.checkpoint(loss, policy=REMAT[policy])), state
+
+
+MOE_X = jax.random.normal(jax.random.key(17), (2, 12, preset("tiny").d_model))
+
+
+@pytest.fixture(scope="module")
+def whole_moe_gradients():
+    loss, state = _moe_loss(None)
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))(state, MOE_X)
+
+
+@pytest.mark.parametrize("policy", ["full", "dots_kernels"])
+def test_moe_token_chunks_under_remat_give_the_whole_layers_gradients(whole_moe_gradients,
+                                                                      policy):
+    loss, state = _moe_loss(5, policy)  # 12 positions: chunks of 5, 5 and 2 (+ 3 padding)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(state, MOE_X)
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(grads),
+                                 jax.tree.leaves(whole_moe_gradients), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_dots_kernels_remat_keeps_the_moe_routing_and_permutation_of_every_token_chunk():
+    # With `MoEConfig.token_chunk` the dispatch's sort runs in each chunk of a `lax.map` (the
+    # top-k on all tokens before it): the names are kept there too, saved chunk by chunk, so the
+    # backward pass runs none of them again; under `full` it does.
+    def counts(token_chunk, policy):
+        loss, state = _moe_loss(token_chunk, policy)
+        return _primitive_counts(jax.make_jaxpr(jax.grad(loss, argnums=1))(state, MOE_X).jaxpr)
+
+    whole = counts(None, None)
+    for name in ("top_k", "sort", "scatter"):
+        assert whole[name] >= 1, name
+        assert counts(5, "dots_kernels")[name] == whole[name], name
+        assert counts(5, "full")[name] > whole[name], name

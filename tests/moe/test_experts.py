@@ -98,6 +98,8 @@ def test_clamped_swiglu_and_activation_selection():
         ("qb_estimator", "median", "MoEConfig.qb_estimator"),
         ("dynamic_k_max", 1, "MoEConfig.dynamic_k_max"),
         ("gmm_backend", "triton", "MoEConfig.gmm_backend"),
+        ("token_chunk", 0, "MoEConfig.token_chunk"),
+        ("token_chunk", True, "MoEConfig.token_chunk"),
     ],
 )
 def test_config_validation_names_the_field(field, value, message):

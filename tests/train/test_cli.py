@@ -37,11 +37,12 @@ def test_values_are_read_by_type(text, annotation, expected):
 def test_nested_fields_change_together():
     config = apply_overrides(TrainConfig(), [
         "model.num_layers=2", "model.kda_layers=1", "model.full_attn_layers=2",
-        "model.moe.top_k=1", "optim.optimizer=muon", "optim.clip_norm=none",
+        "model.moe.top_k=1", "model.moe.token_chunk=65536", "optim.optimizer=muon",
+        "optim.clip_norm=none",
         "data.paths=notes.txt", "steps=7", "steps=9",
     ])
     assert (config.model.num_layers, config.model.kda_layers) == (2, (1,))
-    assert config.model.moe.top_k == 1
+    assert config.model.moe.top_k == 1 and config.model.moe.token_chunk == 65536
     assert config.optim.optimizer == "muon" and config.optim.clip_norm is None
     assert config.data.paths == ("notes.txt",)
     assert config.steps == 9  # the last assignment wins
@@ -60,6 +61,7 @@ def test_nested_fields_change_together():
         ("optim.optimizer=sgd", r"expected one of \['adamw', 'muon'\]"),
         ("optim.learning_rate=-1", "learning_rate must be > 0"),
         ("model.moe=small", "group of settings"),
+        ("model.moe.token_chunk=0", "MoEConfig.token_chunk=0 is invalid"),
         ("progress=maybe", "expected a boolean"),
         ("model.num_layers=2", "kda_layers"),  # the model config's own check
     ],
