@@ -50,6 +50,7 @@ import optax
 from flax import nnx
 from jax.extend import core as jax_core
 
+from core.chunks import merge_chunks, split_chunks
 from models.lm import (KERNEL_PRIMITIVES, LMHead, aux_loss, lm_head_backward, lm_head_logits,
                        profile_scope)
 from moe.experts import StableLatentMoE, update_router_biases
@@ -240,29 +241,14 @@ def check_chunk_tokens(chunk_tokens, name: str = "chunk_tokens") -> None:
         raise ValueError(f"{name} must be a positive int, got {chunk_tokens!r}")
 
 
-def _split_chunks(x: jax.Array, chunk_tokens: int) -> jax.Array:
-    """[B, T, ...] -> [ceil(T / chunk_tokens), B, chunk_tokens, ...], the tail zero-padded."""
-    batch, length = x.shape[:2]
-    chunks = -(-length // chunk_tokens)
-    padding = [(0, 0), (0, chunks * chunk_tokens - length)] + [(0, 0)] * (x.ndim - 2)
-    x = jnp.pad(x, padding).reshape(batch, chunks, chunk_tokens, *x.shape[2:])
-    return jnp.swapaxes(x, 0, 1)
-
-
-def _merge_chunks(x: jax.Array, length: int) -> jax.Array:
-    """[chunks, B, chunk_tokens, ...] -> [B, length, ...] (`_split_chunks` undone)."""
-    x = jnp.swapaxes(x, 0, 1)
-    return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :length]
-
-
 def _map_chunks(fn, chunk_tokens: int, *arrays: jax.Array):
     """fn(*chunks of arrays) -> outputs [B, chunk_tokens, ...], one chunk at a time (`lax.map`)
     over arrays [B, T, ...]; returns the outputs [B, T, ...]."""
     check_chunk_tokens(chunk_tokens)
     length = arrays[0].shape[1]
-    chunks = [_split_chunks(a, chunk_tokens) for a in arrays]
+    chunks = [split_chunks(a, chunk_tokens) for a in arrays]
     outputs = jax.lax.map(lambda xs: fn(*xs), chunks)
-    return jax.tree.map(lambda y: _merge_chunks(y, length), outputs)
+    return jax.tree.map(lambda y: merge_chunks(y, length), outputs)
 
 
 def _chunked_lm_head_nll_forward(hidden, kernel, targets, chunk_tokens):
@@ -289,9 +275,9 @@ def _chunked_lm_head_nll_backward(chunk_tokens, saved, d_nll):
         d_x, d_chunk_kernel = lm_head_backward(x, compute_kernel, d_logits)
         return d_kernel + d_chunk_kernel, d_x
 
-    chunks = [_split_chunks(a, chunk_tokens) for a in (hidden, targets, log_normalizer, d_nll)]
+    chunks = [split_chunks(a, chunk_tokens) for a in (hidden, targets, log_normalizer, d_nll)]
     d_kernel, d_hidden = jax.lax.scan(one_chunk, jnp.zeros(kernel.shape, jnp.float32), chunks)
-    return _merge_chunks(d_hidden, hidden.shape[1]), d_kernel.astype(kernel.dtype), None
+    return merge_chunks(d_hidden, hidden.shape[1]), d_kernel.astype(kernel.dtype), None
 
 
 chunked_lm_head_nll.defvjp(_chunked_lm_head_nll_forward, _chunked_lm_head_nll_backward)
