@@ -457,7 +457,7 @@ class Engine:
         """Admits waiting requests, runs one prefill chunk and one decode step; the tokens made."""
         self.stats.steps += 1
         self._admit()
-        if self._waiting and not any(self._running):
+        if self._waiting and all(s is None for s in self._running):
             # Nothing runs, so nothing will free pages: waiting would never end.
             raise RuntimeError(
                 f"no request can be admitted: {self._allocator.num_free} pages are free and none "
