@@ -2,6 +2,8 @@
 the latent cache's bytes per token, for the serving engine (`models.serving`).
 
     python -m experiments.bench_generate --gpu     # 1b in bf16 -> benchmarks/generate_h200.md
+    python -m experiments.bench_generate --gpu --long   # batch 1 at 128K, 256K and 1M tokens
+                                                        # -> benchmarks/long_context_inference_h200.md
     python -m experiments.bench_generate --smoke   # a two-layer tiny model on CPU
 
 What it measures, in one process:
@@ -79,6 +81,9 @@ GPU = Size("1b", {}, "bfloat16", page_size=64, prefill_chunk=4096, batches=(1, 8
 SMOKE = Size("tiny", dict(num_layers=2, kda_layers=(1,), full_attn_layers=(2,)), None,
              page_size=8, prefill_chunk=32, batches=(1, 2), contexts=(32, 64),
              bandwidth_bytes=64 << 20, memory_margin=0)
+# `--long`: one sequence, prefilled whole (TTFT) and decoded, at the million-token issue's lengths.
+LONG_CONTEXTS = (131072, 262144, 1048576)
+LONG_TABLE = "long_context_inference_h200.md"
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -336,11 +341,22 @@ def report(size: Size, args_command: str, model: HybridLM, bandwidth: float, ttf
 
 
 def main(argv=None) -> dict:
+    def add_long(parser):
+        parser.add_argument("--long", action="store_true",
+                            help="batch 1 at contexts of 128K, 256K and 1M tokens (--smoke: "
+                            "twice and four times its contexts); --gpu default table: "
+                            f"benchmarks/{LONG_TABLE}")
+
     args = gpu_or_smoke_args(
-        argv, __doc__.split("\n\n")[0], "generate_h200.md",
+        argv, __doc__.split("\n\n")[0],
+        lambda args: LONG_TABLE if args.long else "generate_h200.md",
         gpu_help="1b preset in bf16, batches 1-256, contexts 4K-128K (about 6 minutes on an H200)",
-        smoke_help="tiny preset (two layers) on CPU, batches 1-2, contexts 32-64")
+        smoke_help="tiny preset (two layers) on CPU, batches 1-2, contexts 32-64",
+        add_options=add_long)
     size = GPU if args.gpu else SMOKE
+    if args.long:
+        contexts = LONG_CONTEXTS if args.gpu else tuple(2 * c for c in SMOKE.contexts)
+        size = dataclasses.replace(size, batches=(1,), contexts=contexts)
     started = time.perf_counter()
     model = build_model(size)
     bandwidth = hbm_bandwidth(size.bandwidth_bytes, args.repeats)

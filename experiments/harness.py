@@ -183,11 +183,13 @@ def write_json(path: Path | str, data):
     path.write_text(json.dumps(data, indent=1) + "\n")
 
 
-def gpu_or_smoke_args(argv, description: str, table: str, gpu_help: str, smoke_help: str,
+def gpu_or_smoke_args(argv, description: str, table: str | Callable[[argparse.Namespace], str],
+                      gpu_help: str, smoke_help: str,
                       add_options=lambda parser: None) -> argparse.Namespace:
     """The options of a small benchmark: --gpu or --smoke, --repeats, --warmup, --out (its
-    markdown table; with --gpu, benchmarks/`table` unless given; with --smoke, none unless
-    given), and what `add_options(parser)` adds. --gpu on a backend other than CUDA is refused."""
+    markdown table; with --gpu, benchmarks/`table` unless given, `table(args)` where the table
+    depends on the options; with --smoke, none unless given), and what `add_options(parser)`
+    adds. --gpu on a backend other than CUDA is refused."""
     parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     size = parser.add_mutually_exclusive_group(required=True)
@@ -202,5 +204,5 @@ def gpu_or_smoke_args(argv, description: str, table: str, gpu_help: str, smoke_h
     if args.gpu and jax.default_backend() != "gpu":
         parser.error(f"--gpu needs a CUDA backend, but JAX runs on {jax.default_backend()!r}")
     if args.out is None and args.gpu:
-        args.out = Path("benchmarks") / table
+        args.out = Path("benchmarks") / (table(args) if callable(table) else table)
     return args

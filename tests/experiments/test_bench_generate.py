@@ -76,3 +76,12 @@ def test_weights_read_count_the_expected_share_of_routed_experts():
         expected = (everything - table.nbytes + batch * table[0].nbytes
                     - (1 - share) * experts)
         assert bench_generate.weight_bytes_read(model, batch) == pytest.approx(expected)
+
+
+@pytest.mark.slow
+def test_long_mode_times_one_sequence_at_its_longer_contexts():
+    results = bench_generate.main(["--smoke", "--long", "--repeats", "1", "--warmup", "0"])
+    longer = tuple(2 * c for c in bench_generate.SMOKE.contexts)
+    assert tuple(row["context"] for row in results["ttft"]) == longer
+    assert {(c["batch"], c["context"]) for c in results["decode"]} == {(1, c) for c in longer}
+    assert all(c["step_ms"] > 0 for c in results["decode"])
