@@ -42,6 +42,7 @@ import jax
 import numpy as np
 import tqdm
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from models.config import ModelConfig, preset
 from models.lm import HybridLM
@@ -209,9 +210,16 @@ class Trainer:
         return nnx.merge(self.graphdef, self.state).model
 
     def place(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """A host batch [B, T] on the mesh, split over the batch axes."""
-        sharding = batch_sharding(self.mesh, batch["tokens"].shape)
-        return {key: jax.device_put(value, sharding) for key, value in batch.items()}
+        """A host batch on the mesh: arrays of B rows ([B, T], or [B] as RL's `truncated`) split
+        over the batch axes, others (RL's rewards [P, G]) replicated."""
+        rows = np.shape(batch["tokens"])[0]
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+
+        def sharding(value):
+            shape = np.shape(value)
+            return batch_sharding(self.mesh, shape) if shape[:1] == (rows,) else replicated
+
+        return {key: jax.device_put(value, sharding(value)) for key, value in batch.items()}
 
     @property
     def compiler_options(self) -> dict | None:

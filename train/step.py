@@ -14,6 +14,8 @@ in-place updates). One step:
    cross-entropy over `loss_mask` plus the MoE auxiliary loss (zero under QB); with
    `loss_chunk_tokens`, the LM head and the cross-entropy run chunk by chunk under one custom
    VJP (`chunked_lm_head_nll`), so neither the [B, T, vocab] logits nor their gradient exist;
+   with `token_loss`, another objective of the targets' per-token log-probs replaces the mean
+   NLL (RL's policy loss, `train.rl.learner`);
 2. the optimizer update (clipping inside the optax chain, with the gradient norm the finite
    check computed: `train.optim.clip_by_global_norm`), which also rewrites the compute copies;
 3. the MoE router-bias update (Quantile Balancing) from the step's router statistics, outside the
@@ -155,15 +157,6 @@ def stacked_axes(model: nnx.Module) -> Callable[[tuple[str, ...]], int]:
         str(index) for index, plan in enumerate(getattr(model, "plan", ())) if plan.repeats > 1
     }
     return lambda path: int(len(path) > 1 and path[0] == "groups" and path[1] in stacked_groups)
-
-
-def next_token_nll(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array):
-    """Summed next-token negative log-likelihood (nats) over the mask, and the mask's sum.
-
-    logits: [B, T, V] float32; targets: [B, T] int; loss_mask: [B, T] float. Returns two float32
-    scalars.
-    """
-    return masked_sum(cross_entropy(logits.astype(jnp.float32), targets), loss_mask)
 
 
 def masked_sum(nll: jax.Array, loss_mask: jax.Array):
@@ -393,15 +386,37 @@ def _head_operands(model: nnx.Module, hidden: jax.Array) -> tuple[jax.Array, jax
     return hidden.astype(model.lm_head.dtype), model.lm_head.kernel[...]
 
 
-def _summed_nll(model: nnx.Module, outputs: jax.Array, batch: Batch,
-                loss_chunk_tokens: int | None):
-    """`next_token_nll` of the model's forward outputs: logits [B, T, V], or with
-    `loss_chunk_tokens` the LM head's input [B, T, D] (`chunked_lm_head_nll`)."""
+def _token_nll(model: nnx.Module, outputs: jax.Array, targets: jax.Array,
+               loss_chunk_tokens: int | None) -> jax.Array:
+    """Per-token NLL [B, T] float32 of targets [B, T] from the model's forward outputs: logits
+    [B, T, V] (`cross_entropy`), or with `loss_chunk_tokens` the LM head's input [B, T, D]
+    (`chunked_lm_head_nll`: no [B, T, V] logits)."""
     if loss_chunk_tokens is None:
-        return next_token_nll(outputs, batch["targets"], batch["loss_mask"])
-    nll = chunked_lm_head_nll(*_head_operands(model, outputs), batch["targets"],
-                              loss_chunk_tokens)
-    return masked_sum(nll, batch["loss_mask"])
+        return cross_entropy(outputs.astype(jnp.float32), targets)
+    return chunked_lm_head_nll(*_head_operands(model, outputs), targets, loss_chunk_tokens)
+
+
+# A per-token objective for `make_train_step`: (logp [B, T] float32 of the batch's targets, the
+# batch) -> (scalar loss, {name: float32 scalar metric}); e.g. `train.rl.losses.policy_loss`
+# with its config bound.
+TokenLoss = Callable[[jax.Array, Batch], tuple[jax.Array, dict[str, jax.Array]]]
+# The metrics the step reports itself, which a token loss's metrics may not reuse.
+STEP_METRICS = frozenset({"loss", "aux_loss", "grad_norm", "targets", "skipped", "max_vio",
+                          "qk_max_logit", "skipped_steps", "nonfinite_state"})
+
+
+def _objective(nll: jax.Array, batch: Batch, token_loss: TokenLoss | None):
+    """(loss, number of targets in the loss mask, the token loss's metrics) from per-token NLL
+    [B, T]: the masked mean NLL, or `token_loss(-nll, batch)`."""
+    if token_loss is None:
+        summed, count = masked_sum(nll, batch["loss_mask"])
+        return summed / jnp.maximum(count, 1.0), count, {}
+    loss, metrics = token_loss(-nll, batch)
+    clashes = STEP_METRICS & set(metrics)
+    if clashes:
+        raise ValueError(f"token_loss's metrics {sorted(clashes)} clash with the step's own "
+                         f"metrics {sorted(STEP_METRICS)}: rename them")
+    return loss, jnp.sum(batch["loss_mask"]), metrics
 
 
 def make_train_step(
@@ -409,6 +424,7 @@ def make_train_step(
     *,
     qk_clip_tau: float | None = None,
     loss_chunk_tokens: int | None = None,
+    token_loss: TokenLoss | None = None,
     state_shardings=None,
     compiler_options: dict | None = None,
 ) -> Callable[[nnx.State, Batch], tuple[nnx.State, dict[str, jax.Array]]]:
@@ -417,14 +433,20 @@ def make_train_step(
     qk_clip_tau: apply QK-Clip at this logit threshold (None: off).
     loss_chunk_tokens: compute the LM head and the loss in chunks of this many positions
         (`chunked_lm_head_nll`: no [B, T, vocab] logits); None: the full logits.
+    token_loss: train on `token_loss(logp, batch)` (`TokenLoss`) instead of the masked mean NLL,
+        with logp [B, T] float32 the log-probs of the batch's targets through the same head
+        (chunked with loss_chunk_tokens); the batch may carry the extra arrays it reads. The MoE
+        auxiliary loss is added as usual, everything after the loss (optimizer, router bias,
+        QK-Clip, finite checks) is unchanged, and its metrics join the step's. None: the NLL.
     state_shardings: shardings of the state on a mesh (`core.sharding.state_shardings`), kept
         for the returned state; None leaves placement to the compiler.
     compiler_options: XLA options for the compile (e.g. FAST_COMPILE_OPTIONS).
     The input state is donated. Metrics (float32 unless noted): loss (cross-entropy, nats per
-    target), aux_loss, grad_norm (before clipping), targets (number of target tokens), skipped
-    (1.0 when this step was discarded), skipped_steps (int32, total), nonfinite_state (1.0 when
-    the step was applied and left a non-finite parameter or optimizer value: the caller must not
-    keep that state), max_vio [MoE layers], and with QK-Clip qk_max_logit [MLA layers, heads].
+    target; with token_loss, its loss), aux_loss, grad_norm (before clipping), targets (number of
+    target tokens: the loss mask's sum), skipped (1.0 when this step was discarded),
+    skipped_steps (int32, total), nonfinite_state (1.0 when the step was applied and left a
+    non-finite parameter or optimizer value: the caller must not keep that state), max_vio [MoE
+    layers], with QK-Clip qk_max_logit [MLA layers, heads], and token_loss's metrics.
     """
 
     def step(state: nnx.State, batch: Batch):
@@ -442,17 +464,20 @@ def make_train_step(
                 output, captured = qk_clip.capture_forward(model, *inputs, **options)
             outputs, router_stats = output
             with profile_scope("loss"):
-                nll, count = _summed_nll(model, outputs, batch, loss_chunk_tokens)
-                loss = nll / jnp.maximum(count, 1.0)
+                nll = _token_nll(model, outputs, batch["targets"], loss_chunk_tokens)
+                loss, count, loss_metrics = _objective(nll, batch, token_loss)
                 auxiliary = aux_loss(router_stats)
-            aux = (loss, auxiliary, count, jax.lax.stop_gradient((router_stats, captured)))
+            aux = (loss, auxiliary, count,
+                   jax.lax.stop_gradient((router_stats, captured, loss_metrics)))
             return loss + auxiliary, aux
 
         # Traced once as a jaxpr, read for the gradients' dtypes, then run.
         backward, shapes = jax.make_jaxpr(jax.value_and_grad(loss_fn, has_aux=True),
                                           return_shape=True)(params)
-        (_, (loss, auxiliary, count, (router_stats, captured))), grads = jax.tree.unflatten(
-            jax.tree.structure(shapes), jax_core.jaxpr_as_fun(backward)(*jax.tree.leaves(params)))
+        (_, (loss, auxiliary, count, (router_stats, captured, loss_metrics))), grads = (
+            jax.tree.unflatten(
+                jax.tree.structure(shapes),
+                jax_core.jaxpr_as_fun(backward)(*jax.tree.leaves(params))))
         with profile_scope("finite_check"):
             grad_norm = optax.tree.norm(grads)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -465,6 +490,7 @@ def make_train_step(
             targets=count,
             skipped=1.0 - finite.astype(jnp.float32),
             max_vio=moe_max_violation(train_state.model, router_stats),
+            **loss_metrics,
         )
         head_max = []
         if qk_clip_tau is not None:
@@ -524,15 +550,39 @@ def make_eval_step(
 
     def evaluate(state: nnx.State, batch: Batch):
         model = nnx.merge(graphdef, state).model
-        outputs, _ = model.forward(batch["tokens"], batch["segment_ids"],
-                                   **_forward_options(model, loss_chunk_tokens))
-        if loss_chunk_tokens is None:
-            nll, count = next_token_nll(outputs, batch["targets"], batch["loss_mask"])
-            predictions = jnp.argmax(outputs, -1).astype(jnp.int32)
-        else:
-            per_token, predictions = chunked_lm_head_eval(*_head_operands(model, outputs),
-                                                          batch["targets"], loss_chunk_tokens)
-            nll, count = masked_sum(per_token, batch["loss_mask"])
+        per_token, predictions = _token_nll_and_predictions(model, batch, loss_chunk_tokens)
+        nll, count = masked_sum(per_token, batch["loss_mask"])
         return dict(nll=nll, targets=count, predictions=predictions)
 
     return jax.jit(evaluate, compiler_options=compiler_options)
+
+
+def _token_nll_and_predictions(model: nnx.Module, batch: Batch, loss_chunk_tokens: int | None):
+    """The model's per-token NLL [B, T] float32 of the batch's targets and its argmax next-token
+    predictions [B, T] int32, without a gradient (`chunked_lm_head_eval` with
+    loss_chunk_tokens)."""
+    outputs, _ = model.forward(batch["tokens"], batch["segment_ids"],
+                               **_forward_options(model, loss_chunk_tokens))
+    if loss_chunk_tokens is None:
+        return (cross_entropy(outputs.astype(jnp.float32), batch["targets"]),
+                jnp.argmax(outputs, -1).astype(jnp.int32))
+    return chunked_lm_head_eval(*_head_operands(model, outputs), batch["targets"],
+                                loss_chunk_tokens)
+
+
+def make_token_logp(
+    graphdef: nnx.GraphDef, *, loss_chunk_tokens: int | None = None,
+    compiler_options: dict | None = None,
+) -> Callable[[nnx.State, Batch], jax.Array]:
+    """Jitted `(state, batch) -> logp [B, T] float32`: the log-probability of each of the batch's
+    targets under the model, as the train step's loss computes it (for RL: the frozen reference
+    policy's and the behaviour policy's log-probs). graphdef: of a split `TrainState` or of a
+    bare model (a reference policy needs no optimizer state); state: its state.
+    loss_chunk_tokens: as `make_train_step`'s (no [B, T, vocab] logits)."""
+
+    def token_logp(state: nnx.State, batch: Batch):
+        merged = nnx.merge(graphdef, state)
+        model = merged.model if isinstance(merged, TrainState) else merged
+        return -_token_nll_and_predictions(model, batch, loss_chunk_tokens)[0]
+
+    return jax.jit(token_logp, compiler_options=compiler_options)

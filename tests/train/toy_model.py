@@ -29,13 +29,14 @@ MOE = MoEConfig(num_experts=4, top_k=2, expert_hidden=16, latent_dim=8, shared_h
 
 
 class ToyLM(nnx.Module):
-    def __init__(self, d_model: int = 16, *, moe_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, d_model: int = 16, *, moe_dtype=jnp.float32, moe: MoEConfig = MOE,
+                 rngs: nnx.Rngs):
         self.embed = nnx.Embed(
             VOCAB, d_model, rngs=rngs,
             embedding_init=logical(nnx.initializers.normal(1.0), ("vocab", "embed")),
         )
         self.attention = GatedMLA(d_model, MLA, rngs=rngs)
-        self.moe = StableLatentMoE(d_model, MOE, dtype=moe_dtype, rngs=rngs)
+        self.moe = StableLatentMoE(d_model, moe, dtype=moe_dtype, rngs=rngs)
         self.lm_head = LMHead(d_model, VOCAB, dtype=jnp.float32, param_dtype=jnp.float32,
                               rngs=rngs)
 
