@@ -5,6 +5,9 @@
   sequence-level and constant aggregation), KL to a frozen reference (k1, k3), DAPO's over-long
   filtering or penalty and dynamic sampling; `RLLossConfig` and `policy_loss`, the train step's
   entry.
+- `train.rl.learner`: `make_rl_step`, `train.step.make_train_step` with `policy_loss` as its
+  per-token objective (`token_loss`); `train.step.make_token_logp` gives the reference and
+  behaviour policies' per-token log-probs.
 - `train.rl.tools`: the tool-call syntax of the byte vocabulary (`<c>37*12</c><r>444</r>`), its
   parser, the calculator, the "notes" search over the embedded corpus and injected tool failures.
 - `train.rl.sandbox`: the Python tool, a `python -I -S` subprocess with resource limits, a wall
