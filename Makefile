@@ -21,4 +21,4 @@ run: $(STAMP)
 	$(VENV)/bin/python -m experiments.quickstart
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -n 2 -q --durations=15
+	$(VENV)/bin/python -m pytest -n 2 --dist loadfile -q --durations=15
