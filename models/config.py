@@ -5,9 +5,10 @@
     preset("tiny", scan_layers=True)   # any field can be overridden
     released_k3_json()                 # the released config.json, shipped as models/configs/k3.json
 
-`ModelConfig` nests the layer configs (`KDAConfig`, `MLAConfig`, `MoEConfig`) rather than copying
-their fields. Layer indices in `kda_layers` / `full_attn_layers` are 1-based, as in the released
-config; everything else in the code base counts layers from 0.
+`ModelConfig` nests the layer configs (`KDAConfig`, `MLAConfig`, `MoEConfig`; `VisionConfig` for
+a vision tower, None for a text-only model) rather than copying their fields. Layer indices in
+`kda_layers` / `full_attn_layers` are 1-based, as in the released config; everything else in the
+code base counts layers from 0.
 """
 
 import dataclasses
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 from kda.layer import KDAConfig, count_kda_params
 from models.attention import MLAConfig, count_mla_params, is_positive_int
 from models.attn_res import ResidualMode, seal_period
+from models.vision import K3_IMAGE_TOKEN_ID, VisionConfig, count_vision_params
 from moe.config import MoEConfig, count_moe_params
 
 # How much of each layer a backward pass recomputes instead of storing (`jax.checkpoint`):
@@ -57,6 +59,8 @@ class ModelConfig:
         slower steps (what each scanned layer saves for the backward is copied into and out of
         the loop's stacked buffers; `benchmarks/train_h200.md` has the `1b` step both ways).
       remat: recomputation policy of each layer in the backward pass (scanned layers too).
+      vision: the vision tower and projector (`models.vision`), or None for a text-only model;
+        `scan_layers` and `remat` apply to its blocks too.
     """
 
     vocab_size: int
@@ -76,6 +80,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     scan_layers: bool = False
     remat: RematPolicy = "none"
+    vision: VisionConfig | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "kda_layers", tuple(self.kda_layers))
@@ -107,6 +112,13 @@ class ModelConfig:
             _require(_is_float_dtype(getattr(self, name)), name, getattr(self, name),
                      "a floating dtype name such as 'bfloat16' or 'float32'")
         _require(self.remat in REMAT_POLICIES, "remat", self.remat, f"one of {REMAT_POLICIES}")
+        _require(self.vision is None or isinstance(self.vision, VisionConfig), "vision",
+                 self.vision, "None or a models.vision.VisionConfig")
+        if self.vision is not None:
+            token = self.vision.image_token_id
+            _require(token is not None and 0 <= token < self.vocab_size, "vision.image_token_id",
+                     token, f"a token id in 0..vocab_size-1={self.vocab_size - 1}, the "
+                     "placeholder that image features replace")
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -133,8 +145,11 @@ class ModelConfig:
         return seal_period(self.residual, self.attn_res_block_size)
 
     @classmethod
-    def from_hf_config(cls, text_config: Mapping[str, Any], **overrides: Any) -> "ModelConfig":
-        """The configuration of a released Kimi Linear / K3 `text_config`, plus overrides.
+    def from_hf_config(cls, text_config: Mapping[str, Any],
+                       vision_config: Mapping[str, Any] | None = None,
+                       **overrides: Any) -> "ModelConfig":
+        """The configuration of a released Kimi Linear / K3 `text_config` (and `vision_config`,
+        `VisionConfig.from_hf_config`; None: text only), plus overrides.
 
         Nested configs can be overridden whole (`moe=...`); top-level fields by name.
         """
@@ -171,16 +186,31 @@ class ModelConfig:
             residual="block_attn_res" if "attn_res_block_size" in text_config else "plain",
             attn_res_block_size=text_config.get("attn_res_block_size", 12),
             norm_eps=text_config.get("rms_norm_eps", 1e-5),
+            vision=None if vision_config is None else _vision_of(vision_config, text_config),
         )
         fields.update(overrides)
         return cls(**fields)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike, **overrides: Any) -> "ModelConfig":
-        """`from_hf_config` of the `text_config` in a JSON file such as `models/configs/k3.json`."""
+        """`from_hf_config` of the `text_config` and `vision_config` (when there is one) in a JSON
+        file such as `models/configs/k3.json`."""
         with open(path) as f:
             config = json.load(f)
-        return cls.from_hf_config(config.get("text_config", config), **overrides)
+        vision_config = config.get("vision_config")
+        if vision_config is not None and "media_placeholder_token_id" in config:
+            vision_config = dict(vision_config, media_placeholder_token_id=config[
+                "media_placeholder_token_id"])
+        return cls.from_hf_config(config.get("text_config", config), vision_config, **overrides)
+
+
+def _vision_of(vision_config: Mapping[str, Any], text_config: Mapping[str, Any]) -> VisionConfig:
+    """`VisionConfig.from_hf_config`, its projector's output width checked against the decoder's."""
+    text_width = vision_config.get("text_hidden_size", text_config["hidden_size"])
+    if text_width != text_config["hidden_size"]:
+        raise ValueError(f"vision_config['text_hidden_size']={text_width} is invalid: expected "
+                         f"the decoder's hidden_size={text_config['hidden_size']}")
+    return VisionConfig.from_hf_config(vision_config)
 
 
 def released_k3_json() -> dict[str, Any]:
@@ -318,6 +348,8 @@ def _k3() -> ModelConfig:
         dense_hidden=33792,
         residual="block_attn_res",
         attn_res_block_size=12,
+        # MoonViT-V2: 27 blocks of width 1024, 12 heads of 128, patch 14, 64 x 64 positions.
+        vision=VisionConfig(image_token_id=K3_IMAGE_TOKEN_ID),
     )
 
 
@@ -341,9 +373,11 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     """Analytic parameter counts, without building the model.
 
     Returns a dict with
-      total:     every trainable parameter except the input embedding table;
-      active:    parameters used per token (k of the routed experts), embedding excluded;
+      total:     every trainable parameter of the decoder except the input embedding table;
+      active:    parameters used per text token (k of the routed experts), embedding excluded;
       embedding: the input embedding table (a lookup, not compute, hence reported apart);
+      vision:    the vision tower and projector (0 without one), reported apart (K3's published
+                 104.2B active leaves them out), and its parts vision_tower, vision_projector;
     and the parts: kda, mla, moe, moe_active, dense_ffn, norms, attn_res, lm_head (whole-model
     sums; the router bias is balancer state, not a parameter).
     """
@@ -366,10 +400,15 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
         parts["kda"] + parts["mla"] + parts["dense_ffn"] + parts["norms"] + parts["attn_res"]
         + parts["lm_head"]
     )
+    vision = (dict(tower=0, projector=0) if cfg.vision is None
+              else count_vision_params(cfg.vision, d))
     return dict(
         total=shared + parts["moe"],
         active=shared + parts["moe_active"],
         embedding=d * cfg.vocab_size,
+        vision=vision["tower"] + vision["projector"],
+        vision_tower=vision["tower"],
+        vision_projector=vision["projector"],
         **parts,
     )
 

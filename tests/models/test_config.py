@@ -62,7 +62,9 @@ def test_small_is_about_100m():
 
 def test_k3_preset_equals_the_released_config_file(tmp_path):
     released = released_k3_json()
-    assert ModelConfig.from_hf_config(released["text_config"]) == preset("k3")
+    assert ModelConfig.from_hf_config(released["text_config"],
+                                      released["vision_config"]) == preset("k3")
+    assert ModelConfig.from_hf_config(released["text_config"]) == preset("k3", vision=None)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(released))
     assert ModelConfig.from_json(path) == preset("k3")
