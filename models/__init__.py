@@ -11,6 +11,7 @@ sharding rules, memory planning and generation.
 Modules: `models.config` (ModelConfig, presets, count_params), `models.attention` (GatedMLA),
 `models.paged_cache` (paged latent cache and its allocator), `models.attn_res` (Block/Full
 AttnRes), `models.lm` (HybridLM, DecodeState), `models.generate`
-(generate, Sampling), `core.sharding` (logical axis rules, meshes, placement), `models.memory`
+(generate, Sampling), `models.vision` (the vision tower, merger, projector and the packed
+vision buffer), `core.sharding` (logical axis rules, meshes, placement), `models.memory`
 (per-device memory plans: `python -m models.memory --preset k3 --mesh fsdp=64,expert=16`).
 """

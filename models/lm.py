@@ -15,7 +15,13 @@ recomputes of each layer, scanned or not.
     logits = model(tokens, segment_ids)                      # [B, T, vocab] float32
     logits, router_stats = model.forward(tokens, segment_ids) # stats for the MoE balancer
     hidden, router_stats = model.forward(tokens, segment_ids, return_hidden=True)  # head input
+    logits = model(tokens, segment_ids, images)    # with cfg.vision: a models.vision.VisionBatch
     moe.experts.update_router_biases([layer for layer, _ in model.moe_sites()], router_stats)
+
+With `cfg.vision`, `images` (the packed vision buffer) runs through the vision tower, merger and
+projector, and the k-th image placeholder token (`cfg.vision.image_token_id`, row-major over the
+batch) takes the k-th merged image token in place of its embedding
+(`models.vision.merge_image_features`); without images the model is the text model.
 
 Generation continues sequences through `DecodeState` (KDA conv/recurrent state, paged MLA
 latents): `state = model.init_decode_state(...)`, then `logits, state = model.extend(tokens,
@@ -46,6 +52,7 @@ from models.attn_res import (
 from models.config import ModelConfig
 from core.norms import RMSNorm
 from models.paged_cache import PagedLatentCache, init_pages
+from models.vision import VisionBatch, VisionEncoder, merge_image_features
 from core.sharding import constrain, logical
 from moe.experts import EXPERT_WEIGHTS_NAME, DenseFFN, StableLatentMoE
 from moe.routing import PERMUTATION_NAME, RouterStats
@@ -117,6 +124,7 @@ STREAM_AXES = ("batch", "seq", "embed")
 # the part it feeds; the residual adds between sub-layers belong to none.
 PROFILE_SCOPES = (
     "embed",         # token embedding
+    "vision",        # vision tower, merger, projector, and the merge into the embeddings
     "attn_res",      # AttnRes reads and seals (models.attn_res), before each sub-layer and head
     "kda",           # KDA token mixer, its RMSNorm included
     "attention",     # Gated MLA token mixer, its RMSNorm included
@@ -376,22 +384,32 @@ class HybridLM(nnx.Module):
         self.final_read = _attn_res_read(cfg)
         self.final_norm = RMSNorm(d, eps=cfg.norm_eps, axis_name="embed", **dtypes)
         self.lm_head = LMHead(d, cfg.vocab_size, rngs=rngs, **dtypes)
+        # Built last, so that the text model's parameters are those of the text-only config.
+        self.vision = None if cfg.vision is None else VisionEncoder(
+            cfg.vision, d, scan_layers=cfg.scan_layers, rngs=rngs, **dtypes)
 
-    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-        """tokens: [B, T] int32; segment_ids: [B, T] packed-document ids -> [B, T, V] float32."""
-        return self.forward(tokens, segment_ids)[0]
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                 images: VisionBatch | None = None) -> jax.Array:
+        """tokens: [B, T] int32; segment_ids: [B, T] packed-document ids; images: the vision
+        buffer of the batch's image placeholders (`models.vision.VisionBatch`) -> [B, T, V]
+        float32."""
+        return self.forward(tokens, segment_ids, images=images)[0]
 
     def forward(
-        self, tokens, segment_ids=None, *, return_hidden: bool = False
+        self, tokens, segment_ids=None, *, images: VisionBatch | None = None,
+        return_hidden: bool = False
     ) -> tuple[jax.Array, tuple[RouterStats, ...]]:
         """Logits [B, T, V] float32 and the RouterStats of every MoE layer, in `moe_sites` order
         (stacked on a leading axis for scanned groups).
 
+        images: the vision buffer whose merged tokens replace the image placeholders' embeddings
+        (needs `cfg.vision`), or None.
         return_hidden: return the LM head's input [B, T, D] (the final norm's output, in the
         compute dtype) instead of the logits, for a loss that applies `lm_head` itself
         (`train.step.chunked_lm_head_nll`).
         """
-        outputs, stats, _ = self._run(tokens, segment_ids, None, return_hidden=return_hidden)
+        outputs, stats, _ = self._run(tokens, segment_ids, None, images=images,
+                                      return_hidden=return_hidden)
         return outputs, stats
 
     def extend(
@@ -425,8 +443,8 @@ class HybridLM(nnx.Module):
             lengths=jnp.zeros((batch_size,), jnp.int32),
         )
 
-    def _run(self, tokens, segment_ids, state: DecodeState | None, *, return_hidden=False,
-             last_only=False):
+    def _run(self, tokens, segment_ids, state: DecodeState | None, *, images=None,
+             return_hidden=False, last_only=False):
         """The forward over tokens [B, T]: (logits [B, T, V] or, with return_hidden, the head's
         input [B, T, D]; router stats; the continued state, None without one). last_only: the
         last position's alone, [B, V] or [B, D], the final norm and head run on it only."""
@@ -439,11 +457,20 @@ class HybridLM(nnx.Module):
                 f"{segment_ids.shape}"
             )
         period = cfg.seal_period
+        remat = REMAT[cfg.remat]
         with profile_scope("embed"):
             embedded = constrain(self.embed(tokens), STREAM_AXES)
+        if images is not None:
+            if self.vision is None:
+                raise ValueError("images were given to a model without a vision tower: build it "
+                                 "from a ModelConfig with vision=VisionConfig(...)")
+            with profile_scope("vision"):
+                features, valid = self.vision(images, remat=remat)
+                is_image = tokens == cfg.vision.image_token_id
+                embedded = constrain(merge_image_features(embedded, is_image, features, valid),
+                                     STREAM_AXES)
         stream = ResidualStream.start(embedded)
         page_table = None if state is None else (state.block_tables, state.lengths)
-        remat = REMAT[cfg.remat]
         all_stats, all_caches = [], []
         for index, (plan, group) in enumerate(zip(self.plan, self.groups)):
             caches = None if state is None else state.caches[index]

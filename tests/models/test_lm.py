@@ -140,7 +140,7 @@ def test_analytic_count_equals_eval_shape(name):
     cfg = COUNT_VARIANTS[name]
     abstract = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))
     counts = count_params(cfg)
-    assert param_count(abstract) == counts["total"] + counts["embedding"]
+    assert param_count(abstract) == counts["total"] + counts["embedding"] + counts["vision"]
 
 
 def test_scan_plan_of_k3():

@@ -1,8 +1,8 @@
-"""The vision tower (models.vision): patch order and merger, 2D RoPE, interpolated positions,
-packing, the merge into the embeddings, the K3 counts.
+"""The vision tower (models.vision) and images in the hybrid: patch order and merger, 2D RoPE,
+interpolated positions, packing, the merge into the embeddings, the K3 counts, sharding.
 
-Compiles are the cost on a CPU: one tiny tower, jitted once at module level for one buffer shape,
-that every packed-versus-alone comparison reuses.
+Compiles are the cost on a CPU: one tiny tower and one tiny two-layer hybrid, each jitted once at
+module level for one buffer shape, that every packed-versus-alone comparison reuses.
 """
 
 import dataclasses
@@ -12,8 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from core.sharding import batch_sharding, make_mesh, shard_module
 from models.config import ModelConfig, count_params, preset, released_k3_json
+from models.lm import HybridLM
 from models.vision import (DEFAULT_QKV_WIDTH, VisionBatch, VisionConfig, VisionEncoder,
                            interpolated_positions, merge_image_features, merge_patches,
                            num_image_tokens, pack_images, patch_positions, patchify, rope_2d,
@@ -31,6 +34,11 @@ ROWS, SLOTS = 2, 160
 @jax.jit
 def encode(encoder, batch):
     return encoder(batch)
+
+
+@jax.jit
+def lm_forward(model, tokens, segment_ids, images):
+    return model(tokens, segment_ids, images)
 
 
 def image(seed, grid, channels=3):
@@ -239,3 +247,99 @@ def test_k3_counts_and_released_config():
         with pytest.raises(ValueError, match=key):
             ModelConfig.from_hf_config(released["text_config"],
                                        dict(released["vision_config"], **{key: value}))
+
+
+# ----------------------------------------------------------------------------------------------
+# Images in the hybrid.
+
+IMAGE_ID = TINY.image_token_id
+
+
+def hybrid_config(**overrides):
+    cfg = preset("tiny", num_layers=2, kda_layers=(1,), full_attn_layers=(2,), **overrides)
+    return dataclasses.replace(cfg, kda=dataclasses.replace(cfg.kda, impl="reference"))
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return HybridLM(hybrid_config(vision=TINY), rngs=nnx.Rngs(0))
+
+
+def document(seed, grid, before=3, after=4):
+    """Text, an image's placeholder run, text: tokens [n] and the image."""
+    text = np.random.default_rng(seed).integers(0, 256, size=before + after)
+    run = np.full(num_image_tokens(grid[0] * PATCH, grid[1] * PATCH, PATCH), IMAGE_ID)
+    return np.concatenate([text[:before], run, text[before:]]).astype(np.int32), image(seed, grid)
+
+
+@pytest.fixture(scope="module")
+def two_documents(hybrid):
+    """Documents A (a 2x4 image) and B (a 4x4 image) packed in token row 0 and vision row 0, and
+    the same documents run separately: A in row 0, B in row 1 of tokens and images. Returns the
+    inputs and logits of both layouts."""
+    (a, image_a), (b, image_b) = document(1, (2, 4)), document(2, (4, 4))
+    length, slots = 24, 24
+    packed_tokens = np.zeros((2, length), np.int32)
+    packed_tokens[0, :len(a) + len(b)] = np.concatenate([a, b])
+    packed_segments = np.zeros((2, length), np.int32)
+    packed_segments[0, :len(a)], packed_segments[0, len(a):len(a) + len(b)] = 1, 2
+    packed_segments[1] = 1
+    separate_tokens = np.zeros((2, length), np.int32)
+    separate_tokens[0, :len(a)], separate_tokens[1, :len(b)] = a, b
+    separate_segments = np.ones((2, length), np.int32)
+    packed_images = pack([image_a, image_b], slots=slots)
+    assert packed_images.segment_ids[1].max() == 0  # both images in vision row 0
+    separate_images = pack([image_a, image_b], slots=16)  # one row each
+    separate_images = VisionBatch(*(np.pad(x, [(0, 0), (0, 8)] + [(0, 0)] * (x.ndim - 2))
+                                    for x in dataclasses.astuple(separate_images)))
+    packed = (packed_tokens, packed_segments, packed_images)
+    separate = (separate_tokens, separate_segments, separate_images)
+    return dict(lengths=(len(a), len(b)), packed=packed, separate=separate,
+                packed_logits=lm_forward(hybrid, *packed),
+                separate_logits=lm_forward(hybrid, *separate))
+
+
+@pytest.mark.slow
+def test_packed_documents_with_images_equal_separate_runs(hybrid, two_documents):
+    length_a, length_b = two_documents["lengths"]
+    packed, separate = two_documents["packed_logits"], two_documents["separate_logits"]
+    np.testing.assert_allclose(packed[0, :length_a], separate[0, :length_a], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(packed[0, length_a:length_a + length_b], separate[1, :length_b],
+                               rtol=1e-5, atol=1e-5)
+    # The images are seen: other pixels change the logits from the first placeholder on only.
+    tokens, segments, images = two_documents["separate"]
+    other = lm_forward(hybrid, tokens, segments,
+                       dataclasses.replace(images, pixels=images.pixels[::-1] * 0.5))
+    np.testing.assert_array_equal(other[:, :3], separate[:, :3])
+    assert np.abs(other[0, 3:length_a] - separate[0, 3:length_a]).max(axis=-1).all()
+
+
+@pytest.mark.slow
+def test_without_images_the_text_model_is_unchanged(hybrid):
+    """A vision config adds the tower's parameters after the text model's, which stay those of
+    the text-only config, and text-only logits stay bit for bit."""
+    text_only = HybridLM(hybrid_config(), rngs=nnx.Rngs(0))
+    text_state = nnx.to_pure_dict(nnx.state(text_only))
+    state = nnx.to_pure_dict(nnx.state(hybrid))
+    assert set(state) == set(text_state) | {"vision"}
+    jax.tree.map(np.testing.assert_array_equal, {k: state[k] for k in text_state}, text_state)
+    tokens = np.random.default_rng(0).integers(0, 256, size=(2, 24)).astype(np.int32)
+    segments = np.ones_like(tokens)
+    forward = jax.jit(lambda model, tokens, segments: model(tokens, segments))
+    np.testing.assert_array_equal(forward(hybrid, tokens, segments),
+                                  forward(text_only, tokens, segments))
+    with pytest.raises(ValueError, match="without a vision tower"):
+        text_only(tokens, segments, pack([image(0, (2, 2))], slots=8))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs the eight virtual CPU devices")
+def test_sharded_equals_unsharded(hybrid, two_documents):
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    sharded = shard_module(nnx.clone(hybrid), mesh)
+    assert sharded.vision.projector.w_in.kernel.sharding.spec == P("fsdp", "tensor")
+    tokens, segments, images = two_documents["packed"]
+    put = lambda x: jax.device_put(x, batch_sharding(mesh, x.shape))  # noqa: E731
+    with jax.set_mesh(mesh):
+        logits = lm_forward(sharded, put(tokens), put(segments), jax.tree.map(put, images))
+    np.testing.assert_allclose(logits, two_documents["packed_logits"], rtol=1e-5, atol=1e-5)
