@@ -42,6 +42,14 @@ key derived from the request's seed and the token's index, never from the batch:
 the same tokens alone or among others. Log-probabilities are those of the sampled token under the
 distribution it was drawn from (see `sample_rows`).
 
+Pausing (tool calls): a request with `pause_sequences` pauses after generating any of them (a
+tool call's closing tag): its Completion comes out with finish_reason "pause", and it keeps its
+slot, its KDA state and its pages. `resume(request_id, forced, max_tokens)` appends `forced` tokens
+(a tool's result) and continues it: only the new tokens are prefilled, from the state the slot
+holds, never the whole conversation. `release(request_id)` ends a request wherever it is. A
+paused request holds its slot until then; when pages run out, paused requests give theirs up
+first (they are recomputed from their tokens when resumed), before running ones are preempted.
+
 Prefix sharing (`prefix_sharing=True`): at each page boundary where a prefill chunk ends, the
 engine keeps the sequence's full pages (reference counted, never written again) and a copy of its
 slot's KDA state. A request whose tokens start with a kept prefix starts from it: it holds the
@@ -68,7 +76,7 @@ from models.lm import DecodeState, HybridLM
 from models.paged_cache import NULL_PAGE, PageAllocator
 from models.prefill import check_positive_int, check_prompts
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "pause"]
 SEED_LIMIT = 2**32
 
 
@@ -79,8 +87,14 @@ class Request:
     prompt: token ids (at least one), each in [0, vocab_size).
     sampling: greedy (the default), or temperature with optional top_k / top_p (`Sampling`).
     seed: an int in [0, 2^32); token i is drawn with the key fold_in(key(seed), i).
-    max_tokens: tokens to generate at most.
+    max_tokens: tokens to generate at most (until it pauses; `Engine.resume` sets the next
+      segment's).
     stop_tokens: the request ends after generating any of these (the stop token is returned).
+    pause_sequences: token sequences (non-empty) after which the request pauses (`Engine.resume`),
+      checked against the end of everything it holds, prompt included, once per generated token.
+    key_offset: token i generated after the prompt is drawn with the key index key_offset + i: a
+      sequence continued from its tokens passes how many it had past its first prompt, to draw
+      the keys an uninterrupted run would have drawn.
     """
 
     prompt: tuple[int, ...]
@@ -88,6 +102,8 @@ class Request:
     seed: int = 0
     max_tokens: int = 16
     stop_tokens: tuple[int, ...] = ()
+    pause_sequences: tuple[tuple[int, ...], ...] = ()
+    key_offset: int = 0
 
     def __post_init__(self):
         ids = np.asarray(self.prompt)
@@ -105,6 +121,16 @@ class Request:
         if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in stops):
             raise ValueError(f"stop_tokens must be int token ids, got {self.stop_tokens!r}")
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in stops))
+        pauses = tuple(tuple(sequence) for sequence in self.pause_sequences)
+        if not all(pause and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                 for t in pause) for pause in pauses):
+            raise ValueError(f"pause_sequences must be non-empty sequences of int token ids, got "
+                             f"{_short(self.pause_sequences)}")
+        object.__setattr__(self, "pause_sequences",
+                           tuple(tuple(int(t) for t in pause) for pause in pauses))
+        if (isinstance(self.key_offset, bool) or not isinstance(self.key_offset, numbers.Integral)
+                or not 0 <= self.key_offset < 2**31):
+            raise ValueError(f"key_offset must be an int in [0, 2^31), got {self.key_offset!r}")
 
 
 def _short(value) -> str:
@@ -123,9 +149,11 @@ class TokenEvent(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
-    """A finished request: its generated tokens, their log-probabilities (`sample_rows`), and why
-    it ended ("stop": a stop token, the last of `tokens`; "length": max_tokens, or the engine's
-    max_seq_len reached)."""
+    """A finished request, or a paused one's segment: its generated tokens (since it started or
+    was last resumed), their log-probabilities (`sample_rows`), and why it ended ("stop": a stop
+    token, the last of `tokens`; "length": max_tokens, or the engine's max_seq_len reached;
+    "pause": a pause sequence, the end of `tokens`, and the request waits for `Engine.resume`).
+    prompt: the request's prompt (without the tokens of earlier segments)."""
 
     request_id: int
     prompt: tuple[int, ...]
@@ -194,13 +222,16 @@ def chunk_buckets(page_size: int, max_chunk: int) -> tuple[int, ...]:
 
 def next_chunk(fed: int, stop: int, page_size: int, max_chunk: int) -> int:
     """The next prefill chunk's length for a sequence with `fed` tokens in its cache and tokens up
-    to `stop` to prefill (fed < stop; fed at a page boundary or past the last one before stop).
+    to `stop` to prefill (fed < stop).
 
     Whole pages first, in the largest bucket that fits (so every chunk up to the last page
     boundary ends on a page boundary, where a prefix can be kept), then the tail in descending
-    powers of two: one of `chunk_buckets(page_size, max_chunk)`.
+    powers of two: one of `chunk_buckets(page_size, max_chunk)`. A sequence resumed within a
+    page (`Engine.resume`) first fills that page, in descending powers of two.
     """
     boundary = stop // page_size * page_size
+    if fed < boundary and fed % page_size:
+        return 1 << ((page_size - fed % page_size).bit_length() - 1)
     if fed < boundary:
         pages = min((boundary - fed) // page_size, max_chunk // page_size)
         return page_size << (pages.bit_length() - 1)
@@ -303,12 +334,18 @@ class _Sequence:
 
     id: int
     request: Request
-    generated: list = dataclasses.field(default_factory=list)
-    logprobs: list = dataclasses.field(default_factory=list)
+    generated: list = dataclasses.field(default_factory=list)  # past the prompt, forced included
+    logprobs: list = dataclasses.field(default_factory=list)  # of the segment's tokens
     slot: int | None = None
     fed: int = 0  # tokens in the slot's cache
     admitted: int = -1  # admission order: the highest is the newest (preempted first)
     preemptions: int = 0
+    segment_start: int = 0  # generated tokens before the segment (since the last resume)
+    max_tokens: int = 0  # the segment's tokens at most
+    paused: bool = False
+
+    def __post_init__(self):
+        self.max_tokens = self.request.max_tokens
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -325,6 +362,10 @@ class _Sequence:
         if position < len(prompt):
             return prompt[position]
         return self.generated[position - len(prompt)]
+
+    def ends_with(self, tokens: tuple[int, ...]) -> bool:
+        start = self.length - len(tokens)
+        return start >= 0 and all(self.token(start + i) == t for i, t in enumerate(tokens))
 
 
 @dataclasses.dataclass
@@ -387,6 +428,7 @@ class Engine:
             collections.OrderedDict() if prefix_sharing else None)
         self._max_prefixes = max_prefixes
         self._completed: dict[int, Completion] = {}  # finished, not yet handed out
+        self._paused: dict[int, _Sequence] = {}  # in their slots, or parked (slot None)
 
     # Requests in and out.
 
@@ -397,38 +439,103 @@ class Engine:
         if any(not 0 <= t < vocab for t in request.stop_tokens):
             raise ValueError(f"stop_tokens must be token ids in [0, {vocab}), got "
                              f"{request.stop_tokens}")
+        if any(not 0 <= t < vocab for pause in request.pause_sequences for t in pause):
+            raise ValueError(f"pause_sequences must hold token ids in [0, {vocab}), got "
+                             f"{_short(request.pause_sequences)}")
         if len(request.prompt) >= self.max_seq_len:
             raise ValueError(
                 f"prompt of {len(request.prompt)} tokens leaves no room to generate within the "
                 f"engine's max_seq_len of {self.max_seq_len} tokens; shorten the prompt or build "
                 "the engine with a larger max_seq_len")
-        longest = min(len(request.prompt) + request.max_tokens, self.max_seq_len)
+        self._check_pages(len(request.prompt) + request.max_tokens)
+        sequence = _Sequence(self._next_id, request)
+        self._next_id += 1
+        heapq.heappush(self._waiting, (sequence.id, sequence))
+        return sequence.id
+
+    def _check_pages(self, longest: int) -> None:
+        """Raises unless the pool holds a sequence of `longest` tokens (or max_seq_len)."""
+        longest = min(longest, self.max_seq_len)
         pages = math.ceil((longest - 1) / self.page_size)  # the last token is never fed
         if pages > self._allocator.num_pages - 1:
             raise ValueError(
                 f"the request may need {pages} pages of {self.page_size} tokens, the pool holds "
                 f"{self._allocator.num_pages - 1}; build the engine with num_pages >= {pages + 1} "
                 "or lower max_tokens")
-        sequence = _Sequence(self._next_id, request)
-        self._next_id += 1
-        heapq.heappush(self._waiting, (sequence.id, sequence))
-        return sequence.id
+
+    def resume(self, request_id: int, forced: Sequence[int], max_tokens: int) -> None:
+        """Continues the paused request `request_id`: appends `forced` token ids (a tool's
+        result, never sampled; may be empty) and generates up to `max_tokens` more, with the same
+        seed, sampling, stop tokens and pause sequences. In its slot, only the new tokens are
+        prefilled; a request that gave its slot up is recomputed from all its tokens."""
+        sequence = self._paused.get(request_id)
+        if sequence is None:
+            raise ValueError(f"request {request_id} is not paused; only a request whose last "
+                             "Completion ended with finish_reason 'pause' can be resumed")
+        forced = [int(t) for t in np.asarray(forced, np.int64).reshape(-1)]
+        vocab = self.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in forced):
+            raise ValueError(f"forced must be token ids in [0, {vocab}), got {_short(forced)}")
+        check_positive_int("max_tokens", max_tokens, "tokens generated at most after the forced")
+        if sequence.length + len(forced) >= self.max_seq_len:
+            raise ValueError(
+                f"forced: {len(forced)} tokens after the request's {sequence.length} leave no room "
+                f"to generate within the engine's max_seq_len of {self.max_seq_len} tokens; "
+                "shorten them or release the request")
+        self._check_pages(sequence.length + len(forced) + max_tokens)
+        del self._paused[request_id]
+        sequence.generated.extend(forced)
+        sequence.segment_start, sequence.max_tokens = len(sequence.generated), max_tokens
+        sequence.logprobs, sequence.paused = [], False
+        if sequence.slot is None:
+            heapq.heappush(self._waiting, (sequence.id, sequence))
+
+    def release(self, request_id: int) -> None:
+        """Ends request `request_id` where it is (waiting, running or paused), without a
+        Completion: its slot and pages are freed and it generates nothing more."""
+        sequence = self._paused.pop(request_id, None)
+        if sequence is None:
+            sequence = next((s for s in self._running if s is not None and s.id == request_id),
+                            None)
+        if sequence is None:
+            waiting = [entry[0] for entry in self._waiting]
+            if request_id not in waiting:
+                raise ValueError(f"request {request_id} is not waiting, running or paused here")
+            self._waiting.pop(waiting.index(request_id))
+            heapq.heapify(self._waiting)
+            return
+        if sequence.slot is not None:
+            self._allocator.release(sequence.slot)
+            self._running[sequence.slot] = None
+            sequence.slot = None
+
+    @property
+    def paused(self) -> tuple[int, ...]:
+        """The ids of the paused requests (waiting for `resume` or `release`)."""
+        return tuple(self._paused)
+
+    def _active(self) -> list[_Sequence]:
+        """The sequences in slots that are not paused."""
+        return [s for s in self._running if s is not None and not s.paused]
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting) or any(s is not None for s in self._running)
+        """Whether a step has something to do: requests waiting or running (not paused)."""
+        return bool(self._waiting) or bool(self._active())
 
     @property
     def pages_in_use(self) -> int:
         return self._allocator.num_pages - 1 - self._allocator.num_free
 
     def stream(self) -> Iterator[TokenEvent]:
-        """Steps until every submitted request has finished, yielding tokens as they come."""
+        """Steps until every submitted request has finished or paused, yielding tokens as they
+        come."""
         while self.has_work:
             yield from self.step()
 
     def run(self, requests: Iterable[Request]) -> list[Completion]:
-        """Submits `requests`, runs them to their ends; their Completions, in request order."""
+        """Submits `requests`, runs them to their ends; their Completions, in request order (a
+        request that pauses stays paused, its Completion's finish_reason "pause")."""
         ids = [self.submit(request) for request in requests]
         done = {}
         for event in self.stream():
@@ -439,7 +546,7 @@ class Engine:
     def warmup(self) -> None:
         """Compiles every program a server can need (each prefill bucket, the decode step, the
         prefix copies) on idle slots. Raises unless the engine is idle."""
-        if self.has_work:
+        if self.has_work or self._paused:
             raise ValueError("warmup needs an idle engine: call it before submitting requests")
         null_row = np.full((1, self._allocator.max_pages_per_seq), NULL_PAGE, np.int32)
         for size in self.buckets:
@@ -457,7 +564,12 @@ class Engine:
         """Admits waiting requests, runs one prefill chunk and one decode step; the tokens made."""
         self.stats.steps += 1
         self._admit()
-        if self._waiting and all(s is None for s in self._running):
+        if self._waiting and not self._active() and any(s is not None for s in self._running):
+            raise RuntimeError(
+                f"no request can be admitted while every running request is paused (requests "
+                f"{sorted(self._paused)} hold the slots or the pages): resume or release them "
+                "before stepping")
+        if self._waiting and not self._active():
             # Nothing runs, so nothing will free pages: waiting would never end.
             raise RuntimeError(
                 f"no request can be admitted: {self._allocator.num_free} pages are free and none "
@@ -483,7 +595,7 @@ class Engine:
             sequence.admitted, self._admissions = self._admissions, self._admissions + 1
 
     def _prefill(self) -> None:
-        waiting = [s for s in self._running if s is not None and s.fed < s.length - 1]
+        waiting = [s for s in self._active() if s.fed < s.length - 1]
         if not waiting:
             return
         sequence = min(waiting, key=lambda s: s.admitted)
@@ -505,7 +617,7 @@ class Engine:
             self._keep_prefix(sequence)
 
     def _decode(self, warmup: bool = False) -> list[TokenEvent]:
-        ready = sorted((s for s in self._running if s is not None and s.fed == s.length - 1),
+        ready = sorted((s for s in self._active() if s.fed == s.length - 1),
                        key=lambda s: s.admitted)
         for sequence in ready:
             if sequence.slot is not None:
@@ -531,7 +643,7 @@ class Engine:
             rows.top_k[slot] = vocab if sampling.top_k is None else min(sampling.top_k, vocab)
             rows.top_p[slot] = 1.0 if sampling.top_p is None else sampling.top_p
             rows.seed[slot] = sequence.request.seed
-            rows.index[slot] = len(sequence.generated)
+            rows.index[slot] = sequence.request.key_offset + len(sequence.generated)
         self._caches, next_tokens, logprobs = decode_program(
             self._graphdef, self._axes, self._variables, self._caches, tokens, tables, lengths,
             active, rows)
@@ -547,27 +659,39 @@ class Engine:
             sequence.logprobs.append(logprob)
             reason = self._finish_reason(sequence, token)
             if reason is not None:
-                self._finish(sequence, reason)
+                self._end_segment(sequence, reason)
             events.append(TokenEvent(sequence.id, token, logprob, reason))
         return events
 
     # Sequences' ends.
 
     def _finish_reason(self, sequence: _Sequence, token: int) -> FinishReason | None:
+        """Why the segment ends after `token`: a stop token, a full sequence, a pause sequence,
+        the segment's max_tokens, in that order; None if it goes on."""
         if token in sequence.request.stop_tokens:
             return "stop"
-        if (len(sequence.generated) == sequence.request.max_tokens
-                or sequence.length == self.max_seq_len):
+        if sequence.length == self.max_seq_len:
+            return "length"
+        if any(sequence.ends_with(pause) for pause in sequence.request.pause_sequences):
+            return "pause"
+        if len(sequence.generated) - sequence.segment_start == sequence.max_tokens:
             return "length"
         return None
 
-    def _finish(self, sequence: _Sequence, reason: FinishReason) -> None:
+    def _end_segment(self, sequence: _Sequence, reason: FinishReason) -> None:
+        """Hands out the segment's Completion; a finished request frees its slot, a paused one
+        keeps it."""
+        segment = tuple(sequence.generated[sequence.segment_start:])
+        self._completed[sequence.id] = Completion(
+            sequence.id, sequence.request.prompt, segment, tuple(sequence.logprobs), reason,
+            sequence.preemptions)
+        if reason == "pause":
+            sequence.paused = True
+            self._paused[sequence.id] = sequence
+            return
         self._allocator.release(sequence.slot)
         self._running[sequence.slot] = None
         sequence.slot = None
-        self._completed[sequence.id] = Completion(
-            sequence.id, sequence.request.prompt, tuple(sequence.generated),
-            tuple(sequence.logprobs), reason, sequence.preemptions)
 
     def completion(self, request_id: int) -> Completion:
         """The Completion of a finished request (handed out once)."""
@@ -576,15 +700,16 @@ class Engine:
     # Pages.
 
     def _reserve(self, sequence: _Sequence, num_tokens: int) -> bool:
-        """Pages for `sequence` to hold `num_tokens` tokens, evicting kept prefixes and then
-        preempting the newest running requests while the pool is short. False if `sequence`
-        itself was preempted."""
+        """Pages for `sequence` to hold `num_tokens` tokens, evicting kept prefixes, then taking
+        the slots of paused requests, then preempting the newest running requests while the pool
+        is short. False if `sequence` itself was preempted."""
         missing = (math.ceil(num_tokens / self.page_size)
                    - len(self._allocator.pages_of(sequence.slot)))
         while missing > self._allocator.num_free:
             if self._evict_prefix():
                 continue
-            newest = max((s for s in self._running if s is not None), key=lambda s: s.admitted)
+            paused_in_slots = [s for s in self._paused.values() if s.slot is not None]
+            newest = max(paused_in_slots or self._active(), key=lambda s: s.admitted)
             self._preempt(newest)
             if newest is sequence:
                 return False
@@ -594,13 +719,15 @@ class Engine:
         return True
 
     def _preempt(self, sequence: _Sequence) -> None:
-        """Frees the slot and pages of `sequence`, which waits to be recomputed from its tokens."""
+        """Frees the slot and pages of `sequence`, which is recomputed from its tokens: when it
+        is admitted again (it waits at the front of the queue), or when it is resumed (paused)."""
         self._allocator.release(sequence.slot)
         self._running[sequence.slot] = None
         sequence.slot, sequence.fed = None, 0
         sequence.preemptions += 1
         self.stats.preemptions += 1
-        heapq.heappush(self._waiting, (sequence.id, sequence))
+        if not sequence.paused:
+            heapq.heappush(self._waiting, (sequence.id, sequence))
 
     # Kept prefixes.
 

@@ -265,3 +265,149 @@ def test_a_shared_page_returns_to_the_free_list_with_its_last_holder():
     assert allocator.num_free == 5 and (allocator.block_tables == NULL_PAGE).all()
     with pytest.raises(ValueError, match="not in use"):
         allocator.retain(prefix)
+
+
+def first_pause(tokens: tuple[int, ...], prompt_length: int, pause: tuple[int, ...]) -> int:
+    """How many tokens past the prompt a request generates before `pause` ends its tokens."""
+    for end in range(prompt_length + 1, len(tokens) + 1):
+        if tokens[max(end - len(pause), 0) : end] == pause:
+            return end - prompt_length
+    raise AssertionError("the pause sequence never ends the tokens")
+
+
+def pausing(request: Request, done, at: int) -> tuple[Request, int]:
+    """`request` pausing at its tokens (`done`) at..at+1, and how many tokens it pauses after."""
+    pause = done.tokens[at : at + 2]
+    paused = Request(request.prompt, request.sampling, seed=request.seed,
+                     max_tokens=request.max_tokens, pause_sequences=(pause,))
+    return paused, first_pause(request.prompt + done.tokens, len(request.prompt), pause)
+
+
+def step_until_paused(engine: Engine, request_id: int) -> None:
+    while request_id not in engine.paused:
+        engine.step()
+
+
+def test_a_paused_request_resumes_in_its_slot_prefilling_only_the_forced_tokens(model, alone):
+    """A request paused at a two-token sequence keeps its slot while another runs; resumed with
+    forced tokens, it prefills only those (the paused token and the forced ones before the
+    last) and generates what a fresh request of the whole conversation would, keys continued."""
+    engine = make_engine(model)
+    request, end = pausing(REQUESTS[1], alone[1], at=1)
+    paused_id = engine.submit(request)
+    other_id = engine.submit(REQUESTS[3])
+    step_until_paused(engine, paused_id)
+    first = engine.completion(paused_id)
+    assert first.finish_reason == "pause" and first.tokens == alone[1].tokens[:end]
+    np.testing.assert_allclose(first.logprobs, alone[1].logprobs[:end], rtol=0, atol=1e-6)
+    while engine.has_work:  # the other request runs to its end beside the paused one
+        engine.step()
+    assert engine.completion(other_id).tokens == alone[3].tokens
+    assert engine.paused == (paused_id,) and engine.pages_in_use > 0
+    forced = prompt(3)  # the paused request holds 15 tokens: it resumes within a page
+    assert (len(request.prompt) + end - 1) % PAGE
+    prefilled = engine.stats.prefill_tokens
+    engine.resume(paused_id, forced, max_tokens=5)
+    events = list(engine.stream())
+    second = engine.completion(paused_id)
+    assert engine.stats.prefill_tokens - prefilled == len(forced)
+    assert [e.token for e in events] == list(second.tokens) and second.preemptions == 0
+    whole = request.prompt + first.tokens + tuple(forced)
+    fresh = make_engine(model).run([Request(
+        whole, request.sampling, seed=request.seed, max_tokens=5,
+        pause_sequences=request.pause_sequences, key_offset=len(whole) - len(request.prompt))])[0]
+    assert second.tokens == fresh.tokens and second.finish_reason == fresh.finish_reason
+    assert len(second.tokens) >= 2
+    np.testing.assert_allclose(second.logprobs, fresh.logprobs, rtol=0, atol=1e-5)
+    assert engine.pages_in_use == 0 and engine.paused == ()
+
+
+def test_a_paused_request_gives_its_pages_up_first_and_is_recomputed(model, alone):
+    """While one request is paused, four long ones need more pages than are free: the paused one
+    is parked (its slot and pages freed) before any running one is preempted, the long ones give
+    their tokens alone, and the resumed request recomputes its whole sequence, same tokens."""
+    engine = make_engine(model)
+    request, end = pausing(REQUESTS[3], alone[3], at=1)
+    paused_id = engine.submit(request)
+    step_until_paused(engine, paused_id)
+    first = engine.completion(paused_id)
+    long_done = engine.run(LONG)
+    steps = engine.stats.steps
+    for done, single in zip(long_done, alone[len(REQUESTS):]):
+        assert done.tokens == single.tokens
+    assert engine.pages_in_use == 0  # the paused request holds no page any more
+    # nor a slot: three one-token requests all run in the next step
+    assert len(engine.run([Request(REQUESTS[0].prompt, max_tokens=1)] * SLOTS)) == SLOTS
+    assert engine.stats.steps - steps == 1
+    forced = prompt(3)
+    prefilled = engine.stats.prefill_tokens
+    engine.resume(paused_id, forced, max_tokens=4)
+    list(engine.stream())
+    second = engine.completion(paused_id)
+    assert second.preemptions >= 1
+    assert engine.stats.prefill_tokens - prefilled == len(request.prompt) + end + len(forced) - 1
+    whole = request.prompt + first.tokens + tuple(forced)
+    fresh = make_engine(model).run([Request(
+        whole, request.sampling, seed=request.seed, max_tokens=4,
+        pause_sequences=request.pause_sequences, key_offset=len(whole) - len(request.prompt))])[0]
+    assert second.tokens == fresh.tokens
+    np.testing.assert_allclose(second.logprobs, fresh.logprobs, rtol=0, atol=1e-5)
+
+
+def test_release_ends_a_request_wherever_it_is_and_paused_slots_are_named(model, alone):
+    engine = make_engine(model)
+    request = Request(REQUESTS[0].prompt, max_tokens=6, pause_sequences=(alone[0].tokens[:1],))
+    paused = [engine.submit(request) for _ in range(SLOTS)]
+    engine.step()  # one-token prompts: each generates its first token and pauses
+    assert set(engine.paused) == set(paused) and not engine.has_work
+    waiting = engine.submit(REQUESTS[0])
+    with pytest.raises(RuntimeError, match="paused"):
+        engine.step()
+    engine.release(paused[0])
+    engine.step()  # the waiting request takes the freed slot
+    engine.release(waiting)  # running
+    engine.release(paused[1])
+    queued = engine.submit(REQUESTS[0])
+    engine.release(queued)  # waiting
+    engine.release(paused[2])
+    assert not engine.has_work and engine.paused == () and engine.pages_in_use == 0
+    for request_id in (waiting, paused[0], 99):
+        with pytest.raises(ValueError, match="not waiting, running or paused"):
+            engine.release(request_id)
+
+
+def test_bad_pauses_and_resumes_are_refused_naming_the_argument(model, alone):
+    engine = make_engine(model)
+    request = Request(REQUESTS[0].prompt, max_tokens=6, pause_sequences=(alone[0].tokens[:1],))
+    paused_id = engine.submit(request)
+    engine.step()
+    refusals = [
+        (lambda: engine.resume(paused_id + 1, [1], 2), "not paused"),
+        (lambda: engine.resume(paused_id, [VOCAB], 2), "forced"),
+        (lambda: engine.resume(paused_id, [1], 0), "max_tokens"),
+        (lambda: engine.resume(paused_id, prompt(MAX_LEN - 2), 2), "max_seq_len"),
+        (lambda: Request((1,), pause_sequences=((),)), "pause_sequences"),
+        (lambda: Request((1,), pause_sequences=((1.5,),)), "pause_sequences"),
+        (lambda: engine.submit(Request((1,), pause_sequences=((VOCAB,),))), "pause_sequences"),
+        (lambda: Request((1,), key_offset=-1), "key_offset"),
+    ]
+    for refuse, name in refusals:
+        with pytest.raises(ValueError, match=name):
+            refuse()
+    assert engine.paused == (paused_id,)  # nothing refused changed it
+    engine.release(paused_id)
+
+
+def test_a_sequence_resumed_within_a_page_fills_it_first():
+    for fed in range(1, 30):
+        for stop in range(fed + 1, 40):
+            ends = [fed]
+            while ends[-1] < stop:
+                size = next_chunk(ends[-1], stop, 4, 16)
+                assert size in chunk_buckets(4, 16)
+                ends.append(ends[-1] + size)
+            assert ends[-1] == stop
+            boundary = stop // 4 * 4
+            first_boundary = -(-fed // 4) * 4
+            assert all(end % 4 == 0 for end in ends if first_boundary <= end <= boundary)
+            assert first_boundary > boundary or first_boundary in ends
