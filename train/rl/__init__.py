@@ -8,6 +8,11 @@
 - `train.rl.learner`: `make_rl_step`, `train.step.make_train_step` with `policy_loss` as its
   per-token objective (`token_loss`); `train.step.make_token_logp` gives the reference and
   behaviour policies' per-token log-probs.
+- `train.rl.rollout`: multi-turn rollouts on `models.serving`'s engine: groups of G trajectories
+  per prompt (sharing the prompt's prefill), the model's tokens sampled, tool results appended as
+  forced tokens to a paused sequence (no re-prefill of the conversation), per-token loss mask,
+  behaviour log-probs and policy versions; partial rollouts (a per-iteration token budget, a
+  checkpointable `RolloutBuffer`, bounded staleness); `make_batch`, the learner's batch.
 - `train.rl.tools`: the tool-call syntax of the byte vocabulary (`<c>37*12</c><r>444</r>`), its
   parser, the calculator, the "notes" search over the embedded corpus and injected tool failures.
 - `train.rl.sandbox`: the Python tool, a `python -I -S` subprocess with resource limits, a wall
