@@ -65,6 +65,7 @@ from train.metrics import (
     read_metrics,
     train_flops_per_token,
 )
+from train.multimodal import MultimodalDataConfig, check_model_fits, make_multimodal_iterator
 from train.optim import OptimConfig, learning_rate_schedule, make_optimizer
 from train.step import (
     FAST_COMPILE_OPTIONS,
@@ -161,6 +162,7 @@ class TrainConfig:
                 f"TrainConfig.model.vocab_size={self.model.vocab_size} cannot hold the byte "
                 f"vocabulary (train.tokenizer.VOCAB_SIZE = {VOCAB_SIZE}); use at least that"
             )
+        check_model_fits(self.model, self.data)
 
 
 class RunDiverged(RunStopped):
@@ -259,9 +261,14 @@ class Trainer:
         self, task: Task, *, seq_len: int, batch_size: int, num_batches: int
     ) -> dict[str, float]:
         """Answer accuracy (token and exact match) on held-out examples of a synthetic task."""
-        batches = make_task_batches(
+        return self.answer_accuracy(make_task_batches(
             task, seq_len=seq_len, batch_size=batch_size, num_batches=num_batches
-        )
+        ))
+
+    def answer_accuracy(self, batches) -> dict[str, float]:
+        """Answer accuracy (`train.synthetic.answer_accuracy`) over `batches` (random access:
+        `len`, `batches[i]`) of one example a row: a synthetic task's (`make_task_batches`) or
+        an image task's (`train.multimodal.make_image_task_batches`)."""
         predictions, targets, masks = [], [], []
         with jax.set_mesh(self.mesh):
             for index in range(len(batches)):
@@ -525,6 +532,14 @@ def check_health(rows: list[dict], skips_in_a_row: int, max_skips: int,
     return skips_in_a_row
 
 
+def train_iterator(data: DataConfig):
+    """The endless training iterator of `data`: text and images for a MultimodalDataConfig
+    (`train.multimodal`), text otherwise (`train.data`)."""
+    if isinstance(data, MultimodalDataConfig):
+        return make_multimodal_iterator(data)
+    return make_train_iterator(data)
+
+
 class Stopwatch:
     """Wall time since the last restart, and the step it was restarted at."""
 
@@ -620,7 +635,7 @@ def train(
     # The iterator of the stage that was running; a checkpoint that ends a stage is followed by
     # a fresh iterator of the next stage (in the loop below).
     def iterator_at(step: int):
-        return make_train_iterator(stages[stage_of(max(step, 1))].data)
+        return train_iterator(stages[stage_of(max(step, 1))].data)
 
     start = 0
     if resume:
@@ -670,7 +685,7 @@ def train(
     for step in range(start + 1, stop + 1):
         if stage_of(step) != stage_index:
             stage_index = stage_of(step)
-            data_iterator = make_train_iterator(stages[stage_index].data)
+            data_iterator = train_iterator(stages[stage_index].data)
         stage = stages[stage_index]
         tokens_per_step = stage.data.batch_size * stage.data.seq_len
         pending.append((step, trainer.step(next(data_iterator))))

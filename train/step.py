@@ -41,6 +41,9 @@ The model is any `nnx.Module` with `forward(tokens, segment_ids) -> (logits, rou
 `moe_sites()` (as `models.lm.HybridLM`); `loss_chunk_tokens` also needs `forward(...,
 return_hidden=True) -> (LM head input, router_stats)` and an `models.lm.LMHead` as `lm_head`
 (its products then run under the `loss` scope).
+A batch with images (`train.multimodal`: image_pixels, image_segment_ids, image_positions)
+passes them as `forward(..., images=VisionBatch)`; a batch without them runs the text forward,
+whose program holds nothing of the vision tower.
 """
 
 import functools
@@ -58,6 +61,7 @@ from models.lm import (KERNEL_PRIMITIVES, LMHead, aux_loss, lm_head_backward, lm
 from moe.experts import StableLatentMoE, update_router_biases
 from moe.routing import max_violation
 from train import qk_clip
+from train.multimodal import batch_images
 
 Batch = dict[str, jax.Array]
 # XLA:CPU options that cut compile time about in half (and slow the compiled step about 2x):
@@ -367,18 +371,21 @@ def moe_max_violation(model: nnx.Module, router_stats) -> jax.Array:
     return jnp.concatenate(per_site) if per_site else jnp.zeros((0,), jnp.float32)
 
 
-def _forward_options(model: nnx.Module, loss_chunk_tokens: int | None) -> dict:
-    """The keyword arguments of `model.forward` for the loss: with `loss_chunk_tokens`, ask for
-    the LM head's input (`return_hidden`), which needs a model with an `LMHead` as `lm_head`."""
+def _forward_options(model: nnx.Module, loss_chunk_tokens: int | None, batch: Batch) -> dict:
+    """The keyword arguments of `model.forward` for the loss: the batch's images, if it has
+    any (`train.multimodal.batch_images`); with `loss_chunk_tokens`, ask for the LM head's input
+    (`return_hidden`), which needs a model with an `LMHead` as `lm_head`."""
+    images = batch_images(batch)
+    options = {} if images is None else dict(images=images)
     if loss_chunk_tokens is None:
-        return {}
+        return options
     check_chunk_tokens(loss_chunk_tokens, "loss_chunk_tokens")
     if not isinstance(getattr(model, "lm_head", None), LMHead):
         raise ValueError(
             f"loss_chunk_tokens={loss_chunk_tokens} needs a model whose `lm_head` is a "
             f"models.lm.LMHead and whose forward takes return_hidden=True (as HybridLM); "
             f"{type(model).__name__} has none: set loss_chunk_tokens=None")
-    return dict(return_hidden=True)
+    return dict(options, return_hidden=True)
 
 
 def _head_operands(model: nnx.Module, hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -457,7 +464,7 @@ def make_train_step(
         def loss_fn(params):
             model = nnx.merge(graph, _through_compute_copies(params, copies), rest)
             inputs = (batch["tokens"], batch["segment_ids"])
-            options = _forward_options(model, loss_chunk_tokens)
+            options = _forward_options(model, loss_chunk_tokens, batch)
             if qk_clip_tau is None:
                 output, captured = model.forward(*inputs, **options), {}
             else:
@@ -562,7 +569,7 @@ def _token_nll_and_predictions(model: nnx.Module, batch: Batch, loss_chunk_token
     predictions [B, T] int32, without a gradient (`chunked_lm_head_eval` with
     loss_chunk_tokens)."""
     outputs, _ = model.forward(batch["tokens"], batch["segment_ids"],
-                               **_forward_options(model, loss_chunk_tokens))
+                               **_forward_options(model, loss_chunk_tokens, batch))
     if loss_chunk_tokens is None:
         return (cross_entropy(outputs.astype(jnp.float32), batch["targets"]),
                 jnp.argmax(outputs, -1).astype(jnp.int32))
