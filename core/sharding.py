@@ -5,19 +5,21 @@ eagerly, so every module builds with or without a mesh); activations are constra
 same vocabulary (`constrain`). `LOGICAL_AXIS_RULES` is the single place where those names meet
 the mesh axes:
 
-    mesh axes (outermost first): data, fsdp, expert, tensor
+    mesh axes (outermost first): data, fsdp, expert, seq, tensor
 
     batch  -> data, fsdp, expert     tokens are split over every data-like axis
+    seq    -> seq                    context parallelism: each sequence's tokens in contiguous
+                                     shards over the seq axis (`core.context_parallel`)
     embed  -> fsdp, expert           parameters at rest are split ZeRO-3 style over the fsdp and
                                      expert axes (expert ranks are data ranks outside the MoE)
     latent -> fsdp, expert           low-rank / latent widths, when embed is not in the array
     heads, mlp, vocab -> tensor      Megatron-style tensor parallelism
     expert -> expert                 expert parallelism
-    seq, kv -> not split
+    kv -> not split
 
 An expert weight [expert, latent, mlp] is thus split over expert, fsdp and tensor; a dense weight
 [embed, heads] over fsdp x expert and tensor; an activation [batch, seq, embed] over the batch
-axes only (embed finds its axes taken).
+axes and seq (embed finds its axes taken).
 
 Resolution follows Flax's convention: a mesh axis already used by an earlier dimension of the
 same array is skipped, and so is an axis that does not divide the dimension (that dimension is
@@ -32,11 +34,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+# seq sits inside the data-like axes, so that tokens [B, T] split over (batch, seq) are, flattened
+# to [B T], split over the axes in mesh order, as expert parallelism splits them; tensor stays
+# innermost (NVLink on GPUs).
+MESH_AXES = ("data", "fsdp", "expert", "seq", "tensor")
 
 LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("batch", ("data", "fsdp", "expert")),
-    ("seq", ()),
+    ("seq", ("seq",)),
     ("embed", ("fsdp", "expert")),
     ("latent", ("fsdp", "expert")),
     ("heads", ("tensor",)),
@@ -61,8 +66,9 @@ def logical_param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
 AnyMesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
 
 
-def _mesh_sizes(data: int, fsdp: int, expert: int, tensor: int, num_devices: int) -> dict:
-    sizes = dict(data=data, fsdp=fsdp, expert=expert, tensor=tensor)
+def _mesh_sizes(data: int, fsdp: int, expert: int, seq: int, tensor: int,
+                num_devices: int) -> dict:
+    sizes = dict(data=data, fsdp=fsdp, expert=expert, seq=seq, tensor=tensor)
     free = [name for name, size in sizes.items() if size == -1]
     if len(free) > 1 or any(size < 1 and size != -1 for size in sizes.values()):
         raise ValueError(
@@ -87,28 +93,30 @@ def make_mesh(
     data: int = 1,
     fsdp: int = 1,
     expert: int = 1,
+    seq: int = 1,
     tensor: int = 1,
     *,
     devices: Sequence[jax.Device] | None = None,
 ) -> jax.sharding.Mesh:
-    """A (data, fsdp, expert, tensor) mesh over `devices` (default: all), Auto axis types.
+    """A (data, fsdp, expert, seq, tensor) mesh over `devices` (default: all), Auto axis types.
 
     One axis may be -1: it takes the devices the others leave. Tensor is innermost, so on GPUs it
     stays inside a node (NVLink); data is outermost.
     """
     devices = jax.devices() if devices is None else list(devices)
-    sizes = _mesh_sizes(data, fsdp, expert, tensor, len(devices))
+    sizes = _mesh_sizes(data, fsdp, expert, seq, tensor, len(devices))
     shape = tuple(sizes[name] for name in MESH_AXES)
     return jax.sharding.Mesh(
         np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(shape)
     )
 
 
-def abstract_mesh(data: int = 1, fsdp: int = 1, expert: int = 1, tensor: int = 1):
+def abstract_mesh(data: int = 1, fsdp: int = 1, expert: int = 1, seq: int = 1, tensor: int = 1):
     """A device-free mesh of the given axis sizes, for planning runs larger than this machine."""
-    sizes = _mesh_sizes(data, fsdp, expert, tensor, data * fsdp * expert * tensor)
+    sizes = _mesh_sizes(data, fsdp, expert, seq, tensor, data * fsdp * expert * seq * tensor)
     return jax.sharding.AbstractMesh(
-        tuple(sizes[name] for name in MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * 4
+        tuple(sizes[name] for name in MESH_AXES), MESH_AXES,
+        axis_types=(AxisType.Auto,) * len(MESH_AXES),
     )
 
 
@@ -194,13 +202,14 @@ def arrays_are_whole_on_each_device() -> bool:
 
 
 def batch_sharding(mesh: AnyMesh, shape: Sequence[int]) -> NamedSharding:
-    """Sharding of an input batch [B, ...] (tokens, segment ids): B over the batch axes."""
-    names = ("batch",) + (None,) * (len(shape) - 1)
+    """Sharding of an input batch [B, ...] (tokens, segment ids [B, T]): B over the batch axes and,
+    for arrays of two dimensions or more, T over seq."""
+    names = ("batch", "seq", *(None,) * (len(shape) - 2))[:len(shape)]
     return NamedSharding(mesh, logical_to_mesh(names, shape, mesh))
 
 
 def describe_mesh(mesh: AnyMesh | Mapping[str, int]) -> str:
-    """'data=2 fsdp=4 expert=1 tensor=1 (8 devices)'."""
+    """'data=2 fsdp=4 expert=1 seq=1 tensor=1 (8 devices)'."""
     sizes = dict(mesh if isinstance(mesh, Mapping) else mesh.shape)
     body = " ".join(f"{name}={sizes.get(name, 1)}" for name in MESH_AXES)
     return f"{body} ({math.prod(sizes.values())} devices)"

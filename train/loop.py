@@ -89,12 +89,14 @@ RUNTIME_FIELDS = ("progress", "fast_compile", "loss_chunk_tokens", "max_consecut
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Device mesh axis sizes (`core.sharding.make_mesh`). One axis may be -1: it takes all
-    the devices the others leave; without a -1 the mesh uses the first data*fsdp*expert*tensor
-    devices (mesh.data=1: a single device)."""
+    the devices the others leave; without a -1 the mesh uses the first
+    data*fsdp*expert*seq*tensor devices (mesh.data=1: a single device). seq > 1 splits each
+    sequence's tokens over that many devices (context parallelism, `core.context_parallel`)."""
 
     data: int = -1
     fsdp: int = 1
     expert: int = 1
+    seq: int = 1
     tensor: int = 1
 
     def devices(self) -> list[jax.Device]:

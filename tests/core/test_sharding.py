@@ -45,13 +45,19 @@ def test_logical_to_mesh_resolution():
         "expert", "fsdp", None, None
     )
     assert logical_to_mesh(("embed", "heads"), (16, 4), expert_mesh) == P(("fsdp", "expert"), None)
+    # Context parallelism: seq splits the token axis of activations and of the input batch.
+    seq_mesh = abstract_mesh(data=2, seq=4)
+    assert logical_to_mesh(("batch", "seq", "embed"), (4, 8, 8), seq_mesh) == P("data", "seq", None)
+    assert batch_sharding(seq_mesh, (4, 8)).spec == P("data", "seq")
+    assert batch_sharding(seq_mesh, (4,)).spec == P("data")
     with pytest.raises(ValueError, match="unknown logical axis"):
         logical_to_mesh(("model",), (4,), mesh)
 
 
 def test_make_mesh():
     mesh = make_mesh(fsdp=-1, tensor=2)
-    assert dict(mesh.shape) == dict(data=1, fsdp=4, expert=1, tensor=2)
+    assert dict(mesh.shape) == dict(data=1, fsdp=4, expert=1, seq=1, tensor=2)
+    assert mesh.axis_names == ("data", "fsdp", "expert", "seq", "tensor")
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
     with pytest.raises(ValueError, match="devices"):
         make_mesh(data=3)
