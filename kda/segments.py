@@ -57,7 +57,8 @@ def segment_starts_document(segment_ids: jax.Array, segment_tokens: int) -> jax.
     """
     firsts = segment_ids[:, segment_tokens::segment_tokens]  # [B, S-1]
     previous = segment_ids[:, segment_tokens - 1:-1:segment_tokens]  # [B, S-1]
-    starts = jnp.concatenate([jnp.zeros_like(firsts[:, :1], bool), firsts != previous], axis=1)
+    starts = jnp.concatenate([jnp.zeros((segment_ids.shape[0], 1), bool), firsts != previous],
+                             axis=1)
     return starts.T
 
 

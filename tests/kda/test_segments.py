@@ -28,6 +28,7 @@ def test_segment_starts_mark_documents_beginning_at_a_boundary():
                            documents_starting_at(256, [128])])
     assert segment_starts_document(ids, 64).tolist() == [[False, False], [True, False],
                                                          [False, True], [False, False]]
+    assert segment_starts_document(ids, 256).tolist() == [[False, False]]  # one segment
 
 
 @pytest.mark.parametrize("gate, lower_bound", [("lower_bound", -5.0), ("softplus", None)])
