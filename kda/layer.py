@@ -5,6 +5,11 @@
     decay gate g [B, T, HV, K] (lower-bound or softplus form, `kda.gate`), beta = sigmoid(linear)
     o = kda_attention(q, k, v, g, beta) -> head-wise RMSNorm -> * sigmoid(output gate) -> o_proj
 
+With the tokens split over a `seq` mesh axis (context parallelism, `core.context_parallel`), a
+sequence's first call convolves each shard from the previous shard's last `conv_size - 1`
+projected inputs (`context_parallel_conv`) and runs the op across shards
+(`kda.context_parallel`); calls with a cache are left to `jit`'s partitioning.
+
 A `KDACache` holds what a continuation needs: the last `conv_size - 1` projected inputs (the
 convolution's receptive field) and the float32 recurrent state. Feeding a sequence in pieces with
 the cache (prefill, then one-token decode steps) gives the same outputs as one full call.
@@ -18,10 +23,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from core.context_parallel import context_shards, over_token_shards, previous_tokens
 from core.norms import rms_norm
 from core.sharding import arrays_are_whole_on_each_device, logical, logical_param
 from kda.api import available_implementations, kda_attention
 from kda.common import document_index
+from kda.context_parallel import context_parallel_kda
 from kda.gate import check_lower_bound, lower_bound_gate, softplus_gate
 from kda.kernels.triton import short_conv
 from kda.segments import is_segment_size, kda_attention_in_segments
@@ -57,10 +64,10 @@ class KDAConfig:
       check_inputs: debugging aid, passed to `kda.kda_attention`: raise when the decay gate
         breaks its promise (a NaN, a gate above 0, or one below `gate_lower_bound` with the
         lower-bound gate), also inside `jit`; the host then waits for the gates on every call.
-      segment_tokens: run the op over calls longer than this in recomputed segments of this many
-        tokens (`kda.segments`; a positive multiple of 64 that divides the call's length): the
-        backward keeps one segment's residuals instead of the sequence's, for one more forward.
-        None: the whole call at once.
+      segment_tokens: run the op over calls (with context parallelism: shards) longer than this
+        in recomputed segments of this many tokens (`kda.segments`; a positive multiple of 64
+        that divides the call's or the shard's length): the backward keeps one segment's
+        residuals instead of the sequence's, for one more forward. None: the whole call at once.
     """
 
     num_heads: int
@@ -133,22 +140,27 @@ def count_kda_params(d_model: int, cfg: KDAConfig) -> int:
     )
 
 
-def causal_depthwise_conv(x, weight, prefix, segment_ids=None):
+def causal_depthwise_conv(x, weight, prefix, segment_ids=None, prefix_segment_ids=None):
     """Causal depthwise convolution that never mixes tokens of different packed documents.
 
     Args:
       x: [B, T, C] inputs.
       weight: [W, C], `weight[-1]` multiplies the current token.
       prefix: [B, W - 1, C], the inputs preceding x (zeros at the start of a sequence).
-      segment_ids: integer [B, T] or None; the prefix counts as part of the first document.
+      segment_ids: integer [B, T] or None.
+      prefix_segment_ids: integer [B, W - 1], the prefix's ids (documents are runs of equal ids
+        across the prefix and x), or None: the prefix counts as part of the first document.
     Returns:
       (y [B, T, C], new_prefix [B, W - 1, C]: the last W - 1 inputs, for the next call).
     """
     width, length = weight.shape[0], x.shape[1]
     padded = jnp.concatenate([prefix.astype(x.dtype), x], axis=1)  # [B, W - 1 + T, C]
-    document = None if segment_ids is None else document_index(segment_ids)
-    if document is not None:
-        padded_document = jnp.pad(document, ((0, 0), (width - 1, 0)))
+    document = None
+    if segment_ids is not None:
+        if prefix_segment_ids is None:
+            prefix_segment_ids = jnp.broadcast_to(segment_ids[:, :1], prefix.shape[:2])
+        padded_document = document_index(jnp.concatenate([prefix_segment_ids, segment_ids], 1))
+        document = padded_document[:, width - 1:]
     # Summed in float32 and rounded once. The sum's transpose is the weight's gradient, a sum over
     # every token of the batch, which bfloat16 accumulation would get visibly wrong.
     y = jnp.zeros(x.shape, jnp.float32)
@@ -161,6 +173,28 @@ def causal_depthwise_conv(x, weight, prefix, segment_ids=None):
     return y.astype(x.dtype), padded[:, length:]
 
 
+def context_parallel_conv(x, weight, segment_ids=None):
+    """`causal_depthwise_conv` from a zero prefix with the tokens split over the current mesh's
+    `seq` axis (called under `jax.set_mesh`, outside `shard_map`): each shard's prefix is the
+    previous shard's last W - 1 inputs and their ids (`previous_tokens`: one ppermute; zeros
+    on the first shard).
+
+    x: [B, T, C]; weight: [W, C]; segment_ids: integer [B, T] or None -> y [B, T, C]. T must
+    divide by the `seq` axis size, into shards of at least W - 1 tokens.
+    """
+    count = weight.shape[0] - 1
+
+    def on_shard(x, weight, segment_ids):
+        prefix_ids = None if segment_ids is None else previous_tokens(segment_ids, count)
+        return causal_depthwise_conv(x, weight, previous_tokens(x, count), segment_ids,
+                                     prefix_ids)[0]
+
+    tokens = ("batch", "seq", "heads")
+    return over_token_shards(on_shard, in_names=(tokens, (None, "heads"), tokens[:2]),
+                             out_names=tokens, batch=x.shape[0], length=x.shape[1],
+                             heads=x.shape[2])(x, weight, segment_ids)
+
+
 def conv_silu_parts(x, weight, segment_ids, widths, *, kernels: bool | None = None):
     """SiLU of the causal depthwise convolution of x from a zero prefix (a sequence's first call),
     split along channels into parts of `widths` (q, k, v).
@@ -168,12 +202,15 @@ def conv_silu_parts(x, weight, segment_ids, widths, *, kernels: bool | None = No
     x: [B, T, C]; weight: [W, C]; segment_ids: integer [B, T] or None. Returns a tuple of
     [B, T, width] in x.dtype.
 
+    With the tokens split over a `seq` mesh axis, `context_parallel_conv` (and no kernels).
     kernels: None runs Pallas kernels where `short_conv_kernel_runs` (a GPU, shapes that
     `kda.kernels.triton.short_conv.refusal` accepts, arrays whole on the device): they read x once
     and write the parts (the backward: dx and the weight's gradient), the SiLU taken in float32
     before one rounding. Otherwise, or with False: `causal_depthwise_conv`, the SiLU in x.dtype,
     and a split. True asks for the kernels whatever the backend.
     """
+    if context_shards() > 1:
+        return _split_channels(jax.nn.silu(context_parallel_conv(x, weight, segment_ids)), widths)
     if kernels is None:
         kernels = short_conv_kernel_runs(x.shape, widths, weight.shape[0])
     if kernels:
@@ -313,9 +350,14 @@ class KDA(nnx.Module):
         v = v.reshape(batch, length, cfg.num_value_heads, cfg.head_dim)
         beta = jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
         attend = kda_attention
-        if cfg.segment_tokens is not None and length > cfg.segment_tokens:
+        # The tokens of a device: the call's, or one shard's on the training path (whose first
+        # call splits them over a seq mesh axis, `kda.context_parallel`).
+        shards = context_shards() if cache is None and not return_cache else 1
+        if cfg.segment_tokens is not None and length // shards > cfg.segment_tokens:
             attend = functools.partial(kda_attention_in_segments,
                                        segment_tokens=cfg.segment_tokens)
+        if shards > 1:
+            attend = functools.partial(context_parallel_kda, attend=attend)
         o, state = attend(
             q, k, v, self._decay(x), beta, initial_state=None if cache is None else cache.state,
             output_final_state=return_cache, segment_ids=segment_ids, use_qk_l2norm=True,
