@@ -19,6 +19,12 @@ Training runs on Hopper GPUs through cuDNN's packed layout (`implementation="cud
 which describes each row's documents by their offsets and lengths (`document_segments`), so that
 cuDNN skips the tiles between documents; elsewhere through `jax.nn.dot_product_attention` (cuDNN on
 other GPUs, XLA otherwise), packed documents kept apart by a dense [B, 1, T, T] mask.
+
+With the tokens split over a `seq` mesh axis (context parallelism, `core.context_parallel`), the
+training path gathers the latents [c_kv ; k_r] of every shard (C + R numbers a token, not the
+H (N + V) of keys and values), up-projects them on each device and runs causal attention of its
+local queries, at their global positions, against every key (`context_parallel_attention`).
+
 Decoding runs in the latent space: W_kvb's key half is absorbed into the query and its value half
 applied after the weighted sum, so the cache holds only [c_kv ; k_r] (C + R = 576 numbers per
 token at full size) in a paged pool (`models.paged_cache`). Cached attention walks each row's
@@ -27,6 +33,7 @@ only the blocks the batch's rows hold, and its memory does not grow with the cac
 """
 
 import dataclasses
+import functools
 from typing import Literal, NamedTuple, get_args
 
 import jax
@@ -34,6 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_fused
 
+from core.context_parallel import all_tokens, context_shards, over_token_shards, shard_index
 from kda.common import document_index, document_starts
 from core.norms import RMSNorm
 from models.paged_cache import PagedLatentCache
@@ -78,6 +86,8 @@ class MLAConfig:
     # Cached attention (prefill chunks, decode steps) reads the block table this many pages at a
     # time (`paged_latent_attention`): its scores are [B, H, T, cache_pages_per_block * page_size].
     cache_pages_per_block: int = PAGED_BLOCK_PAGES
+    # How the training path shares keys across a `seq` mesh axis (`CONTEXT_PARALLEL_ATTENTION`).
+    context_parallel: str = "all_gather"
 
     def __post_init__(self):
         names = ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
@@ -88,6 +98,11 @@ class MLAConfig:
             value = getattr(self, name)
             if not is_positive_int(value):
                 raise ValueError(f"MLAConfig.{name} must be a positive int, got {value!r}")
+        if self.context_parallel not in CONTEXT_PARALLEL_ATTENTION:
+            raise ValueError(
+                f"MLAConfig.context_parallel must be one of {sorted(CONTEXT_PARALLEL_ATTENTION)}, "
+                f"got {self.context_parallel!r}"
+            )
         if self.implementation not in (None, *get_args(AttentionImplementation)):
             raise ValueError(
                 f"MLAConfig.implementation must be None or one of "
@@ -322,6 +337,81 @@ def causal_document_attention(
         out = _dense_document_attention(q_padded, k_padded, v_padded, scale=scale,
                                         document_ids=segment_ids, implementation=implementation)
     return out[..., : v.shape[-1]]
+
+
+def gathered_latent_attention(
+    q: jax.Array,
+    latents: jax.Array,
+    kv_up: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    cfg: MLAConfig,
+    implementation: AttentionImplementation,
+) -> jax.Array:
+    """One shard's causal document attention under context parallelism, inside `shard_map` with
+    the `seq` axis manual: every shard's latents gathered (one all-gather of [B, Tl, C + R]),
+    up-projected here, and attended by the local queries.
+
+    q: [B, Tl, H, N + R], this shard's queries; latents: [B, Tl, C + R], its [normed c_kv ; k_r];
+    kv_up: [C, H, N + V] (W_kvb); segment_ids: [B, Tl] int -> [B, Tl, H, V].
+
+    Query i of shard p sits at position p Tl + i and sees the keys at positions up to its own with
+    its segment id (the dense path's document rule, `causal_document_attention`); the mask is
+    [B, 1, Tl, T] and the keys and values [B, T, H, N + R | V], on every shard.
+    """
+    local = q.shape[1]
+    every_latent, every_id = all_tokens(latents), all_tokens(segment_ids)  # [B, T, ...]
+    c_kv, k_rope = jnp.split(every_latent, [cfg.kv_lora_rank], axis=-1)
+    k_nope, v = jnp.split(jnp.einsum("bsc,chk->bshk", c_kv, kv_up.astype(c_kv.dtype)),
+                          [cfg.qk_nope_head_dim], axis=-1)
+    k = jnp.concatenate(
+        [k_nope, jnp.broadcast_to(k_rope[:, :, None], (*k_nope.shape[:-1], k_rope.shape[-1]))],
+        axis=-1)
+    query_positions = shard_index() * local + jnp.arange(local)
+    causal = jnp.arange(every_id.shape[1])[None, :] <= query_positions[:, None]  # [Tl, T]
+    mask = causal[None] & (segment_ids[:, :, None] == every_id[:, None, :])  # [B, Tl, T]
+    q, k, v_padded = pad_head_dims(q, k, v)
+    out = jax.nn.dot_product_attention(q, k, v_padded, mask=mask[:, None], scale=cfg.softmax_scale,
+                                       implementation=implementation)
+    return out[..., : v.shape[-1]]
+
+
+# How the training path shares keys across a `seq` mesh axis (`MLAConfig.context_parallel`): each
+# is one shard's part, (q, latents, kv_up, segment_ids, *, cfg, implementation) -> o, with the
+# signature of `gathered_latent_attention`. A ring (the latents passed shard to shard with
+# `jax.lax.ppermute`, an online softmax over the blocks) would hold one block of keys at a time
+# instead of all T; which is faster is for GPU measurements to say.
+CONTEXT_PARALLEL_ATTENTION = {"all_gather": gathered_latent_attention}
+
+
+def context_parallel_attention(
+    q: jax.Array,
+    latents: jax.Array,
+    kv_up: jax.Array,
+    segment_ids: jax.Array | None,
+    *,
+    cfg: MLAConfig,
+    implementation: AttentionImplementation,
+) -> jax.Array:
+    """Gated MLA's training-path attention with the tokens split over the current mesh's `seq`
+    axis (called under `jax.set_mesh`, outside `shard_map`): `cfg.context_parallel`'s scheme of
+    `CONTEXT_PARALLEL_ATTENTION` on each shard.
+
+    q: [B, T, H, N + R]; latents: [B, T, C + R]; kv_up: [C, H, N + V]; segment_ids: [B, T] int or
+    None (one document a row) -> [B, T, H, V]. T must divide by the `seq` axis size.
+    implementation: "xla" or "cudnn" (the dense mask; cuDNN's packed layout takes no offset
+    queries).
+    """
+    batch, length, heads, _ = q.shape
+    if segment_ids is None:
+        segment_ids = jnp.zeros((batch, length), jnp.int32)
+    tokens = ("batch", "seq", "heads", None)
+    sharded = over_token_shards(
+        functools.partial(CONTEXT_PARALLEL_ATTENTION[cfg.context_parallel], cfg=cfg,
+                          implementation=implementation),
+        in_names=(tokens, ("batch", "seq", None), (None, "heads", None), ("batch", "seq")),
+        out_names=tokens, batch=batch, length=length, heads=heads)
+    return sharded(q, latents, kv_up, segment_ids)
 
 
 def absorb_queries(q_nope: jax.Array, key_up: jax.Array) -> jax.Array:
@@ -641,6 +731,13 @@ class GatedMLA(nnx.Module):
         cfg = self.cfg
         q = self._queries(x)
         latents = self._latents(x)
+        if cache is None and context_shards() > 1:
+            implementation = self._implementation()
+            if implementation == "cudnn_segments":  # no offset queries: the dense mask instead
+                implementation = backend_implementation(self.dtype)
+            o = context_parallel_attention(q, latents, self.kv_up.kernel[...], segment_ids,
+                                           cfg=cfg, implementation=implementation)
+            return self._gated_output(x, o)
         if cache is None:
             k_nope, v = jnp.split(self.kv_up(latents[..., : cfg.kv_lora_rank]),
                                   [cfg.qk_nope_head_dim], axis=-1)

@@ -269,6 +269,9 @@ def plan_memory(
     unknown = set(sizes) - set(MESH_AXES)
     if unknown:
         raise ValueError(f"mesh axes must be among {MESH_AXES}, got {sorted(unknown)}")
+    if sizes.get("seq", 1) > 1:
+        raise ValueError(f"the planner does not count context parallelism yet: got seq="
+                         f"{sizes['seq']}; plan with seq=1")
     planning_mesh = abstract_mesh(**sizes)
     model = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))
     stacked = {str(i) for i, group in enumerate(model.plan) if group.repeats > 1}
