@@ -226,6 +226,9 @@ class MultimodalDataConfig(DataConfig):
         of tens of tokens shares a row with others). The synthetic text tasks (mqar_weight, ...)
         are not part of this mix.
     digits, colour, count, reading: the tasks' settings (`train.image_tasks`).
+    answer_weight: loss weight of each answer byte of an image task in training, against 1 for
+        a corpus byte (the loss is the mean over loss_mask as weights): an answer is a byte or a
+        few where a corpus chunk has seq_len - 1 targets. Evaluation counts answers alike.
     vision_control: "none"; or a control: "zeroed" or "shuffled" images (module docstring).
     """
 
@@ -240,6 +243,7 @@ class MultimodalDataConfig(DataConfig):
     colour: ShapeColour = dataclasses.field(default_factory=ShapeColour)
     count: ShapeCount = dataclasses.field(default_factory=ShapeCount)
     reading: RenderedNumber = dataclasses.field(default_factory=RenderedNumber)
+    answer_weight: float = 1.0
     vision_control: VisionControl = "none"
 
     def __post_init__(self):
@@ -261,6 +265,9 @@ class MultimodalDataConfig(DataConfig):
             raise ValueError(f"MultimodalDataConfig.row_patches={self.row_patches} is below "
                              f"image_patches={self.image_patches}: a vision row must hold an "
                              "image of the full budget")
+        if not (math.isfinite(self.answer_weight) and self.answer_weight > 0):
+            raise ValueError(f"MultimodalDataConfig.answer_weight must be finite and positive, "
+                             f"got {self.answer_weight}")
         if self.vision_control not in ("none", "zeroed", "shuffled"):
             raise ValueError(f"MultimodalDataConfig.vision_control must be 'none', 'zeroed' or "
                              f"'shuffled', got {self.vision_control!r}")
@@ -313,15 +320,17 @@ def _held_out_order(seed: int, size: int) -> np.ndarray:
 def _task_example(cfg: MultimodalDataConfig, name: str, split: Split, seed: int,
                   index: int) -> dict:
     """Example `index` of image task `name` in `split`: BOS, the image's run, the question, the
-    answer (the only targets), under cfg.vision_control."""
+    answer (the only targets, of weight cfg.answer_weight in training, 1 held out), under
+    cfg.vision_control."""
     task = cfg.image_tasks()[name]
     qa = task.example(split, index, seed)
     image = qa.image
     if cfg.vision_control == "shuffled":
         partner = _shuffled_partner(split, index, seed, task.held_out_size())
         image = task.example(split, partner, seed).image
+    weight = cfg.answer_weight if split == "train" else 1.0
     example = interleaved_example([image, qa.question, qa.answer], patch_size=cfg.patch_size,
-                                  max_patches=cfg.image_patches, weights=[0, 0, 1])
+                                  max_patches=cfg.image_patches, weights=[0, 0, weight])
     if cfg.vision_control == "zeroed":
         example["patches"] = np.zeros_like(example["patches"])
     if example["tokens"].size > cfg.seq_len:

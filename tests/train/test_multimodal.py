@@ -4,9 +4,11 @@ loss on it), exact resume, the controls, and the step and model on such batches.
 
 import dataclasses
 
+import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 from sklearn.datasets import load_sample_image
@@ -163,6 +165,14 @@ def test_the_loss_counts_the_answers_of_image_rows():
         assert bytes(batch["targets"][row][counted].astype(np.uint8)) == answer
 
 
+def test_answers_weigh_answer_weight_in_training_only():
+    weighted = dataclasses.replace(MIX, answer_weight=3.0)
+    for split, weight in (("train", 3.0), ("held_out", 1.0)):
+        example = image_task_examples(weighted, "digits", split, seed=0)[1]
+        np.testing.assert_array_equal(example["target_mask"][-1:], [weight])  # the answer byte
+        assert not example["target_mask"][:-1].any()
+
+
 def test_a_misaligned_placeholder_count_is_refused():
     examples = image_task_examples(MIX, "digits", "held_out", seed=0)
     row = _alone_in_a_row(MIX, examples[0])
@@ -171,18 +181,27 @@ def test_a_misaligned_placeholder_count_is_refused():
         finalize_multimodal_batch({key: value[None] for key, value in row.items()})
 
 
-def test_the_iterator_resumes_exactly():
+def test_the_iterator_resumes_exactly(tmp_path):
+    """From its grain state, and through an orbax checkpoint as the trainer saves it."""
     iterator = make_multimodal_iterator(MIX)
     for _ in range(2):
         next(iterator)
     state = iterator.get_state()
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(2, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(iterator)))
+        manager.wait_until_finished()
     expected = [next(iterator) for _ in range(2)]
     resumed = make_multimodal_iterator(MIX)
     resumed.set_state(state)
-    for want, got in zip(expected, [next(resumed) for _ in range(2)]):
-        assert want.keys() == got.keys()
-        for key in want:
-            np.testing.assert_array_equal(want[key], got[key], err_msg=key)
+    restored = make_multimodal_iterator(MIX)
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.restore(2, args=ocp.args.Composite(
+            data=grain.checkpoint.CheckpointRestore(restored)))
+    for again in (resumed, restored):
+        for want, got in zip(expected, [next(again) for _ in range(2)]):
+            assert want.keys() == got.keys()
+            for key in want:
+                np.testing.assert_array_equal(want[key], got[key], err_msg=key)
     other_seed = next(make_multimodal_iterator(dataclasses.replace(MIX, seed=4)))
     assert not np.array_equal(other_seed["tokens"], expected[0]["tokens"])
 
@@ -238,6 +257,7 @@ def test_text_batches_have_no_images_and_partial_image_arrays_are_refused(batche
     (dict(image_patches=30), "image_patches=30 is invalid"),
     (dict(mqar_weight=0.1), "mqar_weight=0.1"),
     (dict(vision_control="blurred"), "vision_control"),
+    (dict(answer_weight=0.0), "answer_weight"),
 ])
 def test_invalid_settings_raise_naming_the_field(changes, message):
     with pytest.raises(ValueError, match=message):
