@@ -199,7 +199,9 @@ def gpu_or_smoke_args(argv, description: str, table: str | Callable[[argparse.Na
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=Path,
-                        help=f"markdown table (--gpu default: benchmarks/{table})")
+                        help="markdown table (--gpu default: "
+                        + (f"benchmarks/{table})" if isinstance(table, str) else
+                           "a table under benchmarks/ named for the options)"))
     args = parser.parse_args(argv)
     if args.gpu and jax.default_backend() != "gpu":
         parser.error(f"--gpu needs a CUDA backend, but JAX runs on {jax.default_backend()!r}")

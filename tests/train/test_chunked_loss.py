@@ -106,8 +106,8 @@ def test_chunked_loss_asks_for_a_model_with_an_lm_head():
         pass
 
     with pytest.raises(ValueError, match="loss_chunk_tokens=8 needs a model whose `lm_head`"):
-        _forward_options(NoHead(), 8)
-    assert _forward_options(NoHead(), None) == {}
+        _forward_options(NoHead(), 8, {})
+    assert _forward_options(NoHead(), None, {}) == {}
 
 
 @pytest.mark.slow
