@@ -1,5 +1,5 @@
 """Test-wide set-up: eight virtual CPU devices for mesh tests, XLA's quick code generation on
-machines without a GPU, and the `gpu` marker."""
+machines without a GPU, a persistent compilation cache, and the `gpu` marker."""
 
 import os
 
@@ -12,6 +12,14 @@ _FLAGS = ["--xla_force_host_platform_device_count=8"]
 if not os.path.exists("/dev/nvidiactl"):
     _FLAGS += ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
 os.environ.setdefault("XLA_FLAGS", " ".join(_FLAGS))
+# Many tests compile the same programs (the tiny model's train step in every run-a-training test,
+# again in each subprocess the fault tests launch): JAX's persistent cache, keyed by the program,
+# the flags and the versions, compiles each once per suite and once ever on a developer's machine.
+# Set through the environment so that those subprocesses share it; inside pytest's own cache
+# folder (ignored by git, emptied by `pytest --cache-clear`).
+_REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_COMPILATION_CACHE = os.path.join(_REPOSITORY, ".pytest_cache", "jax")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _COMPILATION_CACHE)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

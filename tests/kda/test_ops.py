@@ -18,7 +18,7 @@ from tests.kda.tolerances import BF16_TOLERANCE, F32_TOLERANCE, assert_within_bf
 
 
 @pytest.mark.slow
-@settings(deadline=None, max_examples=15)
+@settings(deadline=None, max_examples=8)
 @given(
     seed=st.integers(0, 2**16),
     batch=st.sampled_from([1, 2]),
