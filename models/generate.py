@@ -10,6 +10,7 @@ writes, and a sequence that emits the end token has its pages returned to the fr
                       top_p=0.95), seed=0, end_token=EOS, prefill_chunk_tokens=4096)
     result.tokens   # [B, max_new_tokens] int32, `pad_token` after each sequence's end
     result.lengths  # [B] tokens generated, the end token included
+    result = generate(model, prompts, max_new_tokens=8, images=pack_images(...))  # with images
 """
 
 import dataclasses
@@ -25,6 +26,7 @@ from flax import nnx
 from models.lm import DecodeState, HybridLM
 from models.paged_cache import PageAllocator
 from models.prefill import check_positive_int, check_prompts, prefill
+from models.vision import VisionBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +119,13 @@ def generate(
     pad_token: int = 0,
     page_size: int = 16,
     prefill_chunk_tokens: int | None = None,
+    images: VisionBatch | None = None,
 ) -> GenerationResult:
     """Continues each prompt [B, T] (equal lengths) by up to `max_new_tokens` tokens.
+
+    images: the packed vision buffer (`models.vision.pack_images`) of the prompts' image
+    placeholder runs, in order, for a model with a vision tower; the tower runs once, in the
+    prefill, and decoding continues from the prompt's state as for text.
 
     A sequence stops after `end_token` (when given) or at the length limit; the loop stops when
     every sequence has. Sampling is reproducible for a given `seed`. The prompt is prefilled
@@ -141,6 +148,7 @@ def generate(
     last_logits, state = prefill(
         model, prompts, allocator=allocator,
         chunk_tokens=prompt_length if prefill_chunk_tokens is None else prefill_chunk_tokens,
+        images=images,
     )
     graphdef, variables = nnx.split(model)
 

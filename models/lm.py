@@ -26,7 +26,9 @@ batch) takes the k-th merged image token in place of its embedding
 Generation continues sequences through `DecodeState` (KDA conv/recurrent state, paged MLA
 latents): `state = model.init_decode_state(...)`, then `logits, state = model.extend(tokens,
 state)` for the prompt and for each new token (`models.generate` drives it;
-`all_logits=False` runs the LM head on the last position only).
+`all_logits=False` runs the LM head on the last position only). A prompt with images is embedded
+once, `embedded = model.embed_inputs(prompt, images)`, and its slices go to `extend(...,
+embedded=...)` chunk by chunk (`models.prefill`), so the tower runs once per prompt.
 
 Each part of the model (and of `train.step`) runs under a `jax.named_scope` of `PROFILE_SCOPES`
 (`profile_scope`), so a profile can sum the compiled step's device time per part
@@ -413,16 +415,20 @@ class HybridLM(nnx.Module):
         return outputs, stats
 
     def extend(
-        self, tokens: jax.Array, state: DecodeState, *, all_logits: bool = True
+        self, tokens: jax.Array, state: DecodeState, *, all_logits: bool = True,
+        embedded: jax.Array | None = None,
     ) -> tuple[jax.Array, DecodeState]:
         """Appends tokens [B, T] to the sequences of `state` (a prompt, or one decoded token).
 
         The page table must already cover lengths + T tokens (`PageAllocator.reserve`). MLA layers
         read only the pages their rows hold (`models.attention.paged_latent_attention`).
+        embedded: the tokens' decoder input [B, T, D] (`embed_inputs`), for a prompt with images
+        (their tower runs once for the whole prompt, `models.prefill`); None embeds the tokens.
         Returns logits [B, T, V] float32 (all_logits) or the last position's [B, V], for which
         the LM head runs on that position alone, and the continued state.
         """
-        logits, _, state = self._run(tokens, None, state, last_only=not all_logits)
+        logits, _, state = self._run(tokens, None, state, embedded=embedded,
+                                     last_only=not all_logits)
         return logits, state
 
     def init_decode_state(
@@ -443,11 +449,30 @@ class HybridLM(nnx.Module):
             lengths=jnp.zeros((batch_size,), jnp.int32),
         )
 
+    def embed_inputs(self, tokens: jax.Array, images: VisionBatch | None = None) -> jax.Array:
+        """The decoder's input [B, T, D] in the compute dtype: the embeddings of tokens [B, T],
+        the image placeholders' replaced by the merged image tokens of `images` (the tower,
+        merger and projector run here; `merge_image_features`). images None: text only."""
+        with profile_scope("embed"):
+            embedded = constrain(self.embed(tokens), STREAM_AXES)
+        if images is not None:
+            if self.vision is None:
+                raise ValueError("images were given to a model without a vision tower: build it "
+                                 "from a ModelConfig with vision=VisionConfig(...)")
+            with profile_scope("vision"):
+                features, valid = self.vision(images, remat=REMAT[self.cfg.remat])
+                is_image = tokens == self.cfg.vision.image_token_id
+                embedded = constrain(merge_image_features(embedded, is_image, features, valid),
+                                     STREAM_AXES)
+        return embedded
+
     def _run(self, tokens, segment_ids, state: DecodeState | None, *, images=None,
-             return_hidden=False, last_only=False):
+             embedded=None, return_hidden=False, last_only=False):
         """The forward over tokens [B, T]: (logits [B, T, V] or, with return_hidden, the head's
         input [B, T, D]; router stats; the continued state, None without one). last_only: the
-        last position's alone, [B, V] or [B, D], the final norm and head run on it only."""
+        last position's alone, [B, V] or [B, D], the final norm and head run on it only.
+        embedded: the decoder's input [B, T, D] (`embed_inputs`) in place of embedding tokens
+        and images here."""
         cfg = self.cfg
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T] int, got shape {tokens.shape}")
@@ -458,17 +483,11 @@ class HybridLM(nnx.Module):
             )
         period = cfg.seal_period
         remat = REMAT[cfg.remat]
-        with profile_scope("embed"):
-            embedded = constrain(self.embed(tokens), STREAM_AXES)
-        if images is not None:
-            if self.vision is None:
-                raise ValueError("images were given to a model without a vision tower: build it "
-                                 "from a ModelConfig with vision=VisionConfig(...)")
-            with profile_scope("vision"):
-                features, valid = self.vision(images, remat=remat)
-                is_image = tokens == cfg.vision.image_token_id
-                embedded = constrain(merge_image_features(embedded, is_image, features, valid),
-                                     STREAM_AXES)
+        if embedded is None:
+            embedded = self.embed_inputs(tokens, images)
+        elif embedded.shape[:2] != tokens.shape:
+            raise ValueError(f"embedded must be [B, T, D] for tokens {tokens.shape}, got shape "
+                             f"{embedded.shape}")
         stream = ResidualStream.start(embedded)
         page_table = None if state is None else (state.block_tables, state.lengths)
         all_stats, all_caches = [], []

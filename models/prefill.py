@@ -2,6 +2,8 @@
 
     allocator = PageAllocator.holding(batch, prompt_length + new_tokens, page_size=256)
     logits, state = prefill(model, prompts, chunk_tokens=4096, allocator=allocator)
+    logits, state = prefill(model, prompts, chunk_tokens=4096, allocator=allocator,
+                            images=pack_images(...))   # a prompt with image placeholders
     logits   # [B, V] float32 at the last prompt position ([B, T, V] with all_logits=True)
     state    # the DecodeState after the prompt: decoding continues from it (`models.generate`)
 
@@ -40,16 +42,39 @@ from flax import nnx
 
 from models.lm import DecodeState, HybridLM
 from models.paged_cache import PageAllocator
+from models.vision import VisionBatch, VisionConfig, merged_valid
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(4,))
-def _extend_chunk(graphdef, all_logits: bool, variables, tokens, state: DecodeState):
+def _extend_chunk(graphdef, all_logits: bool, variables, tokens, state: DecodeState,
+                  embedded=None):
     """One chunk [B, C] appended to `state`: logits [B, C, V] (all_logits) or [B, V], new state.
-    Without all_logits the LM head runs on the chunk's last position only.
+    Without all_logits the LM head runs on the chunk's last position only. embedded: the chunk's
+    decoder input [B, C, D] for a prompt with images (None: its token embeddings).
 
-    Compiled once per model structure, chunk shape and state shape.
+    Compiled once per model structure, chunk shape and state shape (and with or without images).
     """
-    return nnx.merge(graphdef, variables).extend(tokens, state, all_logits=all_logits)
+    return nnx.merge(graphdef, variables).extend(tokens, state, all_logits=all_logits,
+                                                 embedded=embedded)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _embed_inputs(graphdef, variables, tokens, images: VisionBatch):
+    """The prompt's decoder input [B, T, D] with its images merged in (`HybridLM.embed_inputs`)."""
+    return nnx.merge(graphdef, variables).embed_inputs(tokens, images)
+
+
+def check_images(prompts: np.ndarray, images: VisionBatch, vision: VisionConfig) -> None:
+    """Raises a ValueError unless the prompts [B, T] hold one image placeholder per merged image
+    token of `images` (whose images follow the placeholder runs' order)."""
+    placeholders = int(np.count_nonzero(prompts == vision.image_token_id))
+    merged = int(np.count_nonzero(merged_valid(np.asarray(images.segment_ids))))
+    if placeholders != merged:
+        raise ValueError(
+            f"the prompts hold {placeholders} image placeholders (token "
+            f"{vision.image_token_id}) but images has {merged} merged image tokens: give each "
+            "image a run of (h / 2)(w / 2) placeholders for its h x w patches, in image order "
+            "(train.multimodal.interleaved_example builds them)")
 
 
 def check_positive_int(name: str, value, meaning: str) -> None:
@@ -110,9 +135,14 @@ def prefill(
     chunk_tokens: int,
     allocator: PageAllocator,
     all_logits: bool = False,
+    images: VisionBatch | None = None,
 ) -> tuple[jax.Array, DecodeState]:
     """Feeds prompts [B, T] (equal lengths, ids in [0, vocab_size)) through the model
     `chunk_tokens` tokens at a time.
+
+    images: the packed vision buffer of the prompts' image placeholders (`models.vision`,
+      `pack_images`), or None. The tower runs once, on the whole prompt's images; the chunks
+      prefill slices of the merged embeddings (`HybridLM.embed_inputs`).
 
     allocator: the host page allocator of the MLA latents, one sequence per prompt row; it must
       have room for T tokens per row (checked before any chunk runs), and decoding goes on with it.
@@ -130,6 +160,11 @@ def prefill(
         max_pages_per_seq=allocator.max_pages_per_seq,
     )
     graphdef, variables = nnx.split(model)
+    embedded = None
+    if images is not None:
+        # A model without a tower refuses the images here (`HybridLM.embed_inputs`).
+        embedded = _embed_inputs(graphdef, variables, jnp.asarray(prompts), images)
+        check_images(prompts, images, model.cfg.vision)
     pieces = []
     for start in range(0, length, chunk_tokens):
         stop = min(start + chunk_tokens, length)
@@ -137,7 +172,8 @@ def prefill(
             allocator.reserve(row, stop)
         state = DecodeState(state.caches, jnp.asarray(allocator.block_tables), state.lengths)
         logits, state = _extend_chunk(
-            graphdef, all_logits, variables, jnp.asarray(prompts[:, start:stop]), state
+            graphdef, all_logits, variables, jnp.asarray(prompts[:, start:stop]), state,
+            None if embedded is None else embedded[:, start:stop],
         )
         if all_logits:
             pieces.append(logits)
