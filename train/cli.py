@@ -8,15 +8,18 @@ Values are read by the field's annotation: int, float, bool (true/false/1/0/yes/
 Literal's choices, `X | None` ("none"), `tuple[X, ...]` (comma-separated, "" for empty). The config
 classes' own checks (`__post_init__`) then validate the result.
 
-The experiments run their job inside `one_line_errors(args.debug)`: the project's refusals (a
-ValueError or OSError: a bad setting, a run folder that cannot be written, changed data, a
-damaged checkpoint) end the process with one line, `error: ...`, on stderr and exit status 2;
-`--debug` shows the traceback instead.
+An experiment's main parses its command line (`make_parser`, then `resolve_config` for --set),
+takes `out = run_folder(args, config, DEFAULT_OUT)` (--print-config prints and exits there) and
+runs its job inside `one_line_errors(args.debug)`: the project's refusals (a ValueError or
+OSError: a bad setting, a run folder that cannot be written, changed data, a damaged checkpoint)
+end the process with one line, `error: ...`, on stderr and exit status 2; `--debug` shows the
+traceback instead.
 """
 
 import argparse
 import contextlib
 import dataclasses
+import json
 import sys
 import types
 import typing
@@ -246,3 +249,12 @@ def resolve_config(parser: argparse.ArgumentParser, args: argparse.Namespace, co
         return apply_overrides(config, args.set)
     except ValueError as error:
         parser.error(f"--set {error}")
+
+
+def run_folder(args: argparse.Namespace, config, default_out: str) -> str:
+    """The run folder of an experiment: --out, else `default_out`. With --print-config, prints
+    the resolved `config` as JSON and exits with status 0 instead (as --help does)."""
+    if args.print_config:
+        print(json.dumps(config_dict(config), indent=2))
+        raise SystemExit(0)
+    return args.out or default_out
