@@ -26,6 +26,8 @@ import typing
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from train.distributed import initialize
+
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
 _NONE = ("none", "null")
@@ -185,7 +187,8 @@ def config_from_dict(cls, data: dict):
 
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """The shared options: --set (repeatable), --out, --resume, --allow-data-change,
-    --print-config, --debug. Unknown options are refused."""
+    --print-config, --debug, and those of a multi-process run (`join_processes`). Unknown
+    options are refused."""
     parser = argparse.ArgumentParser(
         prog=prog,
         description=description,
@@ -216,7 +219,28 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
         "--debug", action="store_true",
         help="on an error, show the full traceback instead of one line",
     )
+    processes = parser.add_argument_group(
+        "multi-process runs (jax.distributed; see docs/multi_host.md)")
+    processes.add_argument(
+        "--coordinator-address", metavar="HOST:PORT",
+        help="process 0's host and a free port, the same in every process (default: "
+        "$JAX_COORDINATOR_ADDRESS)")
+    processes.add_argument("--num-processes", type=int, metavar="N",
+                           help="processes in the run (default: $JAX_NUM_PROCESSES, else one)")
+    processes.add_argument("--process-id", type=int, metavar="I",
+                           help="this process's rank in [0, N) (default: $JAX_PROCESS_ID)")
+    processes.add_argument(
+        "--distributed-auto", action="store_true",
+        help="let JAX detect the three on SLURM, Open MPI, Kubernetes or Cloud TPU")
     return parser
+
+
+def join_processes(args: argparse.Namespace) -> bool:
+    """Joins the multi-process run that `make_parser`'s options (or the environment) describe,
+    before anything touches a device (`train.distributed.initialize`); returns whether there are
+    several processes. Raises ValueError naming a missing or invalid option."""
+    return initialize(args.coordinator_address, args.num_processes, args.process_id,
+                      auto=args.distributed_auto)
 
 
 def error_line(error: BaseException) -> str:

@@ -65,6 +65,7 @@ from train.metrics import (
     read_metrics,
     train_flops_per_token,
 )
+from train.distributed import global_batch_array, initialize, is_primary, sync, to_host
 from train.multimodal import MultimodalDataConfig, check_model_fits, make_multimodal_iterator
 from train.optim import OptimConfig, learning_rate_schedule, make_optimizer
 from train.step import (
@@ -215,7 +216,8 @@ class Trainer:
 
     def place(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """A host batch on the mesh: arrays of B rows ([B, T], or [B] as RL's `truncated`) split
-        over the batch axes, others (RL's rewards [P, G]) replicated."""
+        over the batch axes, others (RL's rewards [P, G]) replicated. With several processes the
+        batch is the global one, the same in each, and each places only its devices' shards."""
         rows = np.shape(batch["tokens"])[0]
         replicated = NamedSharding(self.mesh, PartitionSpec())
 
@@ -223,7 +225,7 @@ class Trainer:
             shape = np.shape(value)
             return batch_sharding(self.mesh, shape) if shape[:1] == (rows,) else replicated
 
-        return {key: jax.device_put(value, sharding(value)) for key, value in batch.items()}
+        return {key: global_batch_array(value, sharding(value)) for key, value in batch.items()}
 
     @property
     def compiler_options(self) -> dict | None:
@@ -275,7 +277,8 @@ class Trainer:
         with jax.set_mesh(self.mesh):
             for index in range(len(batches)):
                 batch = batches[index]
-                predictions.append(self.eval_step(self.state, self.place(batch))["predictions"])
+                out = self.eval_step(self.state, self.place(batch))
+                predictions.append(to_host(out["predictions"]))
                 targets.append(batch["targets"])
                 masks.append(batch["loss_mask"])
         return answer_accuracy(*(np.concatenate(parts) for parts in (predictions, targets, masks)))
@@ -344,14 +347,15 @@ def _check_writable(run_dir: str, create: bool) -> None:
             ) from error
 
 
-def _saved_config(run_dir: str, config_path: str) -> dict:
-    """The run's config.json; when it is missing, the config stored in the newest checkpoint
-    whose metadata reads, written back to config.json with a warning.
+def _saved_config(run_dir: str, config_path: str) -> tuple[dict, int | None]:
+    """The run's config.json and None; when it is missing, the config stored in the newest
+    checkpoint whose metadata reads, and that checkpoint's step (`_restore_config_file` writes
+    it back).
 
     Raises ValueError when neither is there.
     """
     if os.path.exists(config_path):
-        return read_json(config_path)
+        return read_json(config_path), None
     checkpointer = Checkpointer(os.path.join(run_dir, CHECKPOINT_DIR))
     try:
         for step in sorted(checkpointer.all_steps(), reverse=True):
@@ -369,11 +373,7 @@ def _saved_config(run_dir: str, config_path: str) -> dict:
             )
     finally:
         checkpointer.close()
-    with open(config_path, "w") as f:
-        json.dump(saved, f, indent=2)
-    warnings.warn(f"--resume: {config_path} was missing; rewrote it from the config stored in "
-                  f"checkpoint step {step}", stacklevel=4)
-    return saved
+    return saved, step
 
 
 def _prepare_run_dir(config: TrainConfig, run_dir: str, resume: bool) -> dict:
@@ -396,13 +396,19 @@ def _prepare_run_dir(config: TrainConfig, run_dir: str, resume: bool) -> dict:
                 "without --resume to start it"
             )
         _check_writable(run_dir, create=False)
-        saved = _saved_config(run_dir, config_path)
+        saved, from_step = _saved_config(run_dir, config_path)
         changed = [key for key in _differences(saved, config_json) if key not in RUNTIME_FIELDS]
         if changed:
             raise ValueError(
                 f"--resume: the config differs from the one {run_dir!r} was started with (in "
                 f"{changed}); resume with the same settings, or start a new run with another --out"
             )
+        sync("run folder checked")  # every process has read the folder before process 0 writes
+        if from_step is not None and is_primary():
+            with open(config_path, "w") as f:
+                json.dump(saved, f, indent=2)
+            warnings.warn(f"--resume: {config_path} was missing; rewrote it from the config "
+                          f"stored in checkpoint step {from_step}", stacklevel=3)
         return config_json
     if has_checkpoints:
         raise ValueError(
@@ -410,11 +416,13 @@ def _prepare_run_dir(config: TrainConfig, run_dir: str, resume: bool) -> dict:
             "choose another --out"
         )
     _check_writable(run_dir, create=True)
-    with open(config_path, "w") as f:
-        json.dump(config_json, f, indent=2)
-    for stale in (METRICS_FILE, "summary.json"):
-        if os.path.exists(os.path.join(run_dir, stale)):
-            os.remove(os.path.join(run_dir, stale))
+    sync("run folder checked")
+    if is_primary():
+        with open(config_path, "w") as f:
+            json.dump(config_json, f, indent=2)
+        for stale in (METRICS_FILE, "summary.json"):
+            if os.path.exists(os.path.join(run_dir, stale)):
+                os.remove(os.path.join(run_dir, stale))
     return config_json
 
 
@@ -610,6 +618,7 @@ def train(
     written; a CheckpointError (a ValueError) when resuming finds no intact checkpoint, or a
     checkpoint cannot be written.
     """
+    initialize()  # joins a multi-process run launched with JAX_NUM_PROCESSES etc. set
     stages = tuple(stages or (Stage(config.data, config.steps),))
     ends = np.cumsum([stage.steps for stage in stages])
     if ends[-1] != config.steps:
@@ -645,17 +654,24 @@ def train(
             abstract_like(trainer.state, trainer.shardings), iterator_at)
         _warn_damaged(resumed)
         start, trainer.state, data_iterator = resumed.step, resumed.state, resumed.data_iterator
-        _truncate_metrics(metrics_path, start)
+        if is_primary():
+            _truncate_metrics(metrics_path, start)
     else:
         data_iterator = iterator_at(start)
     stage_index = stage_of(max(start, 1))
-    _write_manifest(run_dir, manifests[0], saved_manifest, data_changed, start)
+    primary = is_primary()  # writes the files, metrics rows and progress bar of the run
+    if primary:
+        _write_manifest(run_dir, manifests[0], saved_manifest, data_changed, start)
     writer = MetricsWriter(metrics_path)
+
+    def log(rows: list[dict]) -> None:
+        if primary:
+            writer.write(rows)
 
     schedule = learning_rate_schedule(config.optim, config.steps)
     peak = peak_flops_per_device()
     peak = None if peak is None else peak * trainer.mesh.size
-    bar = tqdm.tqdm(total=config.steps, initial=start, disable=not config.progress,
+    bar = tqdm.tqdm(total=config.steps, initial=start, disable=not (config.progress and primary),
                     unit="step", dynamic_ncols=True)
     pending: list[tuple[int, dict]] = []  # metrics of steps not yet written (device arrays)
     clock = Stopwatch()
@@ -674,7 +690,7 @@ def train(
         pending.clear()
         if rows:
             rows[-1].update(extra)
-            writer.write(rows)
+            log(rows)
         try:
             skips_in_a_row = check_health(rows, skips_in_a_row, config.max_consecutive_skips,
                                           last_saved)
@@ -712,12 +728,13 @@ def train(
         if evaluated:
             write_pending()
             result = trainer.evaluate(stage.data, config.eval_batches)
-            writer.write([{"step": step, "seq_len": stage.data.seq_len, **result}])
-            bar.write(f"step {step}: validation {result['val_bits_per_byte']:.3f} bits/byte "
-                      f"at length {stage.data.seq_len}")
+            log([{"step": step, "seq_len": stage.data.seq_len, **result}])
+            if primary:
+                bar.write(f"step {step}: validation {result['val_bits_per_byte']:.3f} bits/byte "
+                          f"at length {stage.data.seq_len}")
         if stage_ends and after_stage is not None:
             result = after_stage(stage_index, stage, trainer)
-            writer.write([{"step": step, "stage": stage_index, **result}])
+            log([{"step": step, "stage": stage_index, **result}])
         saved = step == stop or stage_ends or (
             config.checkpoint_every and step % config.checkpoint_every == 0)
         if saved:
@@ -730,6 +747,10 @@ def train(
     bar.close()
     checkpointer.wait()
     checkpointer.close()
+    summary_path = os.path.join(run_dir, "summary.json")
+    if not primary:  # process 0 writes the summary into the shared run folder
+        sync("summary written")
+        return RunResult(trainer, read_json(summary_path), run_dir)
 
     rows = read_metrics(metrics_path)
     evaluations = [row for row in rows if "val_bits_per_byte" in row]
@@ -757,7 +778,8 @@ def train(
     stage_rows = [row for row in rows if "stage" in row]
     if stage_rows:
         summary["stages"] = stage_rows
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+    with open(summary_path, "w") as f:
         json.dump(summary, f, indent=2)
+    sync("summary written")
     plot_metrics(metrics_path, run_dir)
     return RunResult(trainer, summary, run_dir)

@@ -1,0 +1,35 @@
+"""One process of the two-process training test (`test_multi_process.py`): joins the run named by
+the shared command-line options (--coordinator-address, --num-processes, --process-id), trains
+`multi_process_config()` in --out up to --until-step, then resumes from that checkpoint (a
+fresh trainer restoring what the processes saved) to the last step."""
+
+import sys
+
+from train.cli import apply_overrides, join_processes, make_parser
+from train.loop import TrainConfig, train
+
+# One Gated MLA layer with a dense FFN on a 2 x 2 (data x fsdp) mesh: the batch and the
+# parameters are split across the two processes, and the programs compile quickly.
+OVERRIDES = [
+    "model.num_layers=1", "model.kda_layers=", "model.full_attn_layers=1",
+    "model.residual=plain", "data.seq_len=32", "data.batch_size=4", "data.packing_bins=4",
+    "steps=3", "log_every=1", "checkpoint_every=1", "eval_batches=1", "fast_compile=true",
+    "progress=false", "mesh.data=2", "mesh.fsdp=2",
+]
+
+
+def multi_process_config() -> TrainConfig:
+    return apply_overrides(TrainConfig(), OVERRIDES)
+
+
+def main(argv: list[str]) -> None:
+    parser = make_parser("multi_process_child", __doc__)
+    parser.add_argument("--until-step", type=int, required=True)
+    args = parser.parse_args(argv)
+    join_processes(args)
+    train(multi_process_config(), args.out, until_step=args.until_step)
+    train(multi_process_config(), args.out, resume=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
