@@ -58,6 +58,11 @@ class DataConfig:
         counted in examples (a synthetic example fills one row; a corpus chunk at most one).
     mqar, needle, multihop: the synthetic tasks' settings; in training each example is seq_len
         tokens long.
+    answer_weight: loss weight of each answer token of a task in training (a synthetic task's
+        here, an image task's in train.multimodal), against 1 for a corpus byte (the loss is the
+        mean over loss_mask as weights). A task row has a few answers where a corpus chunk has
+        seq_len - 1 targets, so at 1 the corpus drowns the tasks' gradient. Evaluation is
+        unweighted.
     packing_bins: rows packed together at a time; more bins leave less padding.
     """
 
@@ -75,6 +80,7 @@ class DataConfig:
     mqar: MQAR = dataclasses.field(default_factory=MQAR)
     needle: NeedleInHaystack = dataclasses.field(default_factory=NeedleInHaystack)
     multihop: MultiHop = dataclasses.field(default_factory=MultiHop)
+    answer_weight: float = 1.0
     packing_bins: int = 32
 
     def __post_init__(self):
@@ -103,6 +109,10 @@ class DataConfig:
         if not 0.0 <= self.long_document_bias <= 1.0:
             raise ValueError(
                 f"DataConfig.long_document_bias must lie in [0, 1], got {self.long_document_bias}"
+            )
+        if not (math.isfinite(self.answer_weight) and self.answer_weight > 0):
+            raise ValueError(
+                f"DataConfig.answer_weight must be finite and positive, got {self.answer_weight}"
             )
         weights = self.source_weights()
         if not all(math.isfinite(w) and w >= 0 for w in weights.values()) or not any(
@@ -193,6 +203,12 @@ def _endless_corpus(cfg: DataConfig, corpus: Corpus) -> grain.MapDataset:
     return parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
 
 
+def weigh_answers(weight: float, example: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A task example for training, its answer tokens weighing `weight` in the loss
+    (target_mask [L] scaled; DataConfig.answer_weight)."""
+    return {**example, "target_mask": example["target_mask"] * np.float32(weight)}
+
+
 def _read_options(cfg: DataConfig) -> grain.ReadOptions:
     # Making an example is a slice or a small numpy draw: two threads keep a few rows ahead of
     # the packer without crowding a small CPU.
@@ -212,9 +228,8 @@ def make_train_dataset(cfg: DataConfig) -> grain.IterDataset:
         else:
             seed = _derived_seed(cfg.seed, name)
             task = cfg.tasks()[name]
-            sources.append(
-                task_dataset(task, length=cfg.seq_len, seed=seed, num_examples=sys.maxsize)
-            )
+            examples = task_dataset(task, length=cfg.seq_len, seed=seed, num_examples=sys.maxsize)
+            sources.append(examples.map(functools.partial(weigh_answers, cfg.answer_weight)))
         weights.append(weight)
     mixed = sources[0] if len(sources) == 1 else grain.MapDataset.mix(sources, weights)
     rows = pack_rows(

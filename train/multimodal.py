@@ -36,7 +36,7 @@ The mix (`MultimodalDataConfig`): corpus chunks (`train.data`) and image questio
 (`train.image_tasks`: "<image> Which digit? 7", loss on the answer bytes), weighted in examples.
 `vision_control` runs the controls of an experiment that the model looks at the image: "zeroed"
 (every pixel 0) or "shuffled" (each example shows the image of another example of its task, its
-placeholder run as long as that image needs), in training and evaluation alike.
+own placeholder run kept consistent), in training and evaluation alike.
 """
 
 import dataclasses
@@ -55,7 +55,7 @@ from PIL import Image
 from models.config import ModelConfig
 from models.vision import MERGE, MERGE_PATCHES, VisionBatch, patchify
 from train.data import (EVAL_TASK_SEED, DataConfig, _derived_seed, _endless_corpus, load_corpus,
-                        split_corpus)
+                        split_corpus, weigh_answers)
 from train.image_tasks import Digits, ImageTask, RenderedNumber, ShapeColour, ShapeCount, Split
 from train.packing import finalize_batch
 from train.tokenizer import BOS_ID, IMAGE_END_ID, IMAGE_PAD_ID, IMAGE_START_ID
@@ -66,8 +66,7 @@ IMAGE_KEYS = ("image_pixels", "image_segment_ids", "image_positions")
 # images' patches with their (row, col) in the image's grid.
 PACKED_FEATURES = ("tokens", "target_mask", "patches", "patch_coords")
 VisionControl = Literal["none", "zeroed", "shuffled"]
-# The image tasks of the mix: each name is a field of MultimodalDataConfig (the task's settings)
-# and, with "_weight", its mixing weight.
+# The training mix's image tasks: (weight field, task field) of MultimodalDataConfig.
 IMAGE_TASKS = ("digits", "colour", "count", "reading")
 
 
@@ -227,9 +226,8 @@ class MultimodalDataConfig(DataConfig):
         of tens of tokens shares a row with others). The synthetic text tasks (mqar_weight, ...)
         are not part of this mix.
     digits, colour, count, reading: the tasks' settings (`train.image_tasks`).
-    answer_weight: loss weight of each answer byte of an image task in training, against 1 for
-        a corpus byte (the loss is the mean over loss_mask as weights): an answer is a byte or a
-        few where a corpus chunk has seq_len - 1 targets. Evaluation counts answers alike.
+    answer_weight (DataConfig's): the loss weight of each answer byte of an image task in
+        training, against 1 for a corpus byte. Evaluation counts answers alike.
     vision_control: "none"; or a control: "zeroed" or "shuffled" images (module docstring).
     """
 
@@ -244,7 +242,6 @@ class MultimodalDataConfig(DataConfig):
     colour: ShapeColour = dataclasses.field(default_factory=ShapeColour)
     count: ShapeCount = dataclasses.field(default_factory=ShapeCount)
     reading: RenderedNumber = dataclasses.field(default_factory=RenderedNumber)
-    answer_weight: float = 1.0
     vision_control: VisionControl = "none"
 
     def __post_init__(self):
@@ -266,9 +263,6 @@ class MultimodalDataConfig(DataConfig):
             raise ValueError(f"MultimodalDataConfig.row_patches={self.row_patches} is below "
                              f"image_patches={self.image_patches}: a vision row must hold an "
                              "image of the full budget")
-        if not (math.isfinite(self.answer_weight) and self.answer_weight > 0):
-            raise ValueError(f"MultimodalDataConfig.answer_weight must be finite and positive, "
-                             f"got {self.answer_weight}")
         if self.vision_control not in ("none", "zeroed", "shuffled"):
             raise ValueError(f"MultimodalDataConfig.vision_control must be 'none', 'zeroed' or "
                              f"'shuffled', got {self.vision_control!r}")
@@ -321,17 +315,15 @@ def _held_out_order(seed: int, size: int) -> np.ndarray:
 def _task_example(cfg: MultimodalDataConfig, name: str, split: Split, seed: int,
                   index: int) -> dict:
     """Example `index` of image task `name` in `split`: BOS, the image's run, the question, the
-    answer (the only targets, of weight cfg.answer_weight in training, 1 held out), under
-    cfg.vision_control."""
+    answer (the only targets, of weight 1), under cfg.vision_control."""
     task = cfg.image_tasks()[name]
     qa = task.example(split, index, seed)
     image = qa.image
     if cfg.vision_control == "shuffled":
         partner = _shuffled_partner(split, index, seed, task.held_out_size())
         image = task.example(split, partner, seed).image
-    weight = cfg.answer_weight if split == "train" else 1.0
     example = interleaved_example([image, qa.question, qa.answer], patch_size=cfg.patch_size,
-                                  max_patches=cfg.image_patches, weights=[0, 0, weight])
+                                  max_patches=cfg.image_patches, weights=[0, 0, 1])
     if cfg.vision_control == "zeroed":
         example["patches"] = np.zeros_like(example["patches"])
     if example["tokens"].size > cfg.seq_len:
@@ -344,10 +336,14 @@ def _task_example(cfg: MultimodalDataConfig, name: str, split: Split, seed: int,
 def image_task_examples(cfg: MultimodalDataConfig, name: str, split: Split,
                         seed: int) -> grain.MapDataset:
     """Image task `name`'s examples (`_task_example`) as a random-access grain dataset:
-    endless in training, the held-out split's examples in order."""
+    endless in training, their answers weighing cfg.answer_weight as a synthetic task's do
+    (`train.data.weigh_answers`); the held-out split's examples in order, answers of weight 1."""
     size = sys.maxsize if split == "train" else cfg.image_tasks()[name].held_out_size()
-    return grain.MapDataset.range(size).map(
+    examples = grain.MapDataset.range(size).map(
         functools.partial(_task_example, cfg, name, split, seed))
+    if split != "train":
+        return examples
+    return examples.map(functools.partial(weigh_answers, cfg.answer_weight))
 
 
 def _read_options(cfg: DataConfig) -> grain.ReadOptions:

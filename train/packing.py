@@ -7,7 +7,8 @@ batch every trainer step and evaluation consumes, all arrays [B, T]:
 
     tokens       int32    model input; PAD_ID in empty slots
     targets      int32    next token of the same segment; PAD_ID where there is none
-    loss_mask    float32  1 where `targets` counts (a target of its segment that is not padding)
+    loss_mask    float32  weight of `targets` in the loss: 1 for a target of its segment that
+                          is not padding (a task answer's may be DataConfig.answer_weight), else 0
     segment_ids  int32    1, 2, ... per packed example in a row; 0 in empty slots
     positions    int32    position inside the segment, restarting at 0
 

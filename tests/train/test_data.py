@@ -83,6 +83,20 @@ def test_mix_follows_the_weights():
     assert abs(multihop_share - 1 / 14) < 0.02
 
 
+def test_answer_weight_scales_the_loss_mask_of_task_answers_only():
+    def masks(answer_weight):
+        cfg = dataclasses.replace(MIXED, answer_weight=answer_weight)
+        return np.concatenate([b["loss_mask"] for b in _take(make_train_iterator(cfg), 4)])
+
+    plain, weighted = masks(1.0), masks(8.0)
+    assert set(np.unique(plain)) == {0.0, 1.0}
+    assert set(np.unique(weighted)) == {0.0, 1.0, 8.0}
+    # The same batches: corpus targets keep weight 1, task answers alone weigh 8.
+    np.testing.assert_array_equal(weighted > 0, plain > 0)
+    answers = weighted == 8.0
+    assert 0 < answers.sum() < 0.1 * (plain > 0).sum()
+
+
 def test_long_document_bias_fills_rows_with_single_documents():
     def share_of_rows_that_are_one_chunk(bias):
         cfg = DataConfig(seq_len=2048, batch_size=4, long_document_bias=bias, packing_bins=8)
@@ -162,6 +176,7 @@ def test_missing_data_file_fails_when_the_pipeline_is_built(tmp_path):
         ({"corpus_weight": 0.0}, "not all zero.*corpus_weight=1"),
         ({"mqar_weight": -1.0}, "non-negative"),
         ({"needle_weight": float("nan")}, "finite"),
+        ({"answer_weight": 0.0}, "answer_weight must be finite and positive"),
     ],
 )
 def test_bad_config_fields_are_refused(fields, message):

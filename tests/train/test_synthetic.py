@@ -46,6 +46,32 @@ def test_mqar_answers_are_the_values_of_the_queried_keys():
         )
 
 
+def test_mqar_noise_never_holds_a_key():
+    # With 256 bytes, noise drawn from all of them would repeat each key about once per 256
+    # tokens, followed by a random byte: the latest occurrence would contradict the context.
+    for index in range(5):
+        example = _example(MQAR(num_kv_pairs=8), length=1024, index=index)
+        tokens = example["tokens"]
+        answers = np.flatnonzero(example["target_mask"])
+        noise = np.ones(tokens.size, bool)
+        noise[:17] = False
+        noise[np.concatenate([answers - 1, answers])] = False
+        assert (tokens[noise] >= 128).all()
+
+
+@pytest.mark.parametrize("task", TASKS, ids=repr)
+def test_chance_is_one_over_the_answers_equally_likely_without_context(task):
+    examples = task_dataset(task, length=100, seed=1, num_examples=3000)
+    answers = np.concatenate([example["tokens"][example["target_mask"] > 0]
+                              for example in examples])
+    frequencies = np.bincount(answers) / answers.size
+    frequencies = frequencies[frequencies > 0]
+    # Uniform over the alphabet: the perplexity of the answers is its size.
+    assert frequencies.size == round(1 / task.chance_token_accuracy())
+    perplexity = np.exp(-(frequencies * np.log(frequencies)).sum())
+    assert perplexity == pytest.approx(frequencies.size, rel=0.03)
+
+
 @pytest.mark.parametrize("depth", [0.0, 0.25, 1.0])
 def test_needle_sits_at_its_depth_and_is_the_answer(depth):
     example = _example(NeedleInHaystack(depth=depth, key_bytes=4, value_bytes=6), length=300)
