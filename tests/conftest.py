@@ -32,3 +32,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def one_device_xla_flags(monkeypatch) -> str:
+    """For a child process that must see one CPU device (a notebook's kernel): the suite's
+    XLA_FLAGS without the eight virtual devices, so that it still compiles quickly and shares the
+    persistent cache's flags. Returns the flags it set."""
+    flags = " ".join(flag for flag in os.environ.get("XLA_FLAGS", "").split()
+                     if not flag.startswith("--xla_force_host_platform_device_count"))
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    return flags

@@ -16,6 +16,12 @@ from models import attention
 from models.lm import REMAT
 from moe.grouped_matmul import grouped_matmul
 
+# The smoke size's model cut to two layers, one of each kind (KDA with a dense FFN, Gated MLA with
+# the MoE): every part of the step, half the compile time.
+TWO_LAYERS = ("model.num_layers=2", "model.kda_layers=1", "model.full_attn_layers=2")
+TWO_LAYER_FLAGS = [flag for setting in TWO_LAYERS for flag in ("--set", setting)]
+TWO_LAYER_SMOKE = dataclasses.replace(bench_train.SMOKE, settings=TWO_LAYERS)
+
 
 def test_synthetic_batch_packs_the_documents():
     batch = bench_train.synthetic_batch(bench_train.SMOKE)
@@ -103,7 +109,7 @@ def test_smoke_run_reports_throughput_memory_breakdown_and_profile(tmp_path, cap
 
     monkeypatch.setattr(bench_train, "write_result", record)
     result = bench_train.main(["--smoke", "--steps", "2", "--remat", bench_train.GPU.remat,
-                               "--profile", "--out", str(out)])
+                               "--profile", "--out", str(out), *TWO_LAYER_FLAGS])
     assert "stopped before the step was timed" in reported[0]
     assert "before every layer was timed" in reported[1] and "| rest |" in reported[-1]
     assert "preflight: step compiled" in capsys.readouterr().out
@@ -116,7 +122,7 @@ def test_smoke_run_reports_throughput_memory_breakdown_and_profile(tmp_path, cap
     parts = sum(part["seconds_per_step"] for part in result["breakdown"].values())
     assert parts == pytest.approx(result["step_seconds"])
     text = out.read_text()
-    assert "| kda | 3 |" in text and "XLA memory plan per device" in text
+    assert "| kda | 1 |" in text and "XLA memory plan per device" in text
     assert result["ops"]["rows"] and "Where the step's device time goes" in text
     scopes = result["ops"]["scopes"]
     assert all(scopes[part] > 0 for part in ("kda", "attention", "moe", "optimizer")), scopes
@@ -212,17 +218,17 @@ def test_a_partial_result_is_reported_as_far_as_it_got():
     assert "before every layer was timed" in text
 
 
-@pytest.mark.slow  # about 25 s: the tiny step compiled twice
+@pytest.mark.slow  # the two-layer step compiled twice
 def test_cpu_plan_compiles_the_step_of_an_abstract_state(capsys):
     """`--cpu-plan` builds the trainer abstract (shapes and shardings as the real one, nothing
     allocated) and compiles its step with the GPU kernels stood in."""
-    config = bench_train.train_config(bench_train.SMOKE, "adamw")
+    config = bench_train.train_config(TWO_LAYER_SMOKE, "adamw")
     abstract = bench_train.Trainer.create(config, abstract=True).state
     concrete = bench_train.Trainer.create(config).state
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract))
     assert jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), abstract) == jax.tree.map(
         lambda x: (x.shape, x.dtype, x.sharding), concrete)
-    result = bench_train.cpu_plan(bench_train.SMOKE, "adamw")
+    result = bench_train.cpu_plan(TWO_LAYER_SMOKE, "adamw")
     assert 0 < result["memory_gib"]["argument"] <= result["memory_gib"]["peak"]
     assert "GPU kernels stood in" in capsys.readouterr().out
 
@@ -232,7 +238,8 @@ def test_versus_times_the_step_again_with_the_override_in_one_process(tmp_path, 
     timed after it; both rows in the table. (`--no-layers`: the breakdown is skipped.)"""
     out = tmp_path / "bench.md"
     result = bench_train.main(["--smoke", "--steps", "1", "--no-layers", "--versus",
-                               "model.mla.implementation=xla", "--out", str(out)])
+                               "model.mla.implementation=xla", "--out", str(out),
+                               *TWO_LAYER_FLAGS])
     versus = result["versus"]
     assert versus["settings"] == ["model.mla.implementation=xla"]
     assert versus["step_seconds"] > 0 and versus["memory_gib"]["peak"] > 0

@@ -23,8 +23,7 @@ FAST_COMPILE = True
 
 
 @pytest.mark.slow
-def test_notebook_executes(tmp_path, monkeypatch):
-    monkeypatch.delenv("XLA_FLAGS", raising=False)  # the kernel runs on one CPU device
+def test_notebook_executes(tmp_path, one_device_xla_flags):
     # The "python3" kernel must be this interpreter's (the venv's), not a global one.
     spec = KernelSpecManager().get_kernel_spec("python3")
     assert os.path.realpath(spec.resource_dir).startswith(os.path.realpath(sys.prefix))
