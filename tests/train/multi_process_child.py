@@ -1,11 +1,18 @@
 """One process of the two-process training test (`test_multi_process.py`): joins the run named by
 the shared command-line options (--coordinator-address, --num-processes, --process-id), trains
 `multi_process_config()` in --out up to --until-step, then resumes from that checkpoint (a
-fresh trainer restoring what the processes saved) to the last step."""
+fresh trainer restoring what the processes saved) to the last step. With --die-saving STEP,
+process 1 kills itself (SIGKILL) once it has started writing checkpoint STEP of the resumed run,
+as a host lost in the middle of a save."""
 
+import os
+import signal
 import sys
 
+import jax
+
 from train.cli import apply_overrides, join_processes, make_parser
+from train.checkpoint import Checkpointer
 from train.loop import TrainConfig, train
 
 # One Gated MLA layer with a dense FFN on a 2 x 2 (data x fsdp) mesh: the batch and the
@@ -25,9 +32,19 @@ def multi_process_config() -> TrainConfig:
 def main(argv: list[str]) -> None:
     parser = make_parser("multi_process_child", __doc__)
     parser.add_argument("--until-step", type=int, required=True)
+    parser.add_argument("--die-saving", type=int)
     args = parser.parse_args(argv)
     join_processes(args)
     train(multi_process_config(), args.out, until_step=args.until_step)
+    if args.die_saving is not None and jax.process_index() == 1:
+        save = Checkpointer.save
+
+        def save_then_die(self, step, *rest, **options):
+            save(self, step, *rest, **options)
+            if step == args.die_saving:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        Checkpointer.save = save_then_die
     train(multi_process_config(), args.out, resume=True)
 
 

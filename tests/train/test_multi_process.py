@@ -1,6 +1,7 @@
 """Training in two processes through jax.distributed (on CPU: gloo collectives between them)
-computes what one process computes on the same global mesh and batch, and its checkpoints
-restore into one process and into two.
+computes what one process computes on the same global mesh and batch; its checkpoints restore
+into one process and into two, and a process killed while saving leaves the last complete
+checkpoint restorable.
 
 The two processes run `multi_process_child` (2 CPU devices each, a data=2 x fsdp=2 mesh over
 both); the reference runs here on 4 of the suite's 8 devices, the same mesh shape, while they
@@ -11,7 +12,7 @@ compilation cache.
 import json
 import os
 import re
-import shutil
+import signal
 import subprocess
 import sys
 
@@ -22,14 +23,14 @@ import pytest
 
 from tests.train.multi_process_child import multi_process_config
 from train.distributed import PROCESSES_VARIABLE, initialize
-from train.loop import METRICS_FILE, train
+from train.loop import CHECKPOINT_DIR, METRICS_FILE, train
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Cross-process all-reduces (gloo) may add the four devices' partial gradients in another order
-# than one process's collectives: float32 rounding of the summed gradients, carried through
-# three Adam steps. The measured gap is far smaller; a wrong shard (a batch row fed twice, a
-# parameter shard restored in the wrong place) moves the loss by more than 1e-3.
-RTOL = 1e-5
+# Cross-process all-reduces (gloo) may add the devices' partial sums in another order than one
+# process's collectives: float32 rounding. Measured: the step-1 loss one float32 ulp apart (8e-8
+# relative), the later steps equal. A wrong shard (process 1 feeding process 0's batch rows)
+# moves the losses by 1% to 4%.
+RTOL = 1e-6
 
 
 def _launch(run_dir: str, cache: str, *extra: str) -> list[subprocess.Popen]:
@@ -53,12 +54,6 @@ def _launch(run_dir: str, cache: str, *extra: str) -> list[subprocess.Popen]:
         )
         for rank in range(2)
     ]
-
-
-def _finish(processes: list[subprocess.Popen]) -> None:
-    for rank, process in enumerate(processes):
-        output, _ = process.communicate(timeout=300)
-        assert process.returncode == 0, f"process {rank} failed:\n{output[-4000:]}"
 
 
 def _losses(run_dir: str) -> dict[int, float]:
@@ -100,25 +95,28 @@ def test_one_process_without_settings_stays_one_process():
 
 @pytest.mark.slow
 def test_two_processes_train_like_one_and_their_checkpoints_restore_in_one_and_two(tmp_path):
-    cache, two, one, reference = (str(tmp_path / name) for name in
-                                  ("cache", "two", "one", "reference"))
+    cache, two, reference = (str(tmp_path / name) for name in ("cache", "two", "reference"))
     config = multi_process_config()
-    # Two processes: steps 1-2, a checkpoint after each, then a fresh trainer in each process
-    # restores checkpoint 2 and trains step 3. The uninterrupted reference meanwhile, here.
-    processes = _launch(two, cache, "--until-step", "2")
+    # Two processes: steps 1-2, a checkpoint after each; then a fresh trainer in each process
+    # restores checkpoint 2 and trains step 3, and process 1 dies while saving checkpoint 3.
+    # The uninterrupted reference meanwhile, here.
+    processes = _launch(two, cache, "--until-step", "2", "--die-saving", "3")
     try:
         expected = _losses(train(config, reference).run_dir)
+        output, _ = processes[1].communicate(timeout=300)
+        assert processes[1].returncode == -signal.SIGKILL, output[-4000:]
     finally:
-        _finish(processes)
+        processes[0].kill()  # left waiting for process 1, as a job scheduler would end it
+        processes[0].communicate()
     losses = _losses(two)
     assert sorted(losses) == [1, 2, 3]
     np.testing.assert_allclose([losses[s] for s in (1, 2, 3)],
                                [expected[s] for s in (1, 2, 3)], rtol=RTOL)
-    with open(os.path.join(two, "summary.json")) as f:
-        assert json.load(f)["steps"] == 3
-    # The two processes' checkpoint 2 restored in one process: step 3 as in the reference.
-    shutil.copytree(two, one)
-    shutil.rmtree(os.path.join(one, "checkpoints", "3"))
-    resumed = train(config, one, resume=True)
+    # Checkpoint 3 never completed: the newest complete one is 2, saved by the two processes.
+    checkpoints = os.listdir(os.path.join(two, CHECKPOINT_DIR))
+    assert sorted(name for name in checkpoints if name.isdigit()) == ["1", "2"]
+    assert any(name.startswith("3") for name in checkpoints), checkpoints
+    # Restored in one process, it trains step 3 as the reference did.
+    resumed = train(config, two, resume=True)
     assert resumed.summary["steps"] == 3
-    np.testing.assert_allclose(_losses(one)[3], expected[3], rtol=RTOL)
+    np.testing.assert_allclose(_losses(two)[3], expected[3], rtol=RTOL)
