@@ -51,9 +51,16 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def full_forward():
-    """The jitted full forward with images, logits [B, T, V] float32."""
-    return jax.jit(lambda model, tokens, images: model(tokens, images=images))
+def decoded(model):
+    """Greedy generation of 5 tokens after the prompts with their images, and the full forward's
+    logits [B, T + 5, V] over prompt and generated tokens with those images and with the images
+    zeroed (one compiled forward)."""
+    result = generate(model, PROMPTS, max_new_tokens=5, page_size=4, images=IMAGES)
+    sequence = jnp.concatenate([PROMPTS, jnp.asarray(result.tokens)], axis=1)
+    forward = jax.jit(lambda model, tokens, images: model(tokens, images=images))
+    zeroed = dataclasses.replace(IMAGES, pixels=np.zeros_like(IMAGES.pixels))
+    return (result, np.asarray(forward(model, sequence, IMAGES)),
+            np.asarray(forward(model, sequence, zeroed)))
 
 
 def test_the_prompts_and_the_buffer_agree():
@@ -63,31 +70,28 @@ def test_the_prompts_and_the_buffer_agree():
 
 
 @pytest.mark.slow
-def test_prefill_with_images_equals_the_full_forward(model, full_forward):
-    full = np.asarray(full_forward(model, jnp.asarray(PROMPTS), IMAGES))
-    zeroed = dataclasses.replace(IMAGES, pixels=np.zeros_like(IMAGES.pixels))
-    without = np.asarray(full_forward(model, jnp.asarray(PROMPTS), zeroed))
-    # The images matter, from each row's first placeholder on (position 2) and not before.
-    np.testing.assert_array_equal(without[:, :2], full[:, :2])
-    assert np.abs(without[:, 2:] - full[:, 2:]).min(axis=-1).max() > 1e-4
-    # Chunks of 3 tokens, the first ending between row 0's two placeholders (generate's
-    # one-shot prefill is checked below).
-    allocator = PageAllocator.holding(2, PROMPTS.shape[1], page_size=4)
-    logits, _ = prefill(model, PROMPTS, chunk_tokens=3, allocator=allocator, all_logits=True,
-                        images=IMAGES)
-    np.testing.assert_allclose(logits, full, rtol=2e-5, atol=2e-5)
-
-
-@pytest.mark.slow
-def test_greedy_decode_with_images_is_argmax_of_full_forward(model, full_forward):
-    result = generate(model, PROMPTS, max_new_tokens=5, page_size=4, images=IMAGES)
+def test_greedy_decode_with_images_is_argmax_of_full_forward(decoded):
+    result, full, _ = decoded
     assert result.tokens.shape == (2, 5) and list(result.lengths) == [5, 5]
     # A generated token is text: the full forward would read a generated placeholder as an image.
     assert not (result.tokens == IMAGE_PAD_ID).any()
-    sequence = jnp.concatenate([PROMPTS, jnp.asarray(result.tokens)], axis=1)
-    argmax = np.asarray(jnp.argmax(full_forward(model, sequence, IMAGES), axis=-1))
     # Token i was generated after prompt + tokens[:i]: the logits at position T - 1 + i.
-    np.testing.assert_array_equal(result.tokens, argmax[:, PROMPTS.shape[1] - 1 : -1])
+    np.testing.assert_array_equal(result.tokens,
+                                  full.argmax(axis=-1)[:, PROMPTS.shape[1] - 1 : -1])
+
+
+@pytest.mark.slow
+def test_chunked_prefill_with_images_equals_the_full_forward(model, decoded):
+    _, full, without = decoded
+    # The images matter, from each row's first placeholder on (position 2) and not before.
+    np.testing.assert_array_equal(without[:, :2], full[:, :2])
+    assert np.abs(without[:, 2:] - full[:, 2:]).min(axis=-1).max() > 1e-4
+    # Chunks of 3 tokens, the first ending between row 0's two placeholders (generate's prefill
+    # above is one chunk).
+    allocator = PageAllocator.holding(2, PROMPTS.shape[1], page_size=4)
+    logits, _ = prefill(model, PROMPTS, chunk_tokens=3, allocator=allocator, all_logits=True,
+                        images=IMAGES)
+    np.testing.assert_allclose(logits, full[:, : PROMPTS.shape[1]], rtol=2e-5, atol=2e-5)
 
 
 def test_placeholders_must_match_the_images(model):
