@@ -49,6 +49,7 @@ def parse_args(argv):
         "python -m experiments.quickstart",
         __doc__.split("\n\n")[0] + "\n\nDefaults: runs/quickstart, preset tiny, "
         f"{CONFIG.steps} steps of {CONFIG.data.batch_size}x{CONFIG.data.seq_len} bytes.",
+        multi_process=True,
     )
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
                         help="model preset to start from (default: tiny)")

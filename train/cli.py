@@ -185,10 +185,12 @@ def config_from_dict(cls, data: dict):
     return cls(**values)
 
 
-def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
+def make_parser(prog: str, description: str, *,
+                multi_process: bool = False) -> argparse.ArgumentParser:
     """The shared options: --set (repeatable), --out, --resume, --allow-data-change,
-    --print-config, --debug, and those of a multi-process run (`join_processes`). Unknown
-    options are refused."""
+    --print-config, --debug; with `multi_process`, those of a multi-process run, which the
+    experiment passes to `join_processes` before it touches a device. Unknown options are
+    refused."""
     parser = argparse.ArgumentParser(
         prog=prog,
         description=description,
@@ -219,6 +221,8 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
         "--debug", action="store_true",
         help="on an error, show the full traceback instead of one line",
     )
+    if not multi_process:
+        return parser
     processes = parser.add_argument_group(
         "multi-process runs (jax.distributed; see docs/multi_host.md)")
     processes.add_argument(

@@ -6,10 +6,12 @@ XLA's collectives between them (NCCL on GPUs, ICI/DCN on TPUs, gloo on CPUs).
     initialize()            # from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID
     initialize(auto=True)   # JAX's cluster detection: SLURM, Open MPI, Kubernetes, Cloud TPU
 
-Without any of these a run is one process, as before. The experiments take the same settings as
---coordinator-address, --num-processes, --process-id and --distributed-auto (`train.cli`);
+Without any of these the run is one process. Experiments whose parser has the multi-process
+options (`train.cli.make_parser(..., multi_process=True)`, as experiments.quickstart) take the
+same settings as --coordinator-address, --num-processes, --process-id and --distributed-auto;
 `train.loop.train` calls `initialize()` itself, so a script launched with the environment
-variables set needs no code of its own. See docs/multi_host.md for launch recipes.
+variables set joins without code of its own, provided it touches no device before. See
+docs/multi_host.md for launch recipes.
 
 What changes with several processes (`train.loop`): the mesh spans `jax.devices()`, all
 processes' devices; every process reads the same global batch from the data pipeline and hands

@@ -30,7 +30,7 @@ def multi_process_config() -> TrainConfig:
 
 
 def main(argv: list[str]) -> None:
-    parser = make_parser("multi_process_child", __doc__)
+    parser = make_parser("multi_process_child", __doc__, multi_process=True)
     parser.add_argument("--until-step", type=int, required=True)
     parser.add_argument("--die-saving", type=int)
     args = parser.parse_args(argv)

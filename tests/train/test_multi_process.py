@@ -87,6 +87,19 @@ def test_a_bad_multi_process_setting_names_the_option_and_the_fix(settings, envi
         initialize(**settings)
 
 
+def test_the_quickstart_refuses_a_run_without_its_coordinator_in_one_line(tmp_path, capsys,
+                                                                         monkeypatch):
+    from experiments import quickstart
+
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        quickstart.main(["--out", str(tmp_path), "--num-processes", "2", "--process-id", "1"])
+    assert exit_info.value.code == 2
+    expected = ("error: --num-processes=2 needs the coordinator's address: pass "
+                "--coordinator-address HOST:PORT")
+    assert expected in capsys.readouterr().err
+
+
 def test_one_process_without_settings_stays_one_process():
     assert initialize() is False
     assert initialize(num_processes=1) is False
