@@ -7,7 +7,8 @@ A run folder holds config.json, data_manifest.json, metrics.jsonl (`train.metric
 checkpoints/ (`train.checkpoint`), loss.png / max_vio.png / grad_norm.png and summary.json.
 `train(..., resume=True)` continues from the newest checkpoint: parameters, optimizer, router
 biases, counters and the data iterator come back exactly, so on one CPU device the resumed run
-computes the same losses as an uninterrupted one.
+computes the same losses as an uninterrupted one. A run of several processes
+(`train.distributed`) trains on one global mesh; process 0 writes the run folder's files.
 
 What a run folder may have suffered is checked before anything trains:
 
@@ -349,8 +350,8 @@ def _check_writable(run_dir: str, create: bool) -> None:
 
 def _saved_config(run_dir: str, config_path: str) -> tuple[dict, int | None]:
     """The run's config.json and None; when it is missing, the config stored in the newest
-    checkpoint whose metadata reads, and that checkpoint's step (`_restore_config_file` writes
-    it back).
+    checkpoint whose metadata reads, and that checkpoint's step (`_prepare_run_dir` writes
+    it back, with a warning).
 
     Raises ValueError when neither is there.
     """
