@@ -41,10 +41,12 @@ class ContextExtensionConfig:
     lengths: sequence length of each stage.
     tokens_per_step: batch_size x seq_len of every stage (a multiple of each length).
     stage_steps: optimizer steps of each stage.
-    long_document_bias, mqar_weight, needle_weight: each stage's data mix (see DataConfig).
+    long_document_bias, mqar_weight, needle_weight, answer_weight: each stage's data mix and
+        the loss weight of a task's answer tokens (see DataConfig).
     corpus: each stage's embedded corpus (DataConfig.corpus), or empty for train.data.corpus in
         every stage. Rows past 256K need "repositories": the stdlib has no document that long.
     mqar: the MQAR task trained on and evaluated.
+    needle: the needle task trained on (at uniform depths) and evaluated at needle_depths.
     needle_depths: needle positions evaluated (fractions of the haystack before the needle).
     eval_examples: held-out examples per task, length and depth.
     """
@@ -60,13 +62,16 @@ class ContextExtensionConfig:
     long_document_bias: tuple[float, ...] = (0.0, 0.5, 0.7)
     mqar_weight: tuple[float, ...] = (0.05, 0.15, 0.25)
     needle_weight: tuple[float, ...] = (0.05, 0.15, 0.25)
+    answer_weight: tuple[float, ...] = (1.0, 1.0, 1.0)
     corpus: tuple[EmbeddedCorpus, ...] = ()
     mqar: MQAR = dataclasses.field(default_factory=lambda: MQAR(num_kv_pairs=8))
+    needle: NeedleInHaystack = dataclasses.field(default_factory=NeedleInHaystack)
     needle_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
     eval_examples: int = 16
 
     def __post_init__(self):
-        per_stage = ("stage_steps", "long_document_bias", "mqar_weight", "needle_weight")
+        per_stage = ("stage_steps", "long_document_bias", "mqar_weight", "needle_weight",
+                     "answer_weight")
         for name in per_stage + (("corpus",) if self.corpus else ()):
             if len(getattr(self, name)) != len(self.lengths):
                 raise ValueError(
@@ -91,14 +96,14 @@ class ContextExtensionConfig:
             Stage(
                 dataclasses.replace(
                     base, seq_len=length, batch_size=self.tokens_per_step // length,
-                    long_document_bias=bias, mqar_weight=mqar, needle_weight=needle,
-                    mqar=self.mqar, corpus=corpus,
+                    long_document_bias=bias, mqar_weight=mqar_share, needle_weight=needle_share,
+                    answer_weight=answer, mqar=self.mqar, needle=self.needle, corpus=corpus,
                 ),
                 steps,
             )
-            for length, steps, bias, mqar, needle, corpus in zip(
+            for length, steps, bias, mqar_share, needle_share, answer, corpus in zip(
                 self.lengths, self.stage_steps, self.long_document_bias, self.mqar_weight,
-                self.needle_weight, corpora,
+                self.needle_weight, self.answer_weight, corpora,
             )
         )
 
@@ -119,7 +124,7 @@ def recall_accuracy(config: ContextExtensionConfig, trainer: Trainer) -> dict:
         results = {"mqar": trainer.task_accuracy(config.mqar, **options)}
         for depth in config.needle_depths:
             results[f"needle@{depth:g}"] = trainer.task_accuracy(
-                NeedleInHaystack(depth=depth), **options
+                dataclasses.replace(config.needle, depth=depth), **options
             )
         by_length[str(length)] = results
     return {"recall": by_length}
@@ -142,8 +147,18 @@ def table(config: ContextExtensionConfig, stage_results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def chance_note(config: ContextExtensionConfig) -> str:
+    """The accuracies a model that ignores the context gets, to read the table against."""
+    needle = config.needle
+    needle_token = needle.chance_token_accuracy()
+    return (f"Chance without recall: MQAR token {config.mqar.chance_token_accuracy():.3f}, "
+            f"needle token {needle_token:.1f} (exact {needle_token ** needle.value_bytes:.0e}).")
+
+
 def main(argv=None) -> dict:
-    parser = make_parser("python -m experiments.context_extension", __doc__.split("\n\n")[0])
+    # The summary and the usage examples, whose --set keys name this config's fields.
+    parser = make_parser("python -m experiments.context_extension",
+                         "\n\n".join(__doc__.split("\n\n")[:2]))
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     config = resolve_config(parser, args, ContextExtensionConfig())
     if args.print_config:
@@ -166,7 +181,7 @@ def main(argv=None) -> dict:
             after_stage=lambda index, stage, trainer: recall_accuracy(config, trainer),
         )
     stage_results = result.summary.get("stages", [])
-    markdown = table(config, stage_results)
+    markdown = table(config, stage_results) + "\n\n" + chance_note(config)
     with open(os.path.join(out, "context_extension.md"), "w") as f:
         f.write(markdown + "\n")
     print(f"\nrecall at every stage boundary (exact match over {config.eval_examples} held-out "
