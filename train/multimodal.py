@@ -36,7 +36,7 @@ The mix (`MultimodalDataConfig`): corpus chunks (`train.data`) and image questio
 (`train.image_tasks`: "<image> Which digit? 7", loss on the answer bytes), weighted in examples.
 `vision_control` runs the controls of an experiment that the model looks at the image: "zeroed"
 (every pixel 0) or "shuffled" (each example shows the image of another example of its task, its
-own placeholder run kept consistent), in training and evaluation alike.
+placeholder run as long as that image needs), in training and evaluation alike.
 """
 
 import dataclasses
@@ -66,7 +66,8 @@ IMAGE_KEYS = ("image_pixels", "image_segment_ids", "image_positions")
 # images' patches with their (row, col) in the image's grid.
 PACKED_FEATURES = ("tokens", "target_mask", "patches", "patch_coords")
 VisionControl = Literal["none", "zeroed", "shuffled"]
-# The training mix's image tasks: (weight field, task field) of MultimodalDataConfig.
+# The image tasks of the mix: each name is a field of MultimodalDataConfig (the task's settings)
+# and, with "_weight", its mixing weight.
 IMAGE_TASKS = ("digits", "colour", "count", "reading")
 
 
