@@ -17,6 +17,15 @@
   parser, the calculator, the "notes" search over the embedded corpus and injected tool failures.
 - `train.rl.sandbox`: the Python tool, a `python -I -S` subprocess with resource limits, a wall
   timeout and, where the kernel offers them, Landlock and a network namespace.
+- `train.rl.arithmetic`: the verifiable task: seeded multi-step arithmetic chains solved with one
+  calculator call a step, their verifier (`grade`, `reward`), the notes variant for long
+  trajectories, warm-start traces in the rollouts' byte format and mask, and `Curriculum`, the
+  RL stream of problems with the number of steps raised stage by stage.
+- `train.rl.loop`: the RL loop, `train_rl`: iteration after iteration, rollouts of the current
+  policy on a fresh engine and one learner step on the finished groups; every tool failure,
+  over-length trajectory and all-equal-reward group counted in the metrics; checkpoints of the
+  policy, reference, optimizer, rollout buffers and data position that resume exactly.
+  `python -m experiments.agentic_rl` runs it on the arithmetic task.
 
 Why our own learner and not Tunix (the JAX RL library): Tunix would add about 60 packages and
 750 MB to every set-up and its next release caps jax below the version we pin; its loss drops the

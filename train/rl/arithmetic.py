@@ -298,6 +298,58 @@ class ArithmeticTask:
         return tools
 
 
+@dataclasses.dataclass(frozen=True)
+class Curriculum:
+    """The RL training stream: problem i of training seed `seed`, drawn by `task` with max_steps
+    raised stage by stage, `stage_problems` problems a stage (the last stage's max_steps from
+    then on). A pure function of the index, so a run resumes from the index alone and a prompt's
+    difficulty is fixed when it is drawn, whichever iteration finishes it. It is the task of
+    `train.rl.loop` (`prompt`, `reward`).
+
+    max_steps: each stage's max_steps, non-decreasing (the full curriculum: 1 -> 16).
+    stage_problems: problems of each stage (prompts per iteration times its iterations).
+    invalid_call_penalty, no_answer_penalty: `reward`'s format penalties.
+    """
+
+    task: ArithmeticTask = dataclasses.field(default_factory=ArithmeticTask)
+    max_steps: tuple[int, ...] = (1, 2, 4, 8, 16)
+    stage_problems: int = 256
+    seed: int = 0
+    invalid_call_penalty: float = 0.0
+    no_answer_penalty: float = 0.0
+
+    def __post_init__(self):
+        if (not self.max_steps or list(self.max_steps) != sorted(self.max_steps)
+                or self.max_steps[0] < self.task.min_steps):
+            raise ValueError(f"Curriculum.max_steps must be non-decreasing and start at "
+                             f"task.min_steps={self.task.min_steps} or above, got "
+                             f"{self.max_steps}")
+        if self.stage_problems < 1:
+            raise ValueError(f"Curriculum.stage_problems must be at least 1, got "
+                             f"{self.stage_problems}")
+        if split_of(self.seed) != "train":
+            raise ValueError(f"Curriculum.seed={self.seed} is a held-out seed; train below "
+                             f"{EVAL_TASK_SEED}")
+
+    def steps_at(self, index: int) -> int:
+        """max_steps of problem `index`'s stage."""
+        return self.max_steps[min(index // self.stage_problems, len(self.max_steps) - 1)]
+
+    def problem(self, index: int) -> Problem:
+        task = dataclasses.replace(self.task, max_steps=self.steps_at(index))
+        return task.problem(self.seed, index)
+
+    def prompt(self, index: int) -> np.ndarray:
+        """int32 [n]: problem `index`'s prompt tokens (BOS first)."""
+        return self.problem(index).prompt_tokens()
+
+    def reward(self, index: int, completion) -> float:
+        """`reward` of a completion (token ids after the prompt) of problem `index`."""
+        return reward(self.problem(index), completion,
+                      invalid_call_penalty=self.invalid_call_penalty,
+                      no_answer_penalty=self.no_answer_penalty)
+
+
 # ---------------------------------------------------------------------------------- verifier
 
 

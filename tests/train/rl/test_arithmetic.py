@@ -4,15 +4,16 @@ byte for byte (calls, lookups, injected failures), loss masks exactly 0 on promp
 (in the traces and in the packed batches), the difficulty knob equal to the calls needed, and the
 verifier on right, wrong, malformed and garbage completions."""
 
+import dataclasses
 import re
 
 import numpy as np
 import pytest
 
 from train.data import EVAL_TASK_SEED
-from train.rl.arithmetic import (STOP_TOKEN, ArithmeticTask, NotesBook, Problem, TraceConfig,
-                                 grade, is_heldout_problem, make_trace, reward, split_of,
-                                 step_calculator, trace_batches, trace_dataset)
+from train.rl.arithmetic import (STOP_TOKEN, ArithmeticTask, Curriculum, NotesBook, Problem,
+                                 TraceConfig, grade, is_heldout_problem, make_trace, reward,
+                                 split_of, step_calculator, trace_batches, trace_dataset)
 from train.rl.tools import TOOL_TAGS, FlakyTool, ToolResult, calculate, find_call, run_call
 from train.tokenizer import BOS_ID
 
@@ -196,6 +197,31 @@ def test_trace_mix_guesses_and_recovers_from_busy_tools():
 
 
 RIGHT = b"<c>37*12</c><r>444</r><c>444+905</c><r>1349</r><c>1349-88</c><r>1261</r>A:1261\n"
+
+
+def test_the_curriculum_raises_max_steps_stage_by_stage():
+    """Problem i is the task's problem (seed, i) under the max_steps of stage i // stage_problems
+    (the last stage's from then on): pure in the index, each stage reaching its max_steps; its
+    prompt and reward are that problem's."""
+    curriculum = Curriculum(CHAINS, max_steps=(1, 3, 8), stage_problems=20, seed=4)
+    reached = {}
+    for index in reversed(range(80)):
+        stage_max = (1, 3, 8, 8)[index // 20]
+        problem = curriculum.problem(index)
+        assert problem == dataclasses.replace(CHAINS, max_steps=stage_max).problem(4, index)
+        assert problem.steps <= stage_max
+        reached[stage_max] = max(reached.get(stage_max, 0), problem.steps)
+        np.testing.assert_array_equal(curriculum.prompt(index), problem.prompt_tokens())
+    assert reached == {1: 1, 3: 3, 8: 8}
+    solved = make_trace(dataclasses.replace(CHAINS, max_steps=3), TraceConfig(guess_share=0.0),
+                        4, 25)
+    completion = solved.tokens[len(solved.problem.prompt_tokens()):]
+    assert curriculum.reward(25, completion) == 1.0
+    assert curriculum.reward(26, completion) == 0.0
+    for bad in ({"max_steps": (2, 1)}, {"max_steps": ()}, {"stage_problems": 0},
+                {"seed": EVAL_TASK_SEED}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Curriculum(CHAINS, **bad)
 
 
 @pytest.mark.parametrize("completion, answer", [
