@@ -158,28 +158,29 @@ def state_leaves(state):
 
 @pytest.mark.slow
 def test_an_interrupted_run_resumes_bit_for_bit(policy, tmp_path):
-    """Four iterations straight through, and the same run stopped after two (a fresh process
-    would have only the folder: new tools, new objects) and resumed: the same metrics rows, the
-    same policy, optimizer, reference and buffers, bit for bit. The checkpoint held unfinished
+    """A run stopped after two of four iterations and resumed from its folder (as a fresh
+    process would: new tools, new objects), against the stopped run's objects going on in
+    memory for two more iterations (the uninterrupted run): the same metrics rows, the same
+    policy, optimizer, reference and buffers, bit for bit. The checkpoint held unfinished
     trajectories (the token budget), injected failures had been drawn, and the KL term reads
     the reference, so each part of the checkpoint matters."""
     def tools():
         return environment(busy_probability=0.5)
 
-    whole = train_rl(CONFIG, ByteTask(), tools(), str(tmp_path / "whole"), policy=policy)
-    first = train_rl(CONFIG, ByteTask(), tools(), str(tmp_path / "cut"), policy=policy,
+    first = train_rl(CONFIG, ByteTask(), tools(), str(tmp_path), policy=policy,
                      until_iteration=2)
     assert len(first.run.rollouts) > 0 and first.run.flaky_tools["c"].calls > 0
-    resumed = train_rl(CONFIG, ByteTask(), tools(), str(tmp_path / "cut"), resume=True)
+    resumed = train_rl(CONFIG, ByteTask(), tools(), str(tmp_path), resume=True)
+    whole = first.run
+    whole_rows = first.rows + [whole.iterate() for _ in range(2)]
     assert [row["step"] for row in resumed.rows] == [1, 2, 3, 4]
-    assert sum(row.get("tool_errors_busy", 0) for row in whole.rows) > 0
-    assert all(row["kl"] > 0 for row in whole.rows[1:] if "kl" in row)
-    for got, want in zip(resumed.rows, whole.rows, strict=True):
+    assert sum(row.get("tool_errors_busy", 0) for row in whole_rows) > 0
+    assert all(row["kl"] > 0 for row in whole_rows[1:] if "kl" in row)
+    for got, want in zip(resumed.rows, whole_rows, strict=True):
         assert {k: v for k, v in got.items() if k not in TIMING} == {
             k: v for k, v in want.items() if k not in TIMING}
-    want_state, got_state = whole.run._tree(), resumed.run._tree()
-    for (path, got), (_, want) in zip(state_leaves(got_state), state_leaves(want_state),
-                                      strict=True):
+    for (path, got), (_, want) in zip(state_leaves(resumed.run._tree()),
+                                      state_leaves(whole._tree()), strict=True):
         np.testing.assert_array_equal(got, want, err_msg=jax.tree_util.keystr(path))
-    assert resumed.run.flaky_tools["c"].calls == whole.run.flaky_tools["c"].calls
-    assert resumed.run.next_prompt == whole.run.next_prompt == 4 * CONFIG.prompts_per_iteration
+    assert resumed.run.flaky_tools["c"].calls == whole.flaky_tools["c"].calls
+    assert resumed.run.next_prompt == whole.next_prompt == 4 * CONFIG.prompts_per_iteration
