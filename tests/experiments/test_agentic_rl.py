@@ -108,8 +108,8 @@ def test_heldout_metrics_of_known_outcomes():
 
 
 # A few steps at a tiny size. The model, engine and learner are those of
-# tests/train/rl/test_loop.py's CONFIG (DAPO with a k3 KL term, every DAPO field spelled out: an
-# override of the algorithm alone keeps the default GRPO's fields), so the suite's persistent
+# tests/train/rl/test_loop.py's CONFIG (DAPO with a k3 KL term; its fields spelled out here take
+# the values rl.loss.algorithm=dapo alone gives them), so the suite's persistent
 # compilation cache compiles the engine's programs and the RL step once for both, and once more
 # for tests/notebooks/test_agentic_rl_notebook.py, which runs the notebook with these settings.
 TINY_MODEL = {"num_layers": 1, "kda_layers": 1, "full_attn_layers": ""}  # one KDA layer

@@ -49,8 +49,8 @@ KL_ESTIMATORS = typing.get_args(KLEstimator)
 AGGREGATIONS = typing.get_args(Aggregation)
 OVERLONG_MODES = typing.get_args(Overlong)
 
-# Each algorithm's defaults for the fields left None: clip_low, clip_high, aggregation, overlong,
-# dynamic_sampling.
+# Each algorithm's defaults for the fields left None (`RLLossConfig.resolved`).
+_DEFAULTED_FIELDS = ("clip_low", "clip_high", "aggregation", "overlong", "dynamic_sampling")
 _DEFAULTS = {
     "grpo": (0.2, 0.2, "sequence", "none", False),
     "dr_grpo": (0.2, 0.2, "constant", "none", False),
@@ -62,6 +62,11 @@ _DEFAULTS = {
 @dataclasses.dataclass(frozen=True)
 class RLLossConfig:
     """The policy loss's settings; fields left None take the algorithm's defaults (module table).
+
+    The fields keep None, and `resolved()` fills in the defaults where the settings are read, so
+    that changing the algorithm (`dataclasses.replace`, or `--set rl.loss.algorithm=dapo` through
+    `train.cli.apply_overrides`) gives the new algorithm's defaults for every field not set
+    explicitly.
 
     algorithm: "grpo", "dr_grpo", "dapo" or "rloo": the advantage estimator and the defaults.
     clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high]; clip_low in
@@ -97,11 +102,8 @@ class RLLossConfig:
     def __post_init__(self):
         _require(self.algorithm in ALGORITHMS, "algorithm", self.algorithm,
                  f"one of {ALGORITHMS}")
-        defaults = dict(zip(("clip_low", "clip_high", "aggregation", "overlong",
-                             "dynamic_sampling"), _DEFAULTS[self.algorithm]))
-        for name, default in defaults.items():
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, default)
+        if self.resolved() is not self:
+            return  # building the resolved config checked every setting
         _require(_is_real(self.clip_low) and 0 < self.clip_low < 1, "clip_low", self.clip_low,
                  "a number in (0, 1)")
         _require(_is_real(self.clip_high) and 0 < self.clip_high < math.inf, "clip_high",
@@ -138,6 +140,14 @@ class RLLossConfig:
                  self.dynamic_sampling, "True or False")
         _require(_is_real(self.std_epsilon) and 0 < self.std_epsilon < math.inf, "std_epsilon",
                  self.std_epsilon, "a finite number > 0")
+
+    def resolved(self) -> "RLLossConfig":
+        """This config with each field left None set to the algorithm's default (module table):
+        the settings the loss uses. Itself when no field is None."""
+        defaults = {name: default
+                    for name, default in zip(_DEFAULTED_FIELDS, _DEFAULTS[self.algorithm])
+                    if getattr(self, name) is None}
+        return dataclasses.replace(self, **defaults) if defaults else self
 
 
 def _is_real(value) -> bool:
@@ -294,6 +304,7 @@ def policy_loss(config: RLLossConfig, logp: jax.Array,
     any over-long penalty), advantage_abs_mean (over rollouts), degenerate_groups (all rewards
     equal), dropped_groups (by dynamic sampling), filtered_rows (truncated rows left out).
     """
+    config = config.resolved()
     rows, length = logp.shape
     aligned = "aligned with logp [B, T]"
     behaviour = _batch_array(batch, "logp_behaviour", aligned, (rows, length))

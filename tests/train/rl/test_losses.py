@@ -3,6 +3,7 @@ group advantages, the clipped objective with each aggregation, KL estimator and 
 the gradient w.r.t. the policy's log-probs against central finite differences; degenerate groups,
 an empty mask and the clip bounds."""
 
+import dataclasses
 import math
 
 import jax
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from train.cli import apply_overrides
 from train.rl.losses import (RLLossConfig, degenerate_groups, dr_grpo_advantages,
                              grpo_advantages, kl_estimate, overlong_penalty, policy_loss,
                              rloo_advantages)
@@ -56,6 +58,7 @@ def numpy_overlong_penalty(length, max_tokens, cache_tokens):
 
 def numpy_policy_loss(config: RLLossConfig, logp, batch):
     """The loss as the module docstring states it, token by token."""
+    config = config.resolved()
     mask = np.array(batch["loss_mask"], np.float64)
     rewards = np.array(batch["rewards"], np.float64)
     if config.overlong == "penalty":
@@ -184,10 +187,11 @@ def test_policy_loss_matches_numpy(name):
     logp, batch = rollout_batch()
     loss, metrics, _ = value_and_grad(config, logp, batch)
     np.testing.assert_allclose(loss, numpy_policy_loss(config, logp, batch), rtol=1e-12)
-    assert metrics["degenerate_groups"] == (0 if config.overlong == "penalty" else 1)
-    assert metrics["dropped_groups"] == (metrics["degenerate_groups"] if config.dynamic_sampling
-                                         else 0)
-    assert metrics["filtered_rows"] == (2 if config.overlong == "filter" else 0)
+    settings = config.resolved()
+    assert metrics["degenerate_groups"] == (0 if settings.overlong == "penalty" else 1)
+    assert metrics["dropped_groups"] == (metrics["degenerate_groups"]
+                                         if settings.dynamic_sampling else 0)
+    assert metrics["filtered_rows"] == (2 if settings.overlong == "filter" else 0)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -239,7 +243,7 @@ def test_an_empty_mask_gives_zero_loss_and_gradient(name):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_all_groups_of_equal_rewards_give_no_policy_gradient(name):
-    config = CONFIGS[name]
+    config = CONFIGS[name].resolved()
     logp, batch = rollout_batch()
     batch["rewards"] = np.ones((P, G))
     batch["loss_mask"][:, 2:] = 1  # every row the same length: the penalty shapes them alike
@@ -270,12 +274,32 @@ def test_overlong_penalty_matches_dapo():
 
 
 def test_algorithm_defaults_and_explicit_fields():
-    dapo = RLLossConfig("dapo")
+    dapo = RLLossConfig("dapo").resolved()
     assert (dapo.clip_low, dapo.clip_high, dapo.aggregation, dapo.overlong,
             dapo.dynamic_sampling) == (0.2, 0.28, "token", "filter", True)
-    assert RLLossConfig("dr_grpo").aggregation == "constant"
-    assert RLLossConfig("grpo").aggregation == "sequence"
-    assert RLLossConfig("dapo", clip_high=0.3, dynamic_sampling=False).clip_high == 0.3
+    assert RLLossConfig("dr_grpo").resolved().aggregation == "constant"
+    assert RLLossConfig("grpo").resolved().aggregation == "sequence"
+    assert RLLossConfig("dapo", clip_high=0.3, dynamic_sampling=False).resolved().clip_high == 0.3
+
+
+def test_changing_the_algorithm_gives_its_defaults_and_keeps_explicit_fields():
+    """As `--set rl.loss.algorithm=dapo` does on the default (GRPO) config: every field left
+    unset follows the new algorithm, and the loss is DAPO's; a field set explicitly stays."""
+    switched = dataclasses.replace(RLLossConfig(), algorithm="dapo")
+    assert switched == RLLossConfig("dapo")
+    logp, batch = rollout_batch()
+    loss, metrics = policy_loss(switched, jnp.asarray(logp), batch)
+    want_loss, want_metrics = policy_loss(RLLossConfig("dapo"), jnp.asarray(logp), batch)
+    assert float(loss) == float(want_loss) and metrics["dropped_groups"] == 1
+    assert {k: float(v) for k, v in metrics.items()} == {
+        k: float(v) for k, v in want_metrics.items()}
+
+    overridden = apply_overrides(RLLossConfig(clip_high=0.3),
+                                 ["algorithm=dapo", "aggregation=sequence"]).resolved()
+    assert (overridden.clip_low, overridden.clip_high, overridden.aggregation,
+            overridden.overlong, overridden.dynamic_sampling) == (0.2, 0.3, "sequence", "filter",
+                                                                  True)
+    assert apply_overrides(RLLossConfig("dapo"), ["algorithm=grpo"]) == RLLossConfig("grpo")
 
 
 @pytest.mark.parametrize("fields, named", [
