@@ -17,12 +17,11 @@ goes to context_extension.md (and summary.json) in the run folder.
 """
 
 import dataclasses
-import json
 import os
 import sys
 
 from models.config import preset
-from train.cli import config_dict, make_parser, one_line_errors, resolve_config
+from train.cli import make_parser, one_line_errors, resolve_config, run_folder
 from train.corpus import EmbeddedCorpus
 from train.data import make_train_dataset
 from train.loop import Stage, TrainConfig, Trainer, train
@@ -161,10 +160,7 @@ def main(argv=None) -> dict:
                          "\n\n".join(__doc__.split("\n\n")[:2]))
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     config = resolve_config(parser, args, ContextExtensionConfig())
-    if args.print_config:
-        print(json.dumps(config_dict(config), indent=2))
-        return {}
-    out = args.out or DEFAULT_OUT
+    out = run_folder(args, config, DEFAULT_OUT)
     stages = config.stages()
     for index, stage in enumerate(stages):
         print(f"stage {index + 1}: {stage.steps} steps of {stage.data.batch_size} x "

@@ -24,7 +24,7 @@ import jax
 
 from models.config import PRESETS, count_params, format_count, preset
 from models.generate import Sampling, generate
-from train.cli import apply_overrides, config_dict, join_processes, make_parser, one_line_errors
+from train.cli import join_processes, make_parser, one_line_errors, resolve_config, run_folder
 from train.data import DataConfig
 from train.loop import TrainConfig, train
 from train.optim import OptimConfig
@@ -63,10 +63,7 @@ def parse_args(argv):
     if args.data:
         config = dataclasses.replace(config, data=dataclasses.replace(config.data,
                                                                       paths=tuple(args.data)))
-    try:
-        config = apply_overrides(config, args.set)
-    except ValueError as error:
-        parser.error(f"--set {error}")
+    config = resolve_config(parser, args, config)
     if args.sample_bytes < 0:
         parser.error(f"--sample-bytes must be >= 0, got {args.sample_bytes}")
     return args, config
@@ -95,14 +92,9 @@ def _comparison(validation: float, entropy: float) -> str:
 
 def main(argv=None) -> dict:
     args, config = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.print_config:
-        import json
-
-        print(json.dumps(config_dict(config), indent=2))
-        return {}
+    out = run_folder(args, config, DEFAULT_OUT)
     with one_line_errors(args.debug):
         several = join_processes(args)  # before anything touches a device
-    out = args.out or DEFAULT_OUT
     # With several processes, process 0 prints; the sample needs the whole model on one host.
     show = print if jax.process_index() == 0 else lambda *_, **__: None
     counts = count_params(config.model)
