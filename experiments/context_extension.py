@@ -21,9 +21,10 @@ import os
 import sys
 
 from models.config import preset
-from train.cli import make_parser, one_line_errors, resolve_config, run_folder
+from train.cli import join_processes, make_parser, one_line_errors, resolve_config, run_folder
 from train.corpus import EmbeddedCorpus
 from train.data import make_train_dataset
+from train.distributed import is_primary, print_primary
 from train.loop import Stage, TrainConfig, Trainer, train
 from train.optim import OptimConfig
 from train.synthetic import MQAR, NeedleInHaystack
@@ -157,15 +158,18 @@ def chance_note(config: ContextExtensionConfig) -> str:
 def main(argv=None) -> dict:
     # The summary and the usage examples, whose --set keys name this config's fields.
     parser = make_parser("python -m experiments.context_extension",
-                         "\n\n".join(__doc__.split("\n\n")[:2]))
+                         "\n\n".join(__doc__.split("\n\n")[:2]), multi_process=True)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     config = resolve_config(parser, args, ContextExtensionConfig())
     out = run_folder(args, config, DEFAULT_OUT)
+    with one_line_errors(args.debug):
+        join_processes(args)  # before anything touches a device
     stages = config.stages()
     for index, stage in enumerate(stages):
-        print(f"stage {index + 1}: {stage.steps} steps of {stage.data.batch_size} x "
-              f"{stage.data.seq_len}; long documents {stage.data.long_document_bias:.0%}, "
-              f"MQAR {stage.data.mqar_weight:g}, needle {stage.data.needle_weight:g}")
+        print_primary(f"stage {index + 1}: {stage.steps} steps of {stage.data.batch_size} x "
+                      f"{stage.data.seq_len}; long documents "
+                      f"{stage.data.long_document_bias:.0%}, MQAR {stage.data.mqar_weight:g}, "
+                      f"needle {stage.data.needle_weight:g}")
     with one_line_errors(args.debug):
         # Building every stage's pipeline now refuses a long stage without long enough
         # documents before the earlier stages have trained for hours.
@@ -178,11 +182,12 @@ def main(argv=None) -> dict:
         )
     stage_results = result.summary.get("stages", [])
     markdown = table(config, stage_results) + "\n\n" + chance_note(config)
-    with open(os.path.join(out, "context_extension.md"), "w") as f:
-        f.write(markdown + "\n")
-    print(f"\nrecall at every stage boundary (exact match over {config.eval_examples} held-out "
-          f"examples):\n{markdown}\n\nvalidation bits per byte at the last length: "
-          f"{result.summary['val_bits_per_byte']:.3f}; run folder: {out}/")
+    if is_primary():  # the run folder's file, written once
+        with open(os.path.join(out, "context_extension.md"), "w") as f:
+            f.write(markdown + "\n")
+    print_primary(f"\nrecall at every stage boundary (exact match over {config.eval_examples} "
+                  f"held-out examples):\n{markdown}\n\nvalidation bits per byte at the last "
+                  f"length: {result.summary['val_bits_per_byte']:.3f}; run folder: {out}/")
     return result.summary
 
 

@@ -26,6 +26,7 @@ from models.config import PRESETS, count_params, format_count, preset
 from models.generate import Sampling, generate
 from train.cli import join_processes, make_parser, one_line_errors, resolve_config, run_folder
 from train.data import DataConfig
+from train.distributed import print_primary
 from train.loop import TrainConfig, train
 from train.optim import OptimConfig
 from train.tokenizer import decode, encode
@@ -96,13 +97,13 @@ def main(argv=None) -> dict:
     with one_line_errors(args.debug):
         several = join_processes(args)  # before anything touches a device
     # With several processes, process 0 prints; the sample needs the whole model on one host.
-    show = print if jax.process_index() == 0 else lambda *_, **__: None
     counts = count_params(config.model)
-    show(f"model: {args.preset} preset, {format_count(counts['total'])} parameters "
-          f"({format_count(counts['active'])} active per token, embedding excluded); "
-          f"{len(config.model.kda_layers)} KDA + {len(config.model.full_attn_layers)} MLA layers")
-    show(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} in "
-         f"{jax.process_count()} process(es); run folder: {out}")
+    print_primary(f"model: {args.preset} preset, {format_count(counts['total'])} parameters "
+                  f"({format_count(counts['active'])} active per token, embedding excluded); "
+                  f"{len(config.model.kda_layers)} KDA + {len(config.model.full_attn_layers)} "
+                  "MLA layers")
+    print_primary(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} in "
+                  f"{jax.process_count()} process(es); run folder: {out}")
     # A refusal (run folder, data, checkpoints, a disk that fills up) is one line and exit 2.
     with one_line_errors(args.debug):
         result = train(config, out, resume=args.resume, allow_data_change=args.allow_data_change)
@@ -111,7 +112,7 @@ def main(argv=None) -> dict:
         text = sample(result.model, args.prompt, args.sample_bytes)
         print("\nsample (temperature 0.8):\n" + "-" * 60 + f"\n{args.prompt}{text}\n" + "-" * 60)
     validation, entropy = summary["val_bits_per_byte"], summary["val_unigram_bits_per_byte"]
-    show(
+    print_primary(
         f"\nsummary: {summary['steps']} steps, {summary['tokens_seen']:,} training bytes, "
         f"{summary['corpus']} (sha256 {summary['corpus_sha256'][:12]})\n"
         f"  validation bits per byte:      {validation:.3f}\n"

@@ -37,7 +37,8 @@ import jax
 
 from models.config import count_params, format_count, preset
 from models.vision import VisionConfig
-from train.cli import make_parser, one_line_errors, resolve_config, run_folder
+from train.cli import join_processes, make_parser, one_line_errors, resolve_config, run_folder
+from train.distributed import is_primary, print_primary
 from train.loop import TrainConfig, train
 from train.multimodal import MultimodalDataConfig, make_image_task_batches
 from train.optim import OptimConfig
@@ -77,6 +78,7 @@ def parse_args(argv):
         __doc__.split("\n\n")[0] + "\n\nDefaults: runs/vision_quickstart, preset tiny with a "
         f"{TOWER.num_layers}-block tower of width {TOWER.width}, {CONFIG.steps} steps of "
         f"{CONFIG.data.batch_size}x{CONFIG.data.seq_len} tokens, three runs.",
+        multi_process=True,
     )
     parser.add_argument("--controls", nargs="+", default=list(CONTROLS), choices=list(CONTROLS),
                         help="the runs: none (with images), zeroed, shuffled (default: all three)")
@@ -161,20 +163,23 @@ def plot(accuracy: dict[str, dict[str, float]], chances: dict[str, float], path:
 def main(argv=None) -> dict:
     args, config = parse_args(sys.argv[1:] if argv is None else argv)
     out = run_folder(args, config, DEFAULT_OUT)
+    with one_line_errors(args.debug):
+        join_processes(args)  # before anything touches a device
     if not jax.config.jax_compilation_cache_dir:
         # The three runs compile the same programs: compile them once.
         jax.config.update("jax_compilation_cache_dir", os.path.join(out, COMPILATION_CACHE))
     counts = count_params(config.model)
-    print(f"model: tiny preset, {format_count(counts['total'])} parameters with a vision tower "
-          f"and projector of {format_count(counts['vision'])}; "
-          f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; run folder: {out}")
+    print_primary(f"model: tiny preset, {format_count(counts['total'])} parameters with a vision "
+                  f"tower and projector of {format_count(counts['vision'])}; devices: "
+                  f"{jax.device_count()} x {jax.devices()[0].device_kind} in "
+                  f"{jax.process_count()} process(es); run folder: {out}")
     accuracy, runs = {}, {}
     with one_line_errors(args.debug):
         for control in args.controls:
             name = CONTROLS[control]
             run_config = dataclasses.replace(
                 config, data=dataclasses.replace(config.data, vision_control=control))
-            print(f"\nrun '{name}' (vision_control={control!r})")
+            print_primary(f"\nrun '{name}' (vision_control={control!r})")
             start, start_cpu = time.perf_counter(), time.process_time()
             result = train(run_config, os.path.join(out, name), resume=args.resume,
                            allow_data_change=args.allow_data_change)
@@ -185,29 +190,31 @@ def main(argv=None) -> dict:
     chances = chance(config.data)
     failures = gate(accuracy, chances)
     markdown = table(accuracy, chances, config.data)
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "vision_quickstart.md"), "w") as f:
-        f.write(markdown + "\n")
-    plot(accuracy, chances, os.path.join(out, "accuracy.png"))
     summary = dict(runs=runs, chance={k: chances[k] for k in next(iter(accuracy.values()))},
                    gate_failures=failures, gate_passed=gate_judged(accuracy) and not failures)
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    if is_primary():  # the run folder's files, written once
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "vision_quickstart.md"), "w") as f:
+            f.write(markdown + "\n")
+        plot(accuracy, chances, os.path.join(out, "accuracy.png"))
+        with open(os.path.join(out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
     timing = ", ".join(
         f"{name} {run['wall_seconds']:.0f} s ({run['cpu_seconds']:.0f} s of CPU"
         + (f", {run['tokens_per_second'] / (config.data.batch_size * config.data.seq_len):.2f}"
            " steps/s" if run["tokens_per_second"] else "") + ")"
         for name, run in runs.items())
-    print(f"\nheld-out exact match after {config.steps} steps:\n{markdown}\n"
-          f"time per run (training, evaluation, checkpoint): {timing}\n"
-          f"table, plot, summary: {out}/vision_quickstart.md, accuracy.png, summary.json")
+    print_primary(f"\nheld-out exact match after {config.steps} steps:\n{markdown}\n"
+                  f"time per run (training, evaluation, checkpoint): {timing}\n"
+                  f"table, plot, summary: {out}/vision_quickstart.md, accuracy.png, summary.json")
     if failures:
-        print("gate FAILED: " + "; ".join(failures))
+        print_primary("gate FAILED: " + "; ".join(failures))
     elif gate_judged(accuracy):
-        print(f"gate passed: {' and '.join(GATE_TASKS)} >= {GATE_ACCURACY:.0%} with images, "
-              f"both controls within {GATE_CHANCE_MARGIN:.0%} of chance")
+        print_primary(f"gate passed: {' and '.join(GATE_TASKS)} >= {GATE_ACCURACY:.0%} with "
+                      f"images, both controls within {GATE_CHANCE_MARGIN:.0%} of chance")
     else:
-        print(f"gate not judged: it needs the three runs, each on {' and '.join(GATE_TASKS)}")
+        print_primary(f"gate not judged: it needs the three runs, each on "
+                      f"{' and '.join(GATE_TASKS)}")
     return summary
 
 

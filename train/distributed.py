@@ -7,11 +7,11 @@ XLA's collectives between them (NCCL on GPUs, ICI/DCN on TPUs, gloo on CPUs).
     initialize(auto=True)   # JAX's cluster detection: SLURM, Open MPI, Kubernetes, Cloud TPU
 
 Without any of these the run is one process. Experiments whose parser has the multi-process
-options (`train.cli.make_parser(..., multi_process=True)`, as experiments.quickstart) take the
-same settings as --coordinator-address, --num-processes, --process-id and --distributed-auto;
-`train.loop.train` calls `initialize()` itself, so a script launched with the environment
-variables set joins without code of its own, provided it touches no device before. See
-docs/multi_host.md for launch recipes.
+options (`train.cli.make_parser(..., multi_process=True)`, as experiments.quickstart,
+context_extension and vision_quickstart) take the same settings as --coordinator-address,
+--num-processes, --process-id and --distributed-auto; `train.loop.train` calls `initialize()`
+itself, so a script launched with the environment variables set joins without code of its own,
+provided it touches no device before. See docs/multi_host.md for launch recipes.
 
 What changes with several processes (`train.loop`): the mesh spans `jax.devices()`, all
 processes' devices; every process reads the same global batch from the data pipeline and hands
@@ -106,6 +106,12 @@ def initialize(
 def is_primary() -> bool:
     """Whether this process writes the run's files, metrics and progress bar (process 0)."""
     return jax.process_index() == 0
+
+
+def print_primary(*args, **kwargs) -> None:
+    """`print` on process 0 only: an experiment's report, once however many processes run it."""
+    if is_primary():
+        print(*args, **kwargs)
 
 
 def sync(name: str) -> None:

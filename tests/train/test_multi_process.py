@@ -9,6 +9,7 @@ run. The children's second trainer (the resume) takes its programs from a persis
 compilation cache.
 """
 
+import importlib
 import json
 import os
 import re
@@ -22,7 +23,7 @@ import portpicker
 import pytest
 
 from tests.train.multi_process_child import multi_process_config
-from train.distributed import PROCESSES_VARIABLE, initialize
+from train.distributed import PROCESSES_VARIABLE, initialize, print_primary
 from train.loop import CHECKPOINT_DIR, METRICS_FILE, train
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -87,17 +88,27 @@ def test_a_bad_multi_process_setting_names_the_option_and_the_fix(settings, envi
         initialize(**settings)
 
 
-def test_the_quickstart_refuses_a_run_without_its_coordinator_in_one_line(tmp_path, capsys,
-                                                                         monkeypatch):
-    from experiments import quickstart
-
+@pytest.mark.parametrize("experiment", ["quickstart", "context_extension", "vision_quickstart"])
+def test_an_experiment_joins_first_and_refuses_a_run_without_its_coordinator_in_one_line(
+        experiment, tmp_path, capsys, monkeypatch):
+    """The experiment's multi-process options reach `join_processes`, which refuses before the
+    experiment prints or builds anything."""
+    main = importlib.import_module(f"experiments.{experiment}").main
     monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
     with pytest.raises(SystemExit) as exit_info:
-        quickstart.main(["--out", str(tmp_path), "--num-processes", "2", "--process-id", "1"])
+        main(["--out", str(tmp_path), "--num-processes", "2", "--process-id", "1"])
     assert exit_info.value.code == 2
     expected = ("error: --num-processes=2 needs the coordinator's address: pass "
                 "--coordinator-address HOST:PORT")
-    assert expected in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert expected in captured.err and captured.out == ""
+
+
+@pytest.mark.parametrize("process", [0, 1])
+def test_only_process_0_prints_the_report(process, capsys, monkeypatch):
+    monkeypatch.setattr(jax, "process_index", lambda: process)
+    print_primary("report", end="!")
+    assert capsys.readouterr().out == ("report!" if process == 0 else "")
 
 
 def test_one_process_without_settings_stays_one_process():
