@@ -71,6 +71,10 @@ def parse_value(text: str, annotation: Any) -> Any:
                 return choice
         raise ValueError(f"expected one of {list(args)}, got {text!r}")
     if origin in (typing.Union, types.UnionType):
+        # A choice of an optional Literal wins over None: "none" of `Literal["none", ...] | None`
+        # is the choice, not "unset".
+        if any(typing.get_origin(a) is Literal and text in typing.get_args(a) for a in args):
+            return text
         if type(None) in args and text.lower() in _NONE:
             return None
         options = [a for a in args if a is not type(None)]

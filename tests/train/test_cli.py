@@ -21,16 +21,20 @@ from train.loop import TrainConfig
         ("none", float | None, None),
         ("0.5", float | None, 0.5),
         ("muon", "Literal", "muon"),
+        ("none", "Literal | None", "none"),  # the choice, not None
+        ("null", "Literal | None", None),
         ("a.txt, b.jsonl", tuple[str, ...], ("a.txt", "b.jsonl")),
         ("", tuple[int, ...], ()),
         ("1,2", tuple[int, ...], (1, 2)),
     ],
 )
 def test_values_are_read_by_type(text, annotation, expected):
-    if annotation == "Literal":
-        from typing import Literal
+    from typing import Literal
 
+    if annotation == "Literal":
         annotation = Literal["adamw", "muon"]
+    if annotation == "Literal | None":
+        annotation = Literal["none", "filter"] | None
     assert parse_value(text, annotation) == expected
 
 
