@@ -64,6 +64,11 @@ class DataConfig:
         seq_len - 1 targets, so at 1 the corpus drowns the tasks' gradient. Evaluation is
         unweighted.
     packing_bins: rows packed together at a time; more bins leave less padding.
+    shards: independent packing streams the training batch is drawn from, batch_size / shards
+        rows each: the mixed example stream is dealt round-robin to the shards, each packs its
+        own rows, and a batch is shard 0's rows, then shard 1's, ... A run of P processes loads
+        only shards/P of them in each process (`make_train_dataset`), so P must divide shards;
+        the batches depend on shards, never on the process count.
     """
 
     seq_len: int = 256
@@ -82,9 +87,12 @@ class DataConfig:
     multihop: MultiHop = dataclasses.field(default_factory=MultiHop)
     answer_weight: float = 1.0
     packing_bins: int = 32
+    shards: int = 1
 
     def __post_init__(self):
-        for name, low in (("seq_len", 2), ("batch_size", 1), ("packing_bins", 1), ("seed", 0)):
+        for name, low in (
+            ("seq_len", 2), ("batch_size", 1), ("packing_bins", 1), ("seed", 0), ("shards", 1)
+        ):
             if getattr(self, name) < low:
                 raise ValueError(
                     f"DataConfig.{name} must be at least {low}, got {getattr(self, name)}"
@@ -95,6 +103,11 @@ class DataConfig:
                 f"{self.paths!r}; write paths=({self.paths!r},)"
             )
         object.__setattr__(self, "paths", tuple(self.paths))
+        if self.batch_size % self.shards:
+            raise ValueError(
+                f"DataConfig.batch_size={self.batch_size} must be a multiple of "
+                f"shards={self.shards} (each shard packs batch_size / shards rows of a batch)"
+            )
         if self.corpus not in EMBEDDED_CORPORA:
             raise ValueError(
                 f"DataConfig.corpus must be one of {EMBEDDED_CORPORA}, got {self.corpus!r}"
@@ -215,9 +228,8 @@ def _read_options(cfg: DataConfig) -> grain.ReadOptions:
     return grain.ReadOptions(num_threads=2, prefetch_buffer_size=2 * cfg.batch_size)
 
 
-def make_train_dataset(cfg: DataConfig) -> grain.IterDataset:
-    """The endless training stream of batches: corpus chunks and task examples mixed by weight,
-    packed into rows and batched."""
+def _mixed_examples(cfg: DataConfig) -> grain.MapDataset:
+    """The endless training examples: corpus chunks and task examples mixed by weight."""
     sources, weights = [], []
     for name, weight in cfg.source_weights().items():
         if weight == 0.0:
@@ -231,19 +243,63 @@ def make_train_dataset(cfg: DataConfig) -> grain.IterDataset:
             examples = task_dataset(task, length=cfg.seq_len, seed=seed, num_examples=sys.maxsize)
             sources.append(examples.map(functools.partial(weigh_answers, cfg.answer_weight)))
         weights.append(weight)
-    mixed = sources[0] if len(sources) == 1 else grain.MapDataset.mix(sources, weights)
-    rows = pack_rows(
-        mixed.to_iter_dataset(_read_options(cfg)),
-        seq_len=cfg.seq_len,
-        num_bins=cfg.packing_bins,
-        seed=_derived_seed(cfg.seed, "packing"),
+    return sources[0] if len(sources) == 1 else grain.MapDataset.mix(sources, weights)
+
+
+def _concatenate_rows(parts: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray]:
+    """Stacked packed rows of several shards, [R_i, T] each, as one [sum R_i, T] in order."""
+    return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+
+
+def make_train_dataset(
+    cfg: DataConfig, *, process_index: int = 0, process_count: int = 1
+) -> grain.IterDataset:
+    """The endless training stream of batches: examples mixed by weight, packed into rows and
+    batched, split into `cfg.shards` shards (see DataConfig.shards).
+
+    process_index, process_count: this process's share of a multi-process run (from
+    jax.process_index() and jax.process_count()): batches of the contiguous rows
+    [process_index * R, (process_index + 1) * R) of each global batch, R = batch_size /
+    process_count, from its own shards only. Concatenating the processes' batches in process
+    order gives exactly the batch of process_count=1. The iterator state is the process's own.
+    """
+    if process_count < 1 or cfg.shards % process_count:
+        raise ValueError(
+            f"process_count={process_count} must divide DataConfig.shards={cfg.shards} (each "
+            f"process loads shards / process_count of them); set data.shards to a multiple of "
+            "the process count"
+        )
+    if not 0 <= process_index < process_count:
+        raise ValueError(
+            f"process_index={process_index} must lie in [0, process_count={process_count})"
+        )
+    mixed = _mixed_examples(cfg)
+    per_process = cfg.shards // process_count
+    shards = [
+        pack_rows(
+            mixed[shard :: cfg.shards].to_iter_dataset(_read_options(cfg)),
+            seq_len=cfg.seq_len,
+            num_bins=cfg.packing_bins,
+            seed=_derived_seed(cfg.seed, "packing"),
+        ).batch(cfg.batch_size // cfg.shards, drop_remainder=True)
+        for shard in range(process_index * per_process, (process_index + 1) * per_process)
+    ]
+    # One shard keeps its own iterator state (no zip around it), as checkpoints of unsharded
+    # runs hold it.
+    rows = (
+        shards[0]
+        if len(shards) == 1
+        else grain.experimental.ZipIterDataset(shards).map(_concatenate_rows)
     )
-    return rows.batch(cfg.batch_size, drop_remainder=True).map(finalize_batch)
+    return rows.map(finalize_batch)
 
 
-def make_train_iterator(cfg: DataConfig) -> grain.DatasetIterator:
-    """An endless iterator of training batches; checkpoint it with grain.checkpoint (see above)."""
-    return iter(make_train_dataset(cfg))
+def make_train_iterator(
+    cfg: DataConfig, *, process_index: int = 0, process_count: int = 1
+) -> grain.DatasetIterator:
+    """An endless iterator of training batches (this process's rows of them, see
+    `make_train_dataset`); checkpoint it with grain.checkpoint (see above)."""
+    return iter(make_train_dataset(cfg, process_index=process_index, process_count=process_count))
 
 
 def make_eval_dataset(cfg: DataConfig, *, max_batches: int | None = None) -> grain.IterDataset:

@@ -1,5 +1,6 @@
 """The training pipeline: batch format, seeds, the mix, the long-document bias, iterator resume
-(grain state and an orbax checkpoint) and configuration errors."""
+(grain state and an orbax checkpoint), per-process shares of the batch and configuration
+errors."""
 
 import dataclasses
 
@@ -138,6 +139,46 @@ def test_orbax_checkpoint_of_the_iterator_resumes_exactly(tmp_path):
     _assert_same_batches(_take(resumed, 4), expected)
 
 
+@pytest.mark.parametrize("process_count", [2, 4])
+def test_process_shares_assemble_the_one_process_batch_and_resume_exactly(process_count):
+    """P processes each load their own shards; their batches, concatenated in process order, are
+    the batches of one process, and each process's iterator state resumes its own rows."""
+    cfg = dataclasses.replace(MIXED, batch_size=8, shards=4)
+    whole = make_train_iterator(cfg)
+    shares = [
+        make_train_iterator(cfg, process_index=p, process_count=process_count)
+        for p in range(process_count)
+    ]
+
+    def assembled(iterators, n):
+        batches = [_take(iterator, n) for iterator in iterators]
+        for share in batches:
+            assert share[0]["tokens"].shape == (cfg.batch_size // process_count, cfg.seq_len)
+        return [
+            {key: np.concatenate([share[i][key] for share in batches]) for key in batches[0][i]}
+            for i in range(n)
+        ]
+
+    _assert_same_batches(assembled(shares, 5), _take(whole, 5))  # mid-way through a group
+    states = [share.get_state() for share in shares]
+    expected = _take(whole, 3)
+    resumed = [
+        make_train_iterator(cfg, process_index=p, process_count=process_count)
+        for p in range(process_count)
+    ]
+    for iterator, state in zip(resumed, states, strict=True):
+        iterator.set_state(state)
+    _assert_same_batches(assembled(resumed, 3), expected)
+
+
+def test_process_shares_that_do_not_divide_the_shards_are_refused():
+    cfg = DataConfig(seq_len=32, batch_size=4, shards=2)
+    with pytest.raises(ValueError, match="process_count=3 must divide DataConfig.shards=2"):
+        make_train_iterator(cfg, process_index=0, process_count=3)
+    with pytest.raises(ValueError, match=r"process_index=2 must lie in \[0, process_count=2\)"):
+        make_train_iterator(cfg, process_index=2, process_count=2)
+
+
 def test_user_files_train_and_report_their_hash(tmp_path):
     paths = []
     for i in range(30):
@@ -177,6 +218,8 @@ def test_missing_data_file_fails_when_the_pipeline_is_built(tmp_path):
         ({"mqar_weight": -1.0}, "non-negative"),
         ({"needle_weight": float("nan")}, "finite"),
         ({"answer_weight": 0.0}, "answer_weight must be finite and positive"),
+        ({"shards": 0}, "shards must be at least 1"),
+        ({"batch_size": 6, "shards": 4}, "batch_size=6 must be a multiple of shards=4"),
     ],
 )
 def test_bad_config_fields_are_refused(fields, message):
