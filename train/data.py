@@ -274,7 +274,7 @@ def make_train_dataset(
             f"process_index={process_index} must lie in [0, process_count={process_count})"
         )
     mixed = _mixed_examples(cfg)
-    per_process = cfg.shards // process_count
+    own = _own_shards(cfg, process_index, process_count)
     shards = [
         pack_rows(
             mixed[shard :: cfg.shards].to_iter_dataset(_read_options(cfg)),
@@ -282,7 +282,7 @@ def make_train_dataset(
             num_bins=cfg.packing_bins,
             seed=_derived_seed(cfg.seed, "packing"),
         ).batch(cfg.batch_size // cfg.shards, drop_remainder=True)
-        for shard in range(process_index * per_process, (process_index + 1) * per_process)
+        for shard in range(own.start, own.stop)
     ]
     # One shard keeps its own iterator state (no zip around it), as checkpoints of unsharded
     # runs hold it.
@@ -300,6 +300,35 @@ def make_train_iterator(
     """An endless iterator of training batches (this process's rows of them, see
     `make_train_dataset`); checkpoint it with grain.checkpoint (see above)."""
     return iter(make_train_dataset(cfg, process_index=process_index, process_count=process_count))
+
+
+def _own_shards(cfg: DataConfig, process_index: int, process_count: int) -> slice:
+    per_process = cfg.shards // process_count
+    return slice(process_index * per_process, (process_index + 1) * per_process)
+
+
+def global_data_state(cfg: DataConfig, process_states: list) -> dict:
+    """The state of the one-process training iterator of `cfg` from the states of every
+    process's share (`make_train_iterator(cfg, process_index=p, process_count=len(...))`, in
+    process order): the run's data position, whatever its process count."""
+    per_process = cfg.shards // len(process_states)
+    shard_states = [
+        shard
+        for state in process_states
+        for shard in ([state] if per_process == 1 else state["parents"])
+    ]
+    return shard_states[0] if cfg.shards == 1 else {"parents": shard_states}
+
+
+def process_data_state(
+    cfg: DataConfig, global_state: dict, *, process_index: int, process_count: int
+) -> dict:
+    """The state of process `process_index`'s share of the training iterator at the run's
+    position `global_state` (`global_data_state`), for any process count that divides
+    cfg.shards."""
+    shard_states = [global_state] if cfg.shards == 1 else global_state["parents"]
+    own = shard_states[_own_shards(cfg, process_index, process_count)]
+    return own[0] if len(own) == 1 else {"parents": own}
 
 
 def make_eval_dataset(cfg: DataConfig, *, max_batches: int | None = None) -> grain.IterDataset:

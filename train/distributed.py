@@ -14,12 +14,15 @@ itself, so a script launched with the environment variables set joins without co
 provided it touches no device before. See docs/multi_host.md for launch recipes.
 
 What changes with several processes (`train.loop`): the mesh spans `jax.devices()`, all
-processes' devices; every process reads the same global batch from the data pipeline and hands
+processes' devices; every process loads only its rows of each training batch, from its own
+`DataConfig.shards` (`train.data.make_train_iterator`), and the processes' rows make the global
+batch (`process_rows_array`); batches every process reads whole (validation, images, RL) hand
 its devices only their shards (`global_batch_array`); orbax saves and restores checkpoints from
 all processes into one shared folder; metrics, plots, the summary, the run folder's files and
 the progress bar come from process 0 (`is_primary`).
 """
 
+import json
 import os
 
 import jax
@@ -126,6 +129,40 @@ def global_batch_array(value: np.ndarray, sharding: jax.sharding.Sharding) -> ja
     if sharding.is_fully_addressable:
         return jax.device_put(value, sharding)
     return jax.make_array_from_callback(np.shape(value), sharding, lambda index: value[index])
+
+
+def process_rows_array(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """The global array [P * R, ...] whose rows [p * R, (p + 1) * R) are `value` [R, ...] of
+    process p, placed by `sharding` (which must keep each process's devices within its own
+    rows, as a batch axis split over processes in device order does)."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    rows = np.shape(value)[0]
+    global_shape = (rows * jax.process_count(), *np.shape(value)[1:])
+    first = jax.process_index() * rows
+    for index in sharding.addressable_devices_indices_map(global_shape).values():
+        start, stop, _ = index[0].indices(global_shape[0])
+        if start < first or stop > first + rows:
+            raise ValueError(
+                f"process {jax.process_index()} loads rows [{first}, {first + rows}) of the "
+                f"batch, but its devices hold rows [{start}, {stop}) under {sharding}; split the "
+                "batch over mesh axes whose devices are grouped by process (the data axis "
+                "outermost)"
+            )
+    return jax.make_array_from_process_local_data(sharding, value, global_shape)
+
+
+def gather_json(value) -> list:
+    """`value` (anything JSON can write) of every process, in process order; every process
+    must call it at the same point of the program."""
+    if jax.process_count() == 1:
+        return [value]
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size]))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: data.size] = data
+    gathered = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(row[:size].tobytes()) for row, size in zip(gathered, sizes, strict=True)]
 
 
 def to_host(x: jax.Array) -> np.ndarray:

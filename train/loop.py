@@ -54,9 +54,11 @@ from train.data import (
     DataConfig,
     bits_per_byte,
     data_manifest,
+    global_data_state,
     make_eval_iterator,
     make_task_batches,
     make_train_iterator,
+    process_data_state,
 )
 from train.metrics import (
     MetricsWriter,
@@ -66,7 +68,15 @@ from train.metrics import (
     read_metrics,
     train_flops_per_token,
 )
-from train.distributed import global_batch_array, initialize, is_primary, sync, to_host
+from train.distributed import (
+    gather_json,
+    global_batch_array,
+    initialize,
+    is_primary,
+    process_rows_array,
+    sync,
+    to_host,
+)
 from train.multimodal import MultimodalDataConfig, check_model_fits, make_multimodal_iterator
 from train.optim import OptimConfig, learning_rate_schedule, make_optimizer
 from train.step import (
@@ -215,18 +225,27 @@ class Trainer:
         """The model of the current state (shares its arrays)."""
         return nnx.merge(self.graphdef, self.state).model
 
-    def place(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    def place(self, batch: dict[str, np.ndarray], *, process_rows: bool = False
+              ) -> dict[str, jax.Array]:
         """A host batch on the mesh: arrays of B rows ([B, T], or [B] as RL's `truncated`) split
         over the batch axes, others (RL's rewards [P, G]) replicated. With several processes the
-        batch is the global one, the same in each, and each places only its devices' shards."""
+        batch is the global one, the same in each, and each places only its devices' shards;
+        with `process_rows` it is this process's rows [B / P, T] of the global batch, the
+        processes' rows in process order (`train.distributed.process_rows_array`)."""
         rows = np.shape(batch["tokens"])[0]
         replicated = NamedSharding(self.mesh, PartitionSpec())
+        scale = jax.process_count() if process_rows else 1
 
-        def sharding(value):
+        def place_one(value):
             shape = np.shape(value)
-            return batch_sharding(self.mesh, shape) if shape[:1] == (rows,) else replicated
+            if shape[:1] != (rows,):
+                return global_batch_array(value, replicated)
+            sharding = batch_sharding(self.mesh, (rows * scale, *shape[1:]))
+            if process_rows:
+                return process_rows_array(value, sharding)
+            return global_batch_array(value, sharding)
 
-        return {key: global_batch_array(value, sharding(value)) for key, value in batch.items()}
+        return {key: place_one(value) for key, value in batch.items()}
 
     @property
     def compiler_options(self) -> dict | None:
@@ -245,10 +264,13 @@ class Trainer:
         return make_eval_step(self.graphdef, loss_chunk_tokens=self.config.loss_chunk_tokens,
                               compiler_options=self.compiler_options)
 
-    def step(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """One training step on a host batch; returns its metrics (device arrays)."""
+    def step(self, batch: dict[str, np.ndarray], *, process_rows: bool = False
+             ) -> dict[str, jax.Array]:
+        """One training step on a host batch (this process's rows of it with `process_rows`,
+        see `place`); returns its metrics (device arrays)."""
         with jax.set_mesh(self.mesh):
-            self.state, metrics = self.train_step(self.state, self.place(batch))
+            self.state, metrics = self.train_step(self.state,
+                                                  self.place(batch, process_rows=process_rows))
         return metrics
 
     def evaluate(self, data: DataConfig, max_batches: int) -> dict[str, float]:
@@ -543,12 +565,38 @@ def check_health(rows: list[dict], skips_in_a_row: int, max_skips: int,
     return skips_in_a_row
 
 
+class ProcessShareIterator:
+    """This process's rows of the training batches of `data` (`train.data.make_train_iterator`
+    with the run's process index and count), with the run's state: `get_state` gathers every
+    process's position into the one-process iterator's state (all processes call it together,
+    as a checkpoint save does) and `set_state` takes such a state, so a checkpoint restores
+    under any process count that divides data.shards."""
+
+    def __init__(self, data: DataConfig):
+        self.data = data
+        self._share = dict(process_index=jax.process_index(), process_count=jax.process_count())
+        self._iterator = make_train_iterator(data, **self._share)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return next(self._iterator)
+
+    def get_state(self) -> dict:
+        return global_data_state(self.data, gather_json(self._iterator.get_state()))
+
+    def set_state(self, state: dict) -> None:
+        self._iterator.set_state(process_data_state(self.data, state, **self._share))
+
+
 def train_iterator(data: DataConfig):
     """The endless training iterator of `data`: text and images for a MultimodalDataConfig
-    (`train.multimodal`), text otherwise (`train.data`)."""
+    (`train.multimodal`, the whole batch in every process), otherwise this process's rows of
+    the text batches (`ProcessShareIterator`)."""
     if isinstance(data, MultimodalDataConfig):
         return make_multimodal_iterator(data)
-    return make_train_iterator(data)
+    return ProcessShareIterator(data)
 
 
 class Stopwatch:
@@ -707,7 +755,8 @@ def train(
             data_iterator = train_iterator(stages[stage_index].data)
         stage = stages[stage_index]
         tokens_per_step = stage.data.batch_size * stage.data.seq_len
-        pending.append((step, trainer.step(next(data_iterator))))
+        pending.append((step, trainer.step(
+            next(data_iterator), process_rows=isinstance(data_iterator, ProcessShareIterator))))
         if len(pending) > 1:
             # One step in flight at a time: the device stays busy and the bar stays truthful.
             jax.block_until_ready(pending[-2][1])

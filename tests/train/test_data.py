@@ -13,8 +13,10 @@ from train.data import (
     DataConfig,
     bits_per_byte,
     data_manifest,
+    global_data_state,
     make_eval_iterator,
     make_train_iterator,
+    process_data_state,
 )
 from train.synthetic import MQAR, MultiHop
 from train.tokenizer import BOS_ID, PAD_ID, SEP_ID, VOCAB_SIZE
@@ -140,15 +142,29 @@ def test_orbax_checkpoint_of_the_iterator_resumes_exactly(tmp_path):
 
 
 @pytest.mark.parametrize("process_count", [2, 4])
-def test_process_shares_assemble_the_one_process_batch_and_resume_exactly(process_count):
+def test_process_shares_assemble_the_one_process_batch_and_resume_exactly(process_count,
+                                                                           tmp_path):
     """P processes each load their own shards; their batches, concatenated in process order, are
-    the batches of one process, and each process's iterator state resumes its own rows."""
-    cfg = dataclasses.replace(MIXED, batch_size=8, shards=4)
+    the batches of one process, their states together are its state, and that state resumes P
+    processes exactly (a checkpoint saved by P processes restores into 1, and one of 1 into P).
+    Documents of a few bytes pack several to a row, so the shards' positions drift apart."""
+    lengths = np.random.default_rng(0).integers(3, 50, size=60)
+    paths = []
+    for i, length in enumerate(lengths):
+        (tmp_path / f"{i}.txt").write_text("ab" * int(length))
+        paths.append(str(tmp_path / f"{i}.txt"))
+    cfg = DataConfig(seq_len=64, batch_size=8, seed=5, paths=tuple(paths), val_fraction=0.1,
+                     mqar_weight=0.2, mqar=MQAR(num_kv_pairs=4), packing_bins=3, shards=4)
     whole = make_train_iterator(cfg)
-    shares = [
-        make_train_iterator(cfg, process_index=p, process_count=process_count)
-        for p in range(process_count)
-    ]
+
+    def shares(global_state=None):
+        iterators = []
+        for p in range(process_count):
+            iterators.append(make_train_iterator(cfg, process_index=p, process_count=process_count))
+            if global_state is not None:
+                iterators[-1].set_state(process_data_state(
+                    cfg, global_state, process_index=p, process_count=process_count))
+        return iterators
 
     def assembled(iterators, n):
         batches = [_take(iterator, n) for iterator in iterators]
@@ -159,16 +175,12 @@ def test_process_shares_assemble_the_one_process_batch_and_resume_exactly(proces
             for i in range(n)
         ]
 
-    _assert_same_batches(assembled(shares, 5), _take(whole, 5))  # mid-way through a group
-    states = [share.get_state() for share in shares]
+    processes = shares()
+    _assert_same_batches(assembled(processes, 5), _take(whole, 5))  # mid-way through a group
+    state = whole.get_state()
+    assert global_data_state(cfg, [share.get_state() for share in processes]) == state
     expected = _take(whole, 3)
-    resumed = [
-        make_train_iterator(cfg, process_index=p, process_count=process_count)
-        for p in range(process_count)
-    ]
-    for iterator, state in zip(resumed, states, strict=True):
-        iterator.set_state(state)
-    _assert_same_batches(assembled(resumed, 3), expected)
+    _assert_same_batches(assembled(shares(state), 3), expected)
 
 
 def test_process_shares_that_do_not_divide_the_shards_are_refused():

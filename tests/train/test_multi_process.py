@@ -1,5 +1,6 @@
 """Training in two processes through jax.distributed (on CPU: gloo collectives between them)
-computes what one process computes on the same global mesh and batch; its checkpoints restore
+computes what one process computes on the same global mesh and batch, each process loading only
+its own shard of the data; its checkpoints (every shard's data position) restore
 into one process and into two, and a process killed while saving leaves the last complete
 checkpoint restorable.
 
@@ -22,7 +23,7 @@ import numpy as np
 import portpicker
 import pytest
 
-from tests.train.multi_process_child import multi_process_config
+from tests.train.multi_process_child import multi_process_config, write_corpus
 from train.distributed import PROCESSES_VARIABLE, initialize, print_primary
 from train.loop import CHECKPOINT_DIR, METRICS_FILE, train
 
@@ -34,7 +35,7 @@ REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__f
 RTOL = 1e-6
 
 
-def _launch(run_dir: str, cache: str, *extra: str) -> list[subprocess.Popen]:
+def _launch(run_dir: str, cache: str, corpus: str, *extra: str) -> list[subprocess.Popen]:
     """Starts the two processes of a run in `run_dir`."""
     port = portpicker.pick_unused_port()
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
@@ -49,6 +50,7 @@ def _launch(run_dir: str, cache: str, *extra: str) -> list[subprocess.Popen]:
     return [
         subprocess.Popen(
             [sys.executable, "-m", "tests.train.multi_process_child", "--out", run_dir,
+             "--corpus", corpus,
              "--coordinator-address", f"localhost:{port}", "--num-processes", "2",
              "--process-id", str(rank), *extra],
             cwd=REPOSITORY, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -119,12 +121,14 @@ def test_one_process_without_settings_stays_one_process():
 
 @pytest.mark.slow
 def test_two_processes_train_like_one_and_their_checkpoints_restore_in_one_and_two(tmp_path):
-    cache, two, reference = (str(tmp_path / name) for name in ("cache", "two", "reference"))
-    config = multi_process_config()
+    cache, two, reference, corpus = (
+        str(tmp_path / name) for name in ("cache", "two", "reference", "corpus"))
+    write_corpus(corpus)
+    config = multi_process_config(corpus)
     # Two processes: steps 1-2, a checkpoint after each; then a fresh trainer in each process
     # restores checkpoint 2 and trains step 3, and process 1 dies while saving checkpoint 3.
     # The uninterrupted reference meanwhile, here.
-    processes = _launch(two, cache, "--until-step", "2", "--die-saving", "3")
+    processes = _launch(two, cache, corpus, "--until-step", "2", "--die-saving", "3")
     try:
         expected = _losses(train(config, reference).run_dir)
         output, _ = processes[1].communicate(timeout=300)
