@@ -79,8 +79,8 @@ def test_a_diverged_run_stops_and_keeps_its_last_good_checkpoints(tmp_path, monk
                                 "max_consecutive_skips=2"], [(32, 2, 6)])
     original_step, steps_run = Trainer.step, []
 
-    def faulty_step(self, batch):
-        metrics = original_step(self, batch)
+    def faulty_step(self, batch, **options):
+        metrics = original_step(self, batch, **options)
         steps_run.append(len(steps_run) + 1)
         return {**metrics, fault: jnp.ones(())} if steps_run[-1] >= 3 else metrics
 
