@@ -653,7 +653,8 @@ def train(
     allow_data_change: bool = False,
 ) -> RunResult:
     """Runs (or continues) training to `config.steps`, or only to `until_step` (a checkpoint is
-    saved there, as a session boundary; the schedule still spans config.steps).
+    saved there, so a job with a time limit can stop and be resumed; the schedule still spans
+    config.steps).
 
     stages: consecutive stages whose steps add up to config.steps (default: one stage on
         config.data). Each stage ends with an evaluation on its own data and a checkpoint.

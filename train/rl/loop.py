@@ -367,7 +367,7 @@ def train_rl(config: RLConfig, task: RLTask, environment: ToolEnvironment, run_d
              until_iteration: int | None = None, every: int = 0,
              after_iteration: IterationHook | None = None) -> RLResult:
     """Runs (or continues) RL to config.iterations, or only to `until_iteration` (checkpointed
-    there: a session boundary).
+    there, so a job with a time limit can stop and be resumed).
 
     policy: the starting policy's model state (`nnx.state(model)`); needed unless `resume`.
     environment: answers the calls (`ToolEnvironment` of the task's tools), built afresh for
