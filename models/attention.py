@@ -18,7 +18,9 @@ encoding (order comes from the KDA layers), so it is an extra key channel shared
 Training runs on Hopper GPUs through cuDNN's packed layout (`implementation="cudnn_segments"`),
 which describes each row's documents by their offsets and lengths (`document_segments`), so that
 cuDNN skips the tiles between documents; elsewhere through `jax.nn.dot_product_attention` (cuDNN on
-other GPUs, XLA otherwise), packed documents kept apart by a dense [B, 1, T, T] mask.
+other GPUs, XLA otherwise), packed documents kept apart by a dense [B, 1, T, T] mask. The vision
+tower's bidirectional attention within each image takes the same paths (`document_attention` with
+causal=False).
 
 With the tokens split over a `seq` mesh axis (context parallelism, `core.context_parallel`), the
 training path gathers the latents [c_kv ; k_r] of every shard (C + R numbers a token, not the
@@ -202,20 +204,23 @@ def pad_head_dims(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, 
     return tuple(jnp.pad(t, [(0, 0)] * 3 + [(0, width - t.shape[-1])]) for t in (q, k, v))
 
 
-def _dense_document_attention(q, k, v, *, scale, document_ids, implementation):
-    """Causal attention within equal `document_ids` [B, T] (or none), as a dense [B, 1, T, T]
-    mask; q, k, v of one head size."""
+def _dense_document_attention(q, k, v, *, scale, document_ids, implementation, causal):
+    """Attention (causal or not) within equal `document_ids` [B, T] (or none), as a dense
+    [B, 1, T, T] mask; q, k, v of one head size."""
     mask = None
     if document_ids is not None:
         mask = document_ids[:, None, :, None] == document_ids[:, None, None, :]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=True,
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal,
                                         implementation=implementation)
 
 
 def packed_cudnn_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segments: DocumentSegments, *, scale: float
+    q: jax.Array, k: jax.Array, v: jax.Array, segments: DocumentSegments, *, scale: float,
+    causal: bool = True,
 ) -> jax.Array:
-    """Causal attention within the documents `segments` describes, by cuDNN's packed layout.
+    """Attention within the documents `segments` describes, by cuDNN's packed layout: causal, or
+    bidirectional within each document with causal=False (cuDNN's padding mask without the
+    causal part).
 
     q, k, v: [B, T, H, D] (one head size, BTNH: jax's wrapper converts the offsets to element
     strides assuming BTNH, and scales both key and value offsets by the key's head size, so v must
@@ -226,7 +231,8 @@ def packed_cudnn_attention(
         q, k, v,
         q_seqlen=segments.lengths, kv_seqlen=segments.lengths,
         q_offsets=segments.offsets, kv_offsets=segments.offsets,
-        scale=scale, mask_type=cudnn_fused.MaskType.PADDING_CAUSAL, qkv_layout="BTNH",
+        scale=scale, qkv_layout="BTNH",
+        mask_type=cudnn_fused.MaskType.PADDING_CAUSAL if causal else cudnn_fused.MaskType.PADDING,
     )
 
 
@@ -274,17 +280,18 @@ def default_implementation(dtype: jnp.dtype, head_dim: int) -> AttentionImplemen
     return backend_implementation(dtype)
 
 
-def _segmented_attention(q, k, v, *, scale, segment_ids, max_segments):
-    """The "cudnn_segments" path of `causal_document_attention` (q, k, v of one head size)."""
+def _segmented_attention(q, k, v, *, scale, segment_ids, max_segments, causal):
+    """The "cudnn_segments" path of `document_attention` (q, k, v of one head size)."""
     if not is_positive_int(max_segments):
         raise ValueError(f"implementation='cudnn_segments' needs max_segments, a positive int "
-                         f"(MLAConfig.max_segments), got {max_segments!r}")
+                         f"(MLAConfig.max_segments, VisionConfig.max_segments), got "
+                         f"{max_segments!r}")
     _require_packed_cudnn(q)
     # cuDNN on the GPUs that pass the checks above.
     dense_implementation = backend_implementation(q.dtype)
     if segment_ids is None:
         return _dense_document_attention(q, k, v, scale=scale, document_ids=None,
-                                         implementation=dense_implementation)
+                                         implementation=dense_implementation, causal=causal)
     if segment_ids.shape != q.shape[:2]:
         raise ValueError(f"segment_ids must be [B, T] = {q.shape[:2]} like q, got "
                          f"{segment_ids.shape}")
@@ -295,7 +302,7 @@ def _segmented_attention(q, k, v, *, scale, segment_ids, max_segments):
 
     def dense(q, k, v):
         return _dense_document_attention(q, k, v, scale=scale, document_ids=document_ids,
-                                         implementation=dense_implementation)
+                                         implementation=dense_implementation, causal=causal)
 
     # M sizes the cuDNN call (its softmax statistics are [B * M, H, T]), so it is static, and a
     # row with more documents cannot be described. Rather than ever computing such a row wrong,
@@ -303,40 +310,53 @@ def _segmented_attention(q, k, v, *, scale, segment_ids, max_segments):
     # would always fit but launches B * T mostly empty segments.)
     return jax.lax.cond(
         jnp.all(segments.fits),
-        lambda q, k, v: packed_cudnn_attention(q, k, v, segments, scale=scale),
+        lambda q, k, v: packed_cudnn_attention(q, k, v, segments, scale=scale, causal=causal),
         dense, q, k, v,
     )
 
 
-def causal_document_attention(
+def document_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     *,
     scale: float,
+    causal: bool,
     segment_ids: jax.Array | None = None,
     implementation: AttentionImplementation | None = None,
     max_segments: int | None = None,
 ) -> jax.Array:
-    """Causal softmax attention, restricted to one document when `segment_ids` is given.
+    """Softmax attention, causal or bidirectional, restricted to one document when `segment_ids`
+    is given.
 
     q, k: [B, T, H, Dqk]; v: [B, T, H, Dv]; segment_ids: [B, T] int -> [B, T, H, Dv].
 
+    causal: each token sees the keys up to its own (the decoder), or every key of its document
+        (the vision tower's images).
     implementation: "xla" (or None) and "cudnn" mask every pair of tokens whose ids differ with a
         dense [B, 1, T, T] mask; "cudnn_segments" (Hopper GPUs, 16-bit inputs) runs cuDNN's packed
         layout over each row's documents, runs of equal ids (`document_segments`), when every row
         holds at most `max_segments` of them, and the dense mask through cuDNN otherwise. For rows
         whose ids increase along the row, as the packer writes them, the two agree.
-    max_segments: M of "cudnn_segments" (`MLAConfig.max_segments`); the dense paths ignore it.
+    max_segments: M of "cudnn_segments" (`MLAConfig.max_segments`, `VisionConfig.max_segments`);
+        the dense paths ignore it.
     """
     q_padded, k_padded, v_padded = pad_head_dims(q, k, v)
     if implementation == "cudnn_segments":
         out = _segmented_attention(q_padded, k_padded, v_padded, scale=scale,
-                                   segment_ids=segment_ids, max_segments=max_segments)
+                                   segment_ids=segment_ids, max_segments=max_segments,
+                                   causal=causal)
     else:
         out = _dense_document_attention(q_padded, k_padded, v_padded, scale=scale,
-                                        document_ids=segment_ids, implementation=implementation)
+                                        document_ids=segment_ids, implementation=implementation,
+                                        causal=causal)
     return out[..., : v.shape[-1]]
+
+
+def causal_document_attention(q: jax.Array, k: jax.Array, v: jax.Array, **options) -> jax.Array:
+    """Gated MLA's training attention: `document_attention` with causal=True, its keyword
+    arguments (scale, segment_ids, implementation, max_segments) passed on."""
+    return document_attention(q, k, v, causal=True, **options)
 
 
 def gathered_latent_attention(

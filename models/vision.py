@@ -23,13 +23,18 @@ in merge-block order (2 x 2 blocks in raster order, each block's four patches in
 starting at a slot that is a multiple of 4 (images packed back to back keep that: h w is one);
 P is a multiple of 4. Images follow the order of their placeholder runs in the token batch.
 Nothing but ids and positions tells the tower where images are: each image's grid (h, w) is its
-largest (row, col) + 1, attention keeps to runs of one id (a dense [R, 1, P, P] mask), and the
-positional table is interpolated per patch, so every shape is static whatever the images.
+largest (row, col) + 1, attention keeps to runs of one id, and the positional table is
+interpolated per patch, so every shape is static whatever the images.
+
+Attention within each image is `models.attention.document_attention` with causal=False, the
+decoder's paths: a dense [R, 1, P, P] mask ("xla" on a CPU, "cudnn" on a GPU), or cuDNN's packed
+layout ("cudnn_segments", Hopper), which skips the tiles between images; `VisionConfig`'s
+implementation=None picks the packed layout where it can run (`default_implementation`).
 """
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, get_args
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +44,8 @@ from flax import nnx
 from core.norms import RMSNorm
 from core.sharding import constrain, logical
 from kda.common import document_index
-from models.attention import _fan_in_init, backend_implementation, is_positive_int
+from models.attention import (AttentionImplementation, _fan_in_init, default_implementation,
+                              document_attention, is_positive_int)
 
 # Patches merged into one token along each axis (2 x 2 pixel shuffle). The released configs'
 # `merge_kernel_size` is [2, 2]; the buffer layout above depends on it.
@@ -73,6 +79,12 @@ class VisionConfig:
       image_token_id: the token id of an image placeholder (one per merged token); the decoder
         writes image features at these tokens (`merge_image_features`). Required inside a
         `ModelConfig`; a standalone tower does not need it.
+      implementation: the tower's attention (`models.attention.document_attention`): "xla" or
+        "cudnn" (a dense mask) or "cudnn_segments" (cuDNN's packed layout, Hopper and 16-bit
+        compute only); None picks "cudnn_segments" where it can run, else the dense mask through
+        cuDNN on a GPU for 16-bit compute and XLA otherwise (`default_implementation`).
+      max_segments: with "cudnn_segments", the most runs of ids (images, and a row's trailing
+        padding) a buffer row may hold, static; a batch with a fuller row takes the dense mask.
     """
 
     patch_size: int = 14
@@ -86,11 +98,13 @@ class VisionConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     image_token_id: int | None = None
+    implementation: AttentionImplementation | None = None
+    max_segments: int = 16
 
     def __post_init__(self):
         object.__setattr__(self, "pos_table", tuple(self.pos_table))
         for name in ("patch_size", "in_channels", "width", "num_layers", "num_heads", "head_dim",
-                     "mlp_hidden"):
+                     "mlp_hidden", "max_segments"):
             _require(is_positive_int(getattr(self, name)), name, getattr(self, name),
                      "a positive int")
         _require(self.head_dim % 4 == 0, "head_dim", self.head_dim,
@@ -102,6 +116,9 @@ class VisionConfig:
         _require(self.image_token_id is None or (isinstance(self.image_token_id, int)
                                                  and self.image_token_id >= 0),
                  "image_token_id", self.image_token_id, "None or a non-negative int")
+        implementations = get_args(AttentionImplementation)
+        _require(self.implementation in (None, *implementations), "implementation",
+                 self.implementation, f"None or one of {implementations}")
 
     @property
     def qkv_width(self) -> int:
@@ -340,13 +357,6 @@ def rope_2d(x: jax.Array, angles: jax.Array) -> jax.Array:
     return turned.reshape(x.shape).astype(x.dtype)
 
 
-def image_attention_mask(segment_ids: jax.Array) -> jax.Array:
-    """bool [R, 1, P, P]: patches attend to the patches of their own image (run of equal ids),
-    in both directions; padding runs only to themselves."""
-    image = document_index(segment_ids)
-    return (image[:, :, None] == image[:, None, :])[:, None]
-
-
 def merge_patches(x: jax.Array) -> jax.Array:
     """The 2 x 2 pixel shuffle of patches in merge-block order: [R, P, D] -> [R, P / 4, 4 D],
     each merged token its block's four patches side by side (top-left, top-right, bottom-left,
@@ -392,7 +402,8 @@ class VisionBlock(nnx.Module):
     """
 
     def __init__(self, cfg: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-        self.dtype, self.head_dim = dtype, cfg.head_dim
+        self.dtype, self.head_dim, self.max_segments = dtype, cfg.head_dim, cfg.max_segments
+        self.implementation = cfg.implementation or default_implementation(dtype, cfg.head_dim)
         d, heads = cfg.width, cfg.num_heads
         common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         norm = dict(eps=cfg.norm_eps, axis_name="embed", dtype=dtype, param_dtype=param_dtype)
@@ -410,23 +421,26 @@ class VisionBlock(nnx.Module):
         self.mlp_out = nnx.Linear(cfg.mlp_hidden, d, use_bias=False,
                                   kernel_init=logical(linear_init, ("mlp", "embed")), **common)
 
-    def __call__(self, x: jax.Array, angles: jax.Array, mask: jax.Array) -> jax.Array:
-        """x [R, P, D], RoPE angles [R, P, K / 2], mask bool [R, 1, P, P] -> [R, P, D]."""
+    def __call__(self, x: jax.Array, angles: jax.Array, images: jax.Array) -> jax.Array:
+        """x [R, P, D], RoPE angles [R, P, K / 2], images int [R, P] (each patch's run of ids,
+        `kda.common.document_index`) -> [R, P, D]. A patch attends to every patch of its own
+        run, in both directions; padding runs only to themselves."""
         q, k, v = jnp.moveaxis(self.qkv(self.attn_norm(x)), 2, 0)  # each [R, P, H, K]
-        o = jax.nn.dot_product_attention(
-            rope_2d(q, angles), rope_2d(k, angles), v, mask=mask, scale=self.head_dim**-0.5,
-            implementation=backend_implementation(self.dtype))
+        o = document_attention(
+            rope_2d(q, angles), rope_2d(k, angles), v, scale=self.head_dim**-0.5, causal=False,
+            segment_ids=images, implementation=self.implementation,
+            max_segments=self.max_segments)
         x = x + self.out(o)
         hidden = jax.nn.gelu(self.mlp_in(self.mlp_norm(x)), approximate=True)
         return constrain(x + self.mlp_out(hidden), ACTIVATION_AXES)
 
 
-def _apply_block(graphdef, state, x, angles, mask, remat):
+def _apply_block(graphdef, state, x, angles, images, remat):
     """One block (merged from graphdef and state) on x, recomputed in the backward pass as the
     checkpoint policy `remat` says (None: stored), one block per checkpoint as in the decoder."""
 
     def call(state, x):
-        return nnx.merge(graphdef, state)(x, angles, mask)
+        return nnx.merge(graphdef, state)(x, angles, images)
 
     if remat is not None:
         call = jax.checkpoint(call, policy=remat)
@@ -477,17 +491,17 @@ class VisionTower(nnx.Module):
         x = x + interpolated_positions(self.pos_table[...], batch.positions, grid).astype(x.dtype)
         x = constrain(x, ACTIVATION_AXES)
         angles = rope_2d_angles(batch.positions, self.cfg.head_dim, self.cfg.rope_theta)
-        mask = image_attention_mask(batch.segment_ids)
+        images = document_index(batch.segment_ids)
         if self.scan_layers:
             graphdef, state = nnx.split(self.blocks)
 
             def body(x, state):
-                return _apply_block(graphdef, state, x, angles, mask, remat), None
+                return _apply_block(graphdef, state, x, angles, images, remat), None
 
             x, _ = jax.lax.scan(body, x, state)
         else:
             for block in self.blocks:
-                x = _apply_block(*nnx.split(block), x, angles, mask, remat)
+                x = _apply_block(*nnx.split(block), x, angles, images, remat)
         return self.final_norm(x)
 
 
