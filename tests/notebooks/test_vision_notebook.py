@@ -1,0 +1,45 @@
+"""notebooks/vision.ipynb runs top to bottom, at the tiny size of the vision quickstart's short
+run, in the project's interpreter."""
+
+import os
+import sys
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
+
+from tests.experiments.test_vision_quickstart import SHORT_RUN  # noqa: E402
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NOTEBOOK = os.path.join(REPOSITORY, "notebooks", "vision.ipynb")
+# The quickstart test's short run (its model, rows and tower: the same compiled step), on digits
+# alone, for 3 steps, with 10 held-out digits.
+SETTINGS = {**SHORT_RUN, "steps": 3, "data.digits_weight": 1.0, "data.colour_weight": 0,
+            "data.digits.held_out_per_class": 1}
+
+
+@pytest.mark.slow
+def test_notebook_executes():
+    """The kernel keeps the suite's XLA flags (conftest), so the compilation cache holds the
+    step the quickstart's test compiled with these shapes."""
+    spec = KernelSpecManager().get_kernel_spec("python3")
+    assert os.path.realpath(spec.resource_dir).startswith(os.path.realpath(sys.prefix))
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    [parameters] = [cell for cell in notebook.cells
+                    if "parameters" in cell.metadata.get("tags", [])]
+    parameters.source = f"SETTINGS = {SETTINGS!r}"
+    client = nbclient.NotebookClient(notebook, kernel_name="python3", timeout=600,
+                                     resources={"metadata": {"path": REPOSITORY}})
+    client.execute()
+    outputs = [output for cell in notebook.cells if cell.cell_type == "code"
+               for output in cell.outputs]
+    text = "".join(output.get("text", "") for output in outputs)
+    # Four images of at most 16 patches in one row of 64 slots, each 2 x 2 block one token.
+    assert "image 1: 4 patches -> 1 merged tokens" in text  # the 8 x 8 digit: 2 x 2 patches
+    assert "64 slots" not in text or "padding:" in text
+    assert "image placeholders; the buffer holds" in text and "logits (1, " in text
+    assert "loss: " in text and "after 3 steps" in text
+    assert "held-out digits exact match: " in text and "of 10 (chance 10%)" in text
+    assert sum("image/png" in output.get("data", {}) for output in outputs) == 3
