@@ -22,7 +22,7 @@ tool (a call needs its tag's bytes in a row), so the rollout is prefill and deco
 length: what the engine spends on a 4K-token trajectory, not on the task. The problems are those
 whose prompt is `prefill_chunk + 1` tokens long: a group's first member prefills one chunk, the
 other seven start from its kept prefix (the prompt's last token goes in through decode), and the
-engine compiles one prefill program.
+engine compiles prefill programs of one chunk length only.
 
 2 prompts (16 trajectories, 65,536 learner positions): the learner's batch is one step, and 16
 rows of 4,096 with `remat full` fit an H200 (`models.memory` plans 97 GiB; 32 rows, 132 GiB, do
@@ -32,8 +32,8 @@ rollout phase, so the learner has the device to itself.
 Warm-up (compile) iteration, timed apart: the engine's programs through a short rollout of
 the same prompts on an engine of the same shapes (`WARMUP_TOKENS` tokens a trajectory), the
 learner step compiled ahead of time for the batch of those trajectories (padded to the full
-length: the shapes of the timed batch) and run once. The run's step is then that compiled
-executable, so the timed iteration compiles nothing.
+length: the shapes of the timed batch) and run once, and the learning-rate schedule's eager ops.
+The run's step is then that compiled executable, so the timed iteration compiles nothing.
 
 Numbers: rollout = the iteration's `rollout_seconds` (engine built, every token sampled); learning
 = the rest of the iteration until the new state is ready (rewards, batch, the step, its metrics);

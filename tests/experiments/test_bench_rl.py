@@ -46,9 +46,9 @@ def smoke(tmp_path_factory):
 
 def test_prompts_of_length_are_the_curriculum_problems_of_that_length():
     curriculum = Curriculum(max_steps=(16,))
-    task = bench_rl.PromptsOfLength(curriculum, length=12, count=3)
+    task = bench_rl.PromptsOfLength(curriculum, length=17, count=3)
     lengths = [len(curriculum.prompt(i)) for i in range(task.indices[-1] + 1)]
-    assert list(task.indices) == [i for i, n in enumerate(lengths) if n == 12][:3]
+    assert list(task.indices) == [i for i, n in enumerate(lengths) if n == 17][:3]
     for i, source in enumerate(task.indices):
         np.testing.assert_array_equal(task.prompt(i), curriculum.prompt(source))
         answer = f"A:{curriculum.problem(source).answer}\n".encode()
