@@ -4,6 +4,7 @@ attention path, and the `1b` training step with images against text only.
     python -m experiments.bench_vision --gpu     # K3 tower and the 1b step, bf16, under 4 minutes
                                                  # on an H200 -> benchmarks/vision_h200.md (+ .json)
     python -m experiments.bench_vision --smoke   # a tiny tower and the `tiny` step on CPU (the test)
+    python -m experiments.bench_vision --gpu --parts tower    # the tower's table alone
 
 Tower: the `k3` preset's VisionConfig (27 blocks of width 1024, 12 heads of 128, MLP 4096), bf16
 compute on float32 parameters, blocks scanned (one compiled body), no recomputation. Workloads
@@ -30,7 +31,8 @@ Training step, through `experiments.bench_train`'s machinery (`train_config`, `c
 (to keep the compile short), remat dots_kernels, AdamW. Text only: bench_train's synthetic batch
 (random bytes, four documents a row) on the model without a tower. With images: the same batch
 with two images a row in its longest document (448x448 and 672x448: 640 placeholder tokens, 15.6%
-of the tokens) on the model with the k3 tower (image token `train.tokenizer.IMAGE_PAD_ID`).
+of the tokens) on the model with the k3 tower (image token `train.tokenizer.IMAGE_PAD_ID`); one
+compile each.
 tokens/s counts every token of the rows; the model FLOPs of the step with images add the tower's
 (`tower_flops`) and the projector's (2 x its parameters a merged token), 3x, to the decoder's
 (`train.metrics.train_flops_per_token`, every token). Every number is printed as it is measured
@@ -392,10 +394,17 @@ def markdown(size: Size, tower: list[dict], train: list[dict], command: str) -> 
 
 
 def main(argv=None) -> dict:
+    def parts_option(parser):
+        parser.add_argument("--parts", nargs="+", choices=("tower", "train"),
+                            default=["tower", "train"],
+                            help="what to measure: the tower's table, the training step's "
+                            "(default: both)")
+
     args = gpu_or_smoke_args(
         argv, __doc__.split("\n\n")[0], "vision_h200.md",
         gpu_help="the K3 tower in bf16 and the 1b step (under 4 minutes on an H200)",
-        smoke_help="a tiny tower and the tiny step in float32 on CPU (a check)")
+        smoke_help="a tiny tower and the tiny step in float32 on CPU (a check)",
+        add_options=parts_option)
     size = GPU if args.gpu else SMOKE
     command = command_line("experiments.bench_vision", argv)
     results = {"tower": [], "train": []}
@@ -405,8 +414,10 @@ def main(argv=None) -> dict:
             write_markdown(args.out, markdown(size, results["tower"], results["train"], command))
             write_json(Path(args.out).with_suffix(".json"), results)
 
-    run_tower(size, args.repeats, args.warmup, report, results["tower"])
-    run_train(size, report, results["train"])
+    if "tower" in args.parts:
+        run_tower(size, args.repeats, args.warmup, report, results["tower"])
+    if "train" in args.parts:
+        run_train(size, report, results["train"])
     if args.out is not None:
         print(f"wrote {args.out}")
     return results

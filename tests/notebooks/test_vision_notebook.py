@@ -2,6 +2,7 @@
 run, in the project's interpreter."""
 
 import os
+import re
 import sys
 
 import pytest
@@ -36,9 +37,14 @@ def test_notebook_executes():
     outputs = [output for cell in notebook.cells if cell.cell_type == "code"
                for output in cell.outputs]
     text = "".join(output.get("text", "") for output in outputs)
-    # Four images of at most 16 patches in one row of 64 slots, each 2 x 2 block one token.
-    assert "image 1: 4 patches -> 1 merged tokens" in text  # the 8 x 8 digit: 2 x 2 patches
-    assert "64 slots" not in text or "padding:" in text
+    # Four images of at most 16 patches (each 2 x 2 block one merged token) and the padding
+    # fill the row's 64 slots; the 8 x 8 digit is 2 x 2 patches.
+    images = [tuple(map(int, found)) for found in
+              re.findall(r"image \d: (\d+) patches -> (\d+) merged tokens", text)]
+    assert len(images) == 4 and images[0] == (4, 1)
+    assert all(4 <= patches <= 16 and merged * 4 == patches for patches, merged in images)
+    padding = int(re.search(r"padding: (\d+) slots", text).group(1))
+    assert sum(patches for patches, _ in images) + padding == 64
     assert "image placeholders; the buffer holds" in text and "logits (1, " in text
     assert "loss: " in text and "after 3 steps" in text
     assert "held-out digits exact match: " in text and "of 10 (chance 10%)" in text
