@@ -242,7 +242,8 @@ def markdown(result: dict, command: str) -> list[str]:
         "trajectory runs to the length limit); engine slots "
         f"{size['prompts'] * size['group_size']}, pages of {size['page_size']}, prefix sharing; "
         f"learner batch {size['prompts'] * size['group_size']} x {size['max_length'] - 1:,}, "
-        f"GRPO, AdamW, remat {size['remat']}, loss chunks of {size['loss_chunk_tokens']:,}.",
+        f"GRPO, AdamW, remat {size['remat']}, loss chunks of {size['loss_chunk_tokens']:,}. "
+        f"Why {size['prompts']} prompts: the docstring of `experiments/bench_rl.py`.",
         "",
         "## Warm-up (compile) iteration",
         "",
