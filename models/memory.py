@@ -22,9 +22,21 @@ router-bias update; and, on a mesh, the largest layer's weights gathered whole o
 expert axes for its matmuls, with their unreduced gradients. Under `full` and `offload` one layer
 is recomputed at a time, over KDA's `segment_tokens` and the MoE's `token_chunk` positions at
 once where those are set; `offload` keeps the layer inputs in pinned host memory (`host_offload`,
-reported apart from the device's total). XLA's real peak adds fusion temporaries and collective
-buffers; `tests/models/test_memory.py` checks the plan against XLA's memory analysis of the
-compiled step and states the tolerances.
+reported apart from the device's total).
+
+Context parallelism (a `seq` axis of P devices, `core.context_parallel`) splits each row's T
+tokens into shards of T / P: every per-token activation above is counted for T / P positions, and
+each layer adds what crosses the shards (`context_parallel_floats`): a Gated MLA layer holds every
+shard's latents [T, C + R] and the keys and values up-projected from them [T, H, ...] with the
+[T / P, T] document mask (the whole sequence's keys on each device); a KDA layer holds the second
+run of its op (the state map), the gathered maps of every shard and the states entering them, and
+the short convolution's halo.
+
+The token mixers' cores are planned as the GPU kernels run them (flash attention, the Pallas KDA
+op); `kernels=False` plans XLA's implementations instead (what a CPU runs: the chunked KDA op and
+dense attention with its [T / P, T] scores), their residuals traced at the device's shapes. XLA's
+real peak adds fusion temporaries and collective buffers; `tests/models/test_memory.py` checks
+the plan against XLA's memory analysis of the compiled step and states the tolerances.
 """
 
 import argparse
@@ -33,18 +45,21 @@ import math
 from collections.abc import Mapping
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 from flax import nnx
 
 from core.sharding import MESH_AXES, abstract_mesh, describe_mesh, logical_to_mesh
+from kda.api import kda_attention
 from kda.chunked import CHUNK_SIZE
 from models.attn_res import num_seal_slots
 from models.config import PRESETS, REMAT_POLICIES, ModelConfig, count_params, format_count, preset
 from models.lm import HybridLM
 from moe.experts import StableLatentMoE
 
-H200_BYTES = 141e9
 GIB = 2**30
+# An H200's memory as JAX sees it (141 GB on the box; `benchmarks/train_notes.md`).
+H200_BYTES = 139 * GIB
 # The arrays of the trainer's batch (`train.packing.finalize_batch`) that the step reads, per
 # token: tokens, targets and segment ids (int32) and the loss mask (float32). (Its positions are
 # not read, so the jitted step drops them.)
@@ -96,6 +111,8 @@ class MemoryPlan:
         tokens = self.batch_size * self.seq_len
         rows = ("every row on every device" if self.rows_per_device == self.batch_size else
                 f"{self.rows_per_device} row{'s' if self.rows_per_device > 1 else ''} per device")
+        if self.mesh["seq"] > 1:
+            rows += f", {self.seq_len // self.mesh['seq']} tokens of each"
         parts = [("parameters", self.params), ("optimizer", self.optimizer),
                  ("compute copies", self.compute_copies), ("router biases", self.other_state),
                  ("batch", self.batch), ("gradients", self.gradients),
@@ -151,6 +168,14 @@ def _mixer_kernel_floats(cfg: ModelConfig, mixer: str, tensor: int) -> float:
     return mla.num_heads * (mla.v_head_dim + 2) / tensor
 
 
+def _kda_op_floats(cfg: ModelConfig, tensor: int) -> float:
+    """Numbers per token that the KDA op's GPU kernels keep for the backward pass (in units of the
+    compute dtype): the float32 chunk states, one K x V state per chunk of 64 tokens."""
+    kda = cfg.kda
+    f32 = 4 / cfg.compute_dtype.itemsize
+    return f32 * kda.num_value_heads * kda.head_dim * kda.head_dim / CHUNK_SIZE / tensor
+
+
 def _mixer_activation_floats(cfg: ModelConfig, mixer: str, tensor: int):
     """Numbers kept per token by one token mixer (its RMSNorm and AttnRes read included):
     (matmul outputs, everything else). Widths that tensor parallelism splits (heads) are divided
@@ -161,9 +186,8 @@ def _mixer_activation_floats(cfg: ModelConfig, mixer: str, tensor: int):
         keys = kda.num_value_heads * kda.head_dim
         matmul = (kda.qkv_dim + keys + kda.num_value_heads + keys) / tensor + kda.head_dim + d
         # conv and SiLU outputs, float32 log-decays, attention output, its norm and gating, and
-        # the float32 chunk states of the chunked algorithm (one K x V state per 64 tokens).
-        other = (2 * kda.qkv_dim + 2 * keys + 3 * keys
-                 + 2 * kda.num_value_heads * kda.head_dim * kda.head_dim / 64) / tensor
+        # what the KDA op keeps.
+        other = (2 * kda.qkv_dim + 2 * keys + 3 * keys) / tensor + _kda_op_floats(cfg, tensor)
     else:
         heads = mla.num_heads
         queries = (mla.q_lora_rank or 0)
@@ -192,51 +216,176 @@ def _ffn_activation_floats(cfg: ModelConfig, ffn: str, tensor: int):
     return matmul, other + 2 * 2 * d
 
 
+def context_parallel_floats(cfg: ModelConfig, mixer: str, tensor: int, shards: int,
+                            seq_len: int):
+    """What a token mixer holds per row beyond its own T / P tokens under context parallelism
+    over P = `shards` devices (1: nothing), in units of the compute dtype: (matmul outputs,
+    everything else).
+
+    Gated MLA (`models.attention.gathered_latent_attention`): the other shards' T - T / P latents
+    [c_kv ; k_r], their keys and values up-projected by W_kvb (a matmul), the keys with the
+    rotary part broadcast to every head and the values padded to the query width (cuDNN's one
+    head size), every shard's segment ids (int32) and the bool mask [T / P, T].
+    KDA (`kda.context_parallel`): the op's second run on this shard's tokens (zero values of
+    width K from the identity: its output R [T / P, HV, K] and float32 chunk states), every
+    shard's state map [P, HV, K, K + V] and entering state [P, HV, K, V] in float32, and the
+    short convolution's halo (the previous shard's last conv_size - 1 inputs).
+    """
+    if shards == 1:
+        return 0.0, 0.0
+    local = seq_len // shards
+    if mixer == "mla":
+        mla = cfg.mla
+        heads = mla.num_heads / tensor
+        keys = seq_len - local
+        matmul = keys * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+        other = keys * (mla.latent_dim + heads * (mla.qk_head_dim
+                                                  + max(mla.qk_head_dim, mla.v_head_dim)))
+        return matmul, other + (4 * seq_len + local * seq_len) / cfg.compute_dtype.itemsize
+    kda = cfg.kda
+    heads, width = kda.num_value_heads / tensor, kda.head_dim
+    f32 = 4 / cfg.compute_dtype.itemsize
+    second_run = local * (heads * width + _kda_op_floats(cfg, tensor))
+    maps = shards * heads * (width * (width + width) + width * width) * f32
+    halo = (kda.conv_size - 1) * kda.qkv_dim / tensor
+    return 0.0, second_run + maps + halo
+
+
+def residual_bytes(fn, floats, others=()) -> float:
+    """Bytes that `fn(*floats, *others)`'s forward pass saves for its backward pass with respect
+    to `floats` (JAX's residuals of `jax.vjp`), traced on shapes (`jax.ShapeDtypeStruct`s:
+    nothing is allocated or run); the arguments themselves are not counted (their owner holds
+    them anyway), a residual saved twice is counted once."""
+
+    def residuals(floats, others):
+        return jax.tree.leaves(jax.vjp(lambda *args: fn(*args, *others), *floats)[1])
+
+    closed = jax.make_jaxpr(residuals)(tuple(floats), tuple(others))
+    arguments = set(map(id, closed.jaxpr.invars))
+    saved = {id(var): var.aval for var in closed.jaxpr.outvars
+             if isinstance(var, jax.extend.core.Var) and id(var) not in arguments}
+    return sum(aval.size * aval.dtype.itemsize for aval in saved.values())
+
+
+def xla_kda_op_bytes(cfg: ModelConfig, tensor: int, rows: int, positions: int,
+                     value_width: int) -> float:
+    """Bytes the chunked KDA op (`kda.chunked`, XLA's implementation) keeps for the backward
+    pass on [rows, positions] tokens of packed documents with values of `value_width`: its
+    residuals, traced. Heads are divided by the tensor axis size."""
+    kda = cfg.kda
+    heads, value_heads = -(-kda.num_heads // tensor), -(-kda.num_value_heads // tensor)
+    tokens = (rows, positions)
+    floats = (jax.ShapeDtypeStruct((*tokens, heads, kda.head_dim), cfg.compute_dtype),) * 2 + (
+        jax.ShapeDtypeStruct((*tokens, value_heads, value_width), cfg.compute_dtype),
+        jax.ShapeDtypeStruct((*tokens, value_heads, kda.head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((*tokens, value_heads), jnp.float32))
+    bound = kda.gate_lower_bound if kda.gate == "lower_bound" else None
+
+    def op(q, k, v, g, beta, segment_ids):
+        return kda_attention(q, k, v, g, beta, segment_ids=segment_ids, use_qk_l2norm=True,
+                             gate_lower_bound=bound, impl="chunked")[0]
+
+    return residual_bytes(op, floats, (jax.ShapeDtypeStruct(tokens, jnp.int32),))
+
+
+def xla_attention_bytes(cfg: ModelConfig, tensor: int, rows: int, queries: int,
+                        keys: int) -> float:
+    """Bytes XLA's dense attention (`jax.nn.dot_product_attention`, implementation "xla": the
+    [queries, keys] scores materialised) keeps for the backward pass for `queries` queries of a
+    row against `keys` keys under a bool mask: its residuals, traced (q, k and v padded to one
+    head size, as Gated MLA calls it)."""
+    mla = cfg.mla
+    heads = -(-mla.num_heads // tensor)
+    width = max(mla.qk_head_dim, mla.v_head_dim)
+    q = jax.ShapeDtypeStruct((rows, queries, heads, width), cfg.compute_dtype)
+    kv = jax.ShapeDtypeStruct((rows, keys, heads, width), cfg.compute_dtype)
+
+    def attend(q, k, v, mask):
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=mla.softmax_scale,
+                                            implementation="xla")
+
+    mask = jax.ShapeDtypeStruct((rows, 1, queries, keys), jnp.bool_)
+    return residual_bytes(attend, (q, kv, kv), (mask,))
+
+
+def _xla_core_bytes(cfg: ModelConfig, mixer: str, tensor: int, rows: int, seq_len: int,
+                    shards: int) -> float:
+    """What XLA's implementation of a token mixer's core keeps beyond the GPU kernels' estimate,
+    in bytes per device: the chunked KDA op's residuals in place of the kernels' chunk states
+    (twice under context parallelism: the op's second run has values of width K), or dense
+    attention's (its [T / P, T] scores) in place of cuDNN's softmax statistics."""
+    local = seq_len // shards
+    kernels_floats = local * rows * (
+        _kda_op_floats(cfg, tensor) * (1 if shards == 1 else 2) if mixer == "kda"
+        else 2 * cfg.mla.num_heads / tensor)
+    if mixer == "kda":
+        width = cfg.kda.head_dim
+        xla = xla_kda_op_bytes(cfg, tensor, rows, local, width) * (1 if shards == 1 else 2)
+    else:
+        xla = xla_attention_bytes(cfg, tensor, rows, local, seq_len)
+    return xla - kernels_floats * cfg.compute_dtype.itemsize
+
+
 def _recomputed_layer_bytes(cfg: ModelConfig, mixer: str, ffn: str, tensor: int, rows: int,
-                            seq_len: int) -> float:
+                            seq_len: int, shards: int, core_bytes: float = 0.0) -> float:
     """Bytes one layer's recomputation holds in the backward pass under `full` or `offload`: its
     activations for the positions it works on at once (KDA's `segment_tokens`, the MoE's
-    `token_chunk`, else the whole row)."""
-    mixer_positions = min(seq_len, (mixer == "kda" and cfg.kda.segment_tokens) or seq_len)
-    ffn_positions = min(seq_len, (ffn == "moe" and cfg.moe.token_chunk) or seq_len)
+    `token_chunk`, else the device's T / P), what context parallelism adds to its mixer, and
+    `core_bytes` (`_xla_core_bytes`, for XLA's implementations)."""
+    local = seq_len // shards
+    mixer_positions = min(local, (mixer == "kda" and cfg.kda.segment_tokens) or local)
+    ffn_positions = min(local, (ffn == "moe" and cfg.moe.token_chunk) or local)
     floats = (mixer_positions * sum(_mixer_activation_floats(cfg, mixer, tensor))
-              + ffn_positions * sum(_ffn_activation_floats(cfg, ffn, tensor)))
-    return rows * floats * cfg.compute_dtype.itemsize
+              + ffn_positions * sum(_ffn_activation_floats(cfg, ffn, tensor))
+              + sum(context_parallel_floats(cfg, mixer, tensor, shards, seq_len)))
+    return rows * floats * cfg.compute_dtype.itemsize + core_bytes
 
 
 def estimate_activation_bytes(cfg: ModelConfig, sizes: Mapping[str, int], rows: int,
-                              seq_len: int, loss_chunk_tokens: int | None = None
-                              ) -> tuple[float, float]:
+                              seq_len: int, loss_chunk_tokens: int | None = None,
+                              kernels: bool = True) -> tuple[float, float]:
     """(device bytes, pinned host bytes) of the activations kept for the backward pass of `rows`
-    rows of `seq_len` tokens on each device (see the module docstring); the host holds the
-    layer inputs under `offload`. loss_chunk_tokens: the LM head's and loss's positions at once
-    (`train.loop.TrainConfig`; None: all of them)."""
-    tensor = sizes.get("tensor", 1)
+    rows of `seq_len` tokens on each device, T / P of them on each device of a `seq` axis of P
+    (see the module docstring); the host holds the layer inputs under `offload`.
+    loss_chunk_tokens: the LM head's and loss's positions at once (`train.loop.TrainConfig`;
+    None: all of them). kernels: the token mixers' cores run as GPU kernels (else as XLA's
+    implementations, `_xla_core_bytes`)."""
+    tensor, shards = sizes.get("tensor", 1), sizes.get("seq", 1)
+    local = seq_len // shards
     kinds = list(zip(cfg.mixer_kinds, cfg.ffn_kinds))
-    per_layer = [tuple(map(sum, zip(_mixer_activation_floats(cfg, mixer, tensor),
-                                    _ffn_activation_floats(cfg, ffn, tensor))))
-                 for mixer, ffn in kinds]
-    tokens = rows * seq_len
+    # Per layer (matmul outputs, everything else), per row: its T / P tokens' and what context
+    # parallelism adds.
+    per_layer = [tuple(local * (m + f) + c for m, f, c in zip(
+        _mixer_activation_floats(cfg, mixer, tensor), _ffn_activation_floats(cfg, ffn, tensor),
+        context_parallel_floats(cfg, mixer, tensor, shards, seq_len))) for mixer, ffn in kinds]
+    tokens = rows * local
     itemsize = cfg.compute_dtype.itemsize
+    core = {mixer: 0.0 if kernels else _xla_core_bytes(cfg, mixer, tensor, rows, seq_len, shards)
+            for mixer in set(cfg.mixer_kinds)}
     inputs = cfg.num_layers * cfg.d_model  # each layer's input, kept unless recomputed
     recomputed, host = 0.0, 0.0
+    # XLA's cores are kept whole under every policy but `full` and `offload` (an upper bound for
+    # the `dots` policies, which keep only their matmuls).
+    cores = sum(core[mixer] for mixer in cfg.mixer_kinds)
     if cfg.remat == "none":
         kept = sum(m + o for m, o in per_layer)
     elif cfg.remat in ("dots", "dots_no_batch"):
-        kept = sum(m for m, _ in per_layer) + inputs
+        kept = sum(m for m, _ in per_layer) + local * inputs
     elif cfg.remat == "dots_kernels":
-        kept = (sum(m for m, _ in per_layer) + inputs
-                + sum(_mixer_kernel_floats(cfg, mixer, tensor) for mixer in cfg.mixer_kinds))
+        kept = (sum(m for m, _ in per_layer) + local * inputs
+                + local * sum(_mixer_kernel_floats(cfg, mixer, tensor)
+                              for mixer in cfg.mixer_kinds))
     else:  # "full" and "offload": each layer keeps its input; one layer at a time is recomputed
-        kept = inputs if cfg.remat == "full" else 0
+        kept = local * inputs if cfg.remat == "full" else 0
         host = tokens * inputs * itemsize if cfg.remat == "offload" else 0.0
-        recomputed = max(_recomputed_layer_bytes(cfg, mixer, ffn, tensor, rows, seq_len)
-                         for mixer, ffn in kinds)
+        recomputed = max(_recomputed_layer_bytes(cfg, mixer, ffn, tensor, rows, seq_len, shards,
+                                                 core[mixer]) for mixer, ffn in kinds)
+        cores = 0.0
     snapshots = (num_seal_slots(2 * cfg.num_layers, cfg.seal_period) + 1) * cfg.d_model
-    floats = kept + snapshots + cfg.d_model  # the embedding output
-    logit_positions = rows * min(seq_len, loss_chunk_tokens or seq_len)
+    per_row = kept + local * (snapshots + cfg.d_model)  # and the embedding output
+    logit_positions = rows * min(local, loss_chunk_tokens or local)
     logits_bytes = logit_positions * 2 * 4 * cfg.vocab_size / tensor  # float32, and gradient
-    return tokens * floats * itemsize + recomputed + logits_bytes, host
+    return rows * per_row * itemsize + cores + recomputed + logits_bytes, host
 
 
 def router_stats_bytes(cfg: ModelConfig, tokens: int) -> float:
@@ -257,6 +406,7 @@ def plan_memory(
     optimizer_moments: int = 2,
     moment_dtype: jnp.dtype = jnp.float32,
     loss_chunk_tokens: int | None = None,
+    kernels: bool = True,
     top: int = 5,
 ) -> MemoryPlan:
     """Per-device memory of training `cfg` on `mesh` ({axis: size}, or a mesh), AdamW-style,
@@ -264,14 +414,20 @@ def plan_memory(
 
     optimizer_moments: float arrays the optimizer keeps per parameter (AdamW: 2, SGD-momentum: 1).
     loss_chunk_tokens: `train.loop.TrainConfig.loss_chunk_tokens` (None: the full logits).
+    kernels: the token mixers' cores run as GPU kernels (Pallas KDA, cuDNN flash attention);
+      False: as XLA's implementations (what a CPU runs: the chunked KDA op, dense attention),
+      whose residuals are traced at the device's shapes (`_xla_core_bytes`).
     """
     sizes = dict(mesh) if isinstance(mesh, Mapping) else dict(mesh.shape)
     unknown = set(sizes) - set(MESH_AXES)
     if unknown:
         raise ValueError(f"mesh axes must be among {MESH_AXES}, got {sorted(unknown)}")
-    if sizes.get("seq", 1) > 1:
-        raise ValueError(f"the planner does not count context parallelism yet: got seq="
-                         f"{sizes['seq']}; plan with seq=1")
+    seq_shards = sizes.get("seq", 1)
+    if seq_len % seq_shards or seq_len // seq_shards < cfg.kda.conv_size - 1:
+        raise ValueError(
+            f"the seq mesh axis of {seq_shards} devices must split seq_len={seq_len} into equal "
+            f"shards of at least {cfg.kda.conv_size - 1} tokens (the short convolution's halo): "
+            f"choose a length that divides by it")
     planning_mesh = abstract_mesh(**sizes)
     model = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))
     stacked = {str(i) for i, group in enumerate(model.plan) if group.repeats > 1}
@@ -309,14 +465,14 @@ def plan_memory(
         for param in module.kernel_weights().values()
         if jnp.dtype(param.dtype).itemsize > jnp.dtype(module.dtype).itemsize)
     rows = rows_per_device(batch_size, planning_mesh)
-    tokens = rows * seq_len
+    tokens = rows * seq_len // seq_shards
     # A gathered weight in the compute dtype, and its gradient in float32 before the
     # reduce-scatter, for the largest layer (one layer's weights are gathered at a time).
     gathered = max(gathered_by_unit.values(), default=0.0) * (
         cfg.compute_dtype.itemsize + cfg.parameter_dtype.itemsize)
     local_params = params_bytes / cfg.parameter_dtype.itemsize
     activations, host_offload = estimate_activation_bytes(cfg, sizes, rows, seq_len,
-                                                          loss_chunk_tokens)
+                                                          loss_chunk_tokens, kernels)
     return MemoryPlan(
         mesh={name: sizes.get(name, 1) for name in MESH_AXES},
         batch_size=batch_size,
@@ -362,6 +518,54 @@ def _parse_mesh(text: str) -> dict[str, int]:
     return sizes
 
 
+def fitting_plans(cfg: ModelConfig, devices: int, seq_len: int, *, expert: int,
+                  tensor: int = 1, device_bytes: float = H200_BYTES, **kwargs):
+    """Plans of `cfg` on `devices` devices at one row of `seq_len` tokens per data-like group
+    (batch = devices / (seq x tensor) rows), the mesh expert=`expert`, tensor=`tensor`, seq=P,
+    fsdp = the rest, for P = 1, 2, 4, ... while fsdp >= 1: every plan up to the first that fits
+    `device_bytes`, which is the last (or all of them, when none fits). kwargs: `plan_memory`'s.
+    """
+    plans, shards = [], 1
+    while shards * expert * tensor <= devices and seq_len % shards == 0:
+        mesh = dict(fsdp=devices // (expert * tensor * shards), expert=expert, seq=shards,
+                    tensor=tensor)
+        plans.append(plan_memory(cfg, mesh, batch_size=devices // (tensor * shards),
+                                 seq_len=seq_len, **kwargs))
+        if plans[-1].total <= device_bytes:
+            break
+        shards *= 2
+    return plans
+
+
+def format_plan_table(cfg: ModelConfig, device_counts, lengths, *, expert: int, tensor: int = 1,
+                      device_bytes: float = H200_BYTES, **kwargs) -> str:
+    """A markdown table: for each device count and sequence length, the plan without context
+    parallelism and the one of `fitting_plans` with the smallest seq axis that fits (or, when
+    none fits, the smallest total), each plan's parts in GiB per device."""
+    header = ("| devices | tokens a row | mesh (fsdp x expert x seq x tensor) | batch | tokens a "
+              "step | arguments | gradients | activations | router stats | gathered | total GiB "
+              "| fits |")
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for devices in device_counts:
+        for seq_len in lengths:
+            plans = fitting_plans(cfg, devices, seq_len, expert=expert, tensor=tensor,
+                                  device_bytes=device_bytes, **kwargs)
+            best = min(plans, key=lambda plan: plan.total)
+            for plan in [plans[0]] + ([best] if best is not plans[0] else []):
+                mesh = plan.mesh
+                cells = [devices, format_count(seq_len),
+                         " x ".join(str(mesh[axis])
+                                    for axis in ("fsdp", "expert", "seq", "tensor")),
+                         plan.batch_size,
+                         format_count(plan.batch_size * seq_len),
+                         *(f"{bytes_ / GIB:.1f}" for bytes_ in (
+                             plan.arguments, plan.gradients, plan.activations,
+                             plan.router_stats, plan.gathered_weights, plan.total)),
+                         "yes" if plan.total <= device_bytes else "no"]
+                lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
 def _positive_int(text: str) -> int:
     """An argparse type: the int of `text`, which must be >= 1."""
     if not text.strip().isdigit() or int(text) < 1:
@@ -369,16 +573,32 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _int_list(text: str) -> list[int]:
+    """An argparse type: the positive ints of "1024,4096"."""
+    return [_positive_int(item) for item in text.split(",")]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="k3", choices=sorted(PRESETS))
     parser.add_argument("--mesh", default="fsdp=64,expert=16",
-                        help="axis=size pairs over data, fsdp, expert, tensor")
+                        help="axis=size pairs over data, fsdp, expert, seq, tensor")
     parser.add_argument("--batch", type=_positive_int, default=1024, help="sequences per step")
     parser.add_argument("--seq", type=_positive_int, default=8192, help="tokens per sequence")
     parser.add_argument("--remat", default="full", choices=REMAT_POLICIES)
     parser.add_argument("--loss-chunk", type=_positive_int, metavar="TOKENS",
                         help="positions of the LM head and loss at once (default: all)")
+    parser.add_argument("--table", action="store_true",
+                        help="instead of one plan: a markdown table over --devices and "
+                        "--lengths, the seq axis doubled until the plan fits an H200 "
+                        "(`fitting_plans`; --mesh and --batch unused)")
+    parser.add_argument("--devices", type=_int_list, default=[1024, 4096],
+                        help="--table: device counts, comma-separated")
+    parser.add_argument("--lengths", type=_int_list, default=[8192, 65536, 262144, 1048576],
+                        help="--table: tokens per sequence, comma-separated")
+    parser.add_argument("--expert", type=_positive_int, default=16,
+                        help="--table: the expert axis (fsdp takes the devices seq leaves)")
+    parser.add_argument("--tensor", type=_positive_int, default=1, help="--table: the tensor axis")
     args = parser.parse_args(argv)
     try:
         mesh = _parse_mesh(args.mesh)
@@ -387,6 +607,10 @@ def main(argv=None) -> None:
     cfg = preset(args.preset, remat=args.remat, scan_layers=True)
     print(f"{args.preset}: {format_count(count_params(cfg)['total'])} parameters, "
           f"{format_count(count_params(cfg)['active'])} active per token")
+    if args.table:
+        print(format_plan_table(cfg, args.devices, args.lengths, expert=args.expert,
+                                tensor=args.tensor, loss_chunk_tokens=args.loss_chunk))
+        return
     print_memory_plan(cfg, mesh, batch_size=args.batch, seq_len=args.seq,
                       loss_chunk_tokens=args.loss_chunk)
 

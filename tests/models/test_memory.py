@@ -4,22 +4,31 @@ Each case builds the `train.loop.Trainer` of a `tiny` configuration abstract (sh
 shardings only) and compiles its step for a batch [B, T] on one CPU device or on a mesh of the
 eight virtual ones (`tests/conftest.py`); nothing runs. XLA reports per device the arguments
 (the donated train state and the batch), the outputs, the part of them aliased to the arguments,
-and the temporaries. Tolerances, from the measurements tabled at `ARGUMENT_CASES` and
-`ROW_PAIRS`:
+and the temporaries. Tolerances, from the measurements tabled at `ARGUMENT_CASES`,
+`TOTAL_CASES` and `ROW_PAIRS`:
 
 - arguments: parameters + AdamW moments + expert compute copies + router biases + batch equal
   XLA's to within `COUNTER_BYTES` (the optimizer's and the step's int32 counters, which the
   planner leaves out): exact, so a missing or doubled state term fails.
 - temporaries per row: at a fixed T, XLA's extra temporaries for more rows per device over the
-  planner's, within the pair's band: 1.01 measured on the expert-parallel mesh (band 0.8-1.25);
-  2.80 on one device (band 2.2-3.5), where XLA:CPU's fallbacks of the GPU kernels (the dropless
+  planner's, within the pair's band: 1.07 measured on the expert-parallel mesh (band 0.8-1.25);
+  2.83 on one device (band 2.2-3.5), where XLA:CPU's fallbacks of the GPU kernels (the dropless
   MoE's ragged grouped matmul among them) hold more per row than the kernels the planner models.
   The per-row part is what the planner estimates (activations, router statistics, logits); a
   planner off in the rows per device (3x in the mesh pair) falls outside the band. The rest of
-  XLA:CPU's temporaries is not compared: it runs the XLA fallbacks of the GPU kernels (attention with its [T, T] scores, the
-  chunked KDA), fuses less than XLA:GPU and computes bfloat16 elementwise ops in float32, so its
-  fixed part is larger than the GPU step's; the planner's total is only checked to stay below
-  XLA:CPU's peak.
+  XLA:CPU's temporaries is not compared here: it runs the XLA fallbacks of the GPU kernels
+  (attention with its [T, T] scores, the chunked KDA), fuses less than XLA:GPU and computes
+  bfloat16 elementwise ops in float32, so its fixed part is larger than the GPU step's; the
+  planner's total (GPU kernels) is only checked to stay below XLA:CPU's peak.
+- total with XLA's cores: planned with `kernels=False` (the chunked KDA op's and dense
+  attention's residuals traced at the device's shapes, in place of the GPU kernels'), the total
+  is within 15% of XLA:CPU's peak on one device and with seq=2 (`TOTAL_CASES`). Not yet on the
+  scanned steps (XLA holds 19-30% more than planned) nor on meshes that combine seq with data,
+  fsdp or expert: there XLA:CPU's peak for the same tokens per device moves with the mesh
+  (seq2 x fsdp2 x expert2: 9.5 MiB, seq2 x fsdp4: 21.9 MiB, one row of 64 tokens each), which
+  the planner's per-token accounting does not follow; the ratios are tabled at `TOTAL_CASES`.
+- context parallelism's own terms (the gathered MLA latents and keys, KDA's second run, maps
+  and halo) are derived by hand for `tiny` (`test_context_parallel_parts_are_derived`).
 """
 
 import dataclasses
@@ -46,6 +55,7 @@ COUNTER_BYTES = 64
 BATCH_DTYPES = {"tokens": jnp.int32, "targets": jnp.int32, "loss_mask": jnp.float32,
                 "segment_ids": jnp.int32, "positions": jnp.int32}
 MESH_8 = (("fsdp", 2), ("expert", 2), ("tensor", 2))
+MESH_CP = (("seq", 2), ("fsdp", 2), ("expert", 2))
 
 
 @functools.cache
@@ -66,21 +76,29 @@ def xla_memory(overrides: tuple, mesh: tuple, batch_size: int, seq_len: int) -> 
             for name in ("argument", "output", "alias", "temp")}
 
 
-def planned(overrides: tuple, mesh: tuple, batch_size: int, seq_len: int):
+def planned(overrides: tuple, mesh: tuple, batch_size: int, seq_len: int, kernels=True):
     return plan_memory(preset("tiny", **dict(overrides)), dict(mesh), batch_size=batch_size,
-                       seq_len=seq_len)
+                       seq_len=seq_len, kernels=kernels)
+
+
+def xla_peak(memory: dict[str, int]) -> int:
+    """XLA's peak per device: arguments, outputs not written into them, and temporaries."""
+    return memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
 
 
 # (preset overrides, mesh, B, T). Measured, MiB per device (planner / XLA:CPU):
 #   case                                    arguments         total / peak
-#   unrolled, 1 device, 4 x 128          3.986 / 3.986     25.16 / 60.55
-#   scanned bf16, 1 device, 4 x 128      4.267 / 4.267     16.06 / 55.50
-#   unrolled, fsdp2 expert2 tensor2, 3   0.582 / 0.582     11.45 / 16.49  (3 rows each)
+#   unrolled, 1 device, 4 x 128          3.986 / 3.986     24.97 / 60.65
+#   scanned bf16, 1 device, 4 x 128      4.267 / 4.267     16.06 / 59.84
+#   unrolled, fsdp2 expert2 tensor2, 3   0.582 / 0.582     11.38 / 16.96  (3 rows each)
+#   unrolled, seq2 fsdp2 expert2, 4      1.072 / 1.072      4.65 / 9.51   (1 row, 64 tokens)
 ARGUMENT_CASES = [
     pytest.param((), (), 4, 128, id="unrolled-1-device"),
     pytest.param((("scan_layers", True), ("dtype", "bfloat16")), (), 4, 128,
                  id="scanned-bf16-1-device", marks=pytest.mark.slow),
     pytest.param((), MESH_8, 3, 128, id="indivisible-batch-8-devices", marks=pytest.mark.slow),
+    # The batch's tokens split over seq as `core.sharding.batch_sharding` splits them.
+    pytest.param((), MESH_CP, 4, 128, id="seq2-fsdp2-expert2", marks=pytest.mark.slow),
 ]
 
 
@@ -88,7 +106,7 @@ ARGUMENT_CASES = [
 def test_planned_arguments_are_xlas(overrides, mesh, batch_size, seq_len):
     plan = planned(overrides, mesh, batch_size, seq_len)
     xla = xla_memory(overrides, mesh, batch_size, seq_len)
-    peak = xla["argument"] + xla["output"] - xla["alias"] + xla["temp"]
+    peak = xla_peak(xla)
     print(f"{dict(overrides)} {dict(mesh)} {batch_size}x{seq_len}: arguments "
           f"{plan.arguments / MIB:.4f} / {xla['argument'] / MIB:.4f} MiB, total "
           f"{plan.total / MIB:.2f} / peak {peak / MIB:.2f} MiB")
@@ -99,10 +117,34 @@ def test_planned_arguments_are_xlas(overrides, mesh, batch_size, seq_len):
     assert (plan.compute_copies > 0) == (dict(overrides).get("dtype") == "bfloat16")
 
 
+# (preset overrides, mesh, B, T): the planner with XLA's token mixer cores (`kernels=False`), as
+# XLA:CPU runs them, against XLA's peak. Measured, MiB per device, plan / XLA:CPU peak (ratio):
+#   unrolled, 1 device, 4 x 128               56.00 / 60.65   0.923
+#   unrolled, seq2, 2 x 128                   25.86 / 24.04   1.076
+# Outside 15%, not asserted (see the module docstring): scanned bf16, 1 device, 4 x 128: 46.05 /
+# 59.84 (0.77); scanned seq4, 2 x 128: 22.51 / 26.93 (0.84); seq4 data2, 2 x 128: 13.91 / 17.61
+# (0.79; scanned 0.74); seq2 fsdp2 expert2, 4 x 128: 12.20 / 9.51 (1.28); seq2 fsdp4, 4 x 128:
+# 12.39 / 21.85 (0.57); seq2 expert4, 4 x 128: 12.07 / 9.99 (1.21); fsdp2 expert2 tensor2,
+# 3 x 128: 22.95 / 16.96 (1.35).
+TOTAL_CASES = [
+    pytest.param((), (), 4, 128, id="unrolled-1-device"),
+    pytest.param((), (("seq", 2),), 2, 128, id="unrolled-seq2", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("overrides, mesh, batch_size, seq_len", TOTAL_CASES)
+def test_planned_total_with_xla_cores_is_xlas_peak(overrides, mesh, batch_size, seq_len):
+    plan = planned(overrides, mesh, batch_size, seq_len, kernels=False)
+    peak = xla_peak(xla_memory(overrides, mesh, batch_size, seq_len))
+    print(f"{dict(mesh)} {batch_size}x{seq_len}: total {plan.total / MIB:.2f} / peak "
+          f"{peak / MIB:.2f} MiB ({plan.total / peak:.3f})")
+    assert 0.85 * peak <= plan.total <= 1.15 * peak
+
+
 # (preset overrides, mesh, T, (B, B'), band): the same step at two batch sizes. Measured, MiB
 # per device, temporaries planner / XLA:CPU at B and at B', and the ratio of the differences:
-#   fsdp2 expert2 tensor2, B 4 (1 row), 3 (3 rows)   3.93 / 8.92,   10.87 / 15.91   1.01
-#   1 device, B 2, 4                                 11.25 / 28.74, 21.17 / 56.56   2.80
+#   fsdp2 expert2 tensor2, B 4 (1 row), 3 (3 rows)   3.91 / 9.04,   10.80 / 16.37   1.07
+#   1 device, B 2, 4                                 11.16 / 28.80, 20.99 / 56.67   2.83
 ROW_PAIRS = [
     pytest.param((), MESH_8, 128, (4, 3), (0.8, 1.25), id="rows-1-and-3-on-8-devices",
                  marks=pytest.mark.slow),
@@ -195,7 +237,8 @@ def test_long_context_settings_move_memory_as_planned():
     activations what they promise (no compile: the planner's own accounting)."""
     rows, seq_len = 2, 1024
     full = preset("tiny", remat="full")
-    plan = lambda cfg, **kw: plan_memory(cfg, {}, batch_size=rows, seq_len=seq_len, **kw)  # noqa: E731
+    plan = lambda cfg, **kw: plan_memory(  # noqa: E731
+        cfg, {}, batch_size=rows, seq_len=seq_len, **kw)
     on_device = plan(full)
     offloaded = plan(dataclasses.replace(full, remat="offload"))
     layer_inputs = rows * seq_len * full.num_layers * full.d_model * full.compute_dtype.itemsize
@@ -217,3 +260,41 @@ def test_long_context_settings_move_memory_as_planned():
     assert after > seq_len * mla + 128 * moe  # the MLA layer, now the second largest
     assert on_device.activations - plan(segmented).activations == pytest.approx(
         rows * (before - after) * full.compute_dtype.itemsize)
+
+
+def test_context_parallel_parts_are_derived():
+    """A seq axis of 2: the batch, router statistics and per-token activations of T / 2 tokens a
+    row, the state unsplit (the rules table splits no parameter over seq), and each layer's
+    exchange, derived by hand for `tiny` (f32, no remat: everything kept)."""
+    cfg = preset("tiny")
+    rows, length, local = 2, 128, 64
+    split = plan_memory(cfg, {"seq": 2}, batch_size=rows, seq_len=length)
+    alone = plan_memory(cfg, {}, batch_size=rows, seq_len=local)  # the same tokens a device
+    assert split.rows_per_device == rows and split.batch == alone.batch
+    assert split.batch == rows * local * BATCH_BYTES_PER_TOKEN
+    assert split.router_stats == alone.router_stats and split.arguments == alone.arguments
+    mla, kda = cfg.mla, cfg.kda
+    assert cfg.mixer_kinds == ("kda", "kda", "kda", "mla") and cfg.remat == "none"
+    # Gated MLA: the other shard's 64 latents [c_kv ; k_r] (32 + 8), their W_kvb keys and values
+    # (2 heads x (16 + 16)), keys with k_r on every head (2 x 24) and values padded to 24 (2 x 24);
+    # every shard's int32 ids [128] and the bool mask [64, 128].
+    gathered = local * (40 + 2 * (16 + 16) + 2 * (24 + 24)) * 4 + 128 * 4 + local * 128
+    # KDA: the second run's output R [64, 2 heads, 32] and float32 chunk states (a 32 x 32 state
+    # per head and 64 tokens), both shards' maps [2 heads, 32, 64] and entering states
+    # [2 heads, 32, 32], and the previous shard's last 3 conv inputs [3, 192].
+    exchanged = (local * (2 * 32 + 2 * 32 * 32 / 64) + 2 * 2 * (32 * 64 + 32 * 32)
+                 + 3 * kda.qkv_dim) * 4
+    assert (mla.latent_dim, mla.qk_head_dim, kda.qkv_dim, kda.conv_size) == (40, 24, 192, 4)
+    assert split.activations - alone.activations == pytest.approx(
+        rows * (gathered + 3 * exchanged))
+    with pytest.raises(ValueError, match="seq mesh axis of 2 devices must split seq_len=127"):
+        plan_memory(cfg, {"seq": 2}, batch_size=rows, seq_len=127)
+
+
+def test_fitting_plans_double_the_seq_axis_until_the_plan_fits():
+    cfg = preset("tiny")
+    plans = memory.fitting_plans(cfg, 8, 1024, expert=2, device_bytes=20 * MIB)
+    assert [plan.mesh["seq"] for plan in plans] == [2**i for i in range(len(plans))]
+    assert [plan.total <= 20 * MIB for plan in plans] == [False] * (len(plans) - 1) + [True]
+    assert all(plan.mesh["fsdp"] * plan.mesh["seq"] * 2 == 8 for plan in plans)
+    assert all(plan.batch_size * plan.mesh["seq"] == 8 for plan in plans)
