@@ -182,35 +182,43 @@ def test_packed_layout_lowers_to_padding_mask_cudnn_calls_for_cuda(cuda_trace): 
 
 
 # The K3 tower's heads (12 of 128, width 1024) over a buffer of 2 rows of 4096 patch slots:
-# row 0 holds 448 x 448 (32 x 32 patches), 896 x 672 (64 x 48) and 224 x 224 (16 x 16) images and
-# padding, row 1 one 1344 x 672 image (96 x 32, exactly 3072) and padding.
+# row 0 holds a 448 x 448 (32 x 32 patches) and an 896 x 672 (64 x 48) image, full; row 1 a
+# 224 x 224 (16 x 16) and a 1344 x 448 (96 x 32) image and 768 slots of padding.
 GPU_TOWER = VisionConfig(num_layers=2, max_segments=8)
 GPU_GRIDS = [(32, 32), (64, 48), (16, 16), (96, 32)]
 
 
+def coloured_image(seed: int, h: int, w: int) -> np.ndarray:
+    """[14 h, 14 w, 3]: a random colour of [-1, 1]^3 and a little noise. Images of one colour
+    each, so that attention across images changes the features: i.i.d. noise images look alike
+    to a random tower (joined into one run, two-block K3-width towers' features moved by about
+    4% on a small buffer of noise images, by about 40% on one of these)."""
+    rng = np.random.default_rng(seed)
+    return (rng.uniform(-1, 1, 3) + 0.25 * rng.normal(size=(14 * h, 14 * w, 3))).astype(
+        np.float32)
+
+
 @pytest.mark.gpu
 def test_packed_cudnn_equals_the_dense_mask_on_the_gpu():
-    batch = pack_images(
-        [np.random.default_rng(i).uniform(size=(h * 14, w * 14, 3)).astype(np.float32)
-         for i, (h, w) in enumerate(GPU_GRIDS)],
-        patch_size=14, num_rows=2, max_patches=4096)
+    batch = pack_images([coloured_image(i, h, w) for i, (h, w) in enumerate(GPU_GRIDS)],
+                        patch_size=14, num_rows=2, max_patches=4096)
     assert bool(jnp.all(document_segments(document_index(jnp.asarray(batch.segment_ids)),
                                           GPU_TOWER.max_segments).fits))  # no fallback
     run = jax.jit(features_and_grads)
-    results = {}
-    for implementation, dtype in (("cudnn_segments", jnp.bfloat16), ("cudnn", jnp.bfloat16),
-                                  ("xla", jnp.float32)):
+
+    def tower_with(implementation):  # bf16 compute: only the attention path differs
         cfg = dataclasses.replace(GPU_TOWER, implementation=implementation)
-        model = VisionTower(cfg, dtype=dtype, rngs=nnx.Rngs(0))
-        results[implementation] = run(model, batch)
+        return VisionTower(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+
+    results = {implementation: run(tower_with(implementation), batch)
+               for implementation in ("cudnn_segments", "cudnn", "xla")}
     assert VisionTower(GPU_TOWER, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)).blocks[0].implementation \
         == "cudnn_segments"  # Hopper's default
     packed = results["cudnn_segments"]
-    for reference in (results["cudnn"], results["xla"]):  # the dense mask, bf16 and float32
+    for reference in (results["cudnn"], results["xla"]):  # the dense mask, by cuDNN and XLA
         assert relative_l2(packed[0], reference[0]) < 1e-2
         for got, want in zip(packed[1], reference[1]):
             assert relative_l2(got, want) < 2e-2
     # The images change the answer: attention across each whole row differs.
     joined = dataclasses.replace(batch, segment_ids=np.where(batch.segment_ids != 0, 1, 0))
-    model = VisionTower(dataclasses.replace(GPU_TOWER, implementation="xla"), rngs=nnx.Rngs(0))
-    assert relative_l2(run(model, joined)[0], results["xla"][0]) > 0.1
+    assert relative_l2(run(tower_with("xla"), joined)[0], results["xla"][0]) > 0.1
