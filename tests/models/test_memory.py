@@ -25,10 +25,11 @@ and the temporaries. Tolerances, from the measurements tabled at `ARGUMENT_CASES
   is within 15% of XLA:CPU's peak on one device and with seq=2, unrolled and scanned
   (`TOTAL_CASES`). Not yet on the other scanned steps (XLA's loops hold 19-30% more than planned:
   7.2 MiB more for the one-device step scanned than unrolled, which the planner counts alike)
-  nor on meshes that combine seq with data, fsdp or expert: there XLA:CPU's peak for the same tokens per device moves with the mesh
-  (seq2 x fsdp2 x expert2: 9.5 MiB, seq2 x fsdp4: 21.9 MiB, one row of 64 tokens each; without
-  seq, expert4: 17.8 MiB, fsdp4: 26.4 MiB for a row of 128), which the planner's per-token
-  accounting does not follow; the ratios are tabled at `TOTAL_CASES`.
+  nor on meshes that combine seq with data, fsdp or expert: there XLA:CPU's peak for the same
+  tokens per device moves with the mesh (seq2 x fsdp2 x expert2: 9.5 MiB, seq2 x fsdp4: 21.9
+  MiB, one row of 64 tokens each; without seq, expert4: 17.8 MiB, fsdp4: 26.4 MiB for a row of
+  128), which the planner's per-token accounting does not follow; the ratios are tabled at
+  `TOTAL_CASES`.
 - context parallelism's own terms (the gathered MLA latents and keys, KDA's second run, maps
   and halo) are derived by hand for `tiny` (`test_context_parallel_parts_are_derived`).
 """
@@ -125,11 +126,11 @@ def test_planned_arguments_are_xlas(overrides, mesh, batch_size, seq_len):
 #   unrolled, seq2, 2 x 128                   25.86 / 24.04   1.076
 #   scanned, seq2, 2 x 128                    25.86 / 29.51   0.876
 # Outside 15%, not asserted (see the module docstring): scanned, 1 device, 4 x 128: 56.00 / 67.88
-# (0.83; bf16: 46.05 / 59.84, 0.77); scanned seq4, 2 x 128: 22.51 / 26.93 (0.84); seq4 data2, 2 x 128: 13.91 / 17.61
-# (0.79; scanned 0.74); seq2 fsdp2 expert2, 4 x 128: 12.20 / 9.51 (1.28); seq2 fsdp4, 4 x 128:
-# 12.39 / 21.85 (0.57); seq2 expert4, 4 x 128: 12.07 / 9.99 (1.21); fsdp2 expert2 tensor2,
-# 3 x 128: 22.95 / 16.96 (1.35); expert4, 4 x 128: 14.47 / 17.75 (0.82); fsdp4, 4 x 128:
-# 14.78 / 26.39 (0.56).
+# (0.83; bf16: 46.05 / 59.84, 0.77); scanned seq4, 2 x 128: 22.51 / 26.93 (0.84); seq4 data2,
+# 2 x 128: 13.91 / 17.61 (0.79; scanned 0.74); seq2 fsdp2 expert2, 4 x 128: 12.20 / 9.51 (1.28);
+# seq2 fsdp4, 4 x 128: 12.39 / 21.85 (0.57); seq2 expert4, 4 x 128: 12.07 / 9.99 (1.21); fsdp2
+# expert2 tensor2, 3 x 128: 22.95 / 16.96 (1.35); expert4, 4 x 128: 14.47 / 17.75 (0.82); fsdp4,
+# 4 x 128: 14.78 / 26.39 (0.56).
 TOTAL_CASES = [
     pytest.param((), (), 4, 128, id="unrolled-1-device"),
     pytest.param((), (("seq", 2),), 2, 128, id="unrolled-seq2", marks=pytest.mark.slow),
