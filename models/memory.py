@@ -6,6 +6,7 @@
 or from the shell:
 
     python -m models.memory --preset k3 --mesh fsdp=64,expert=16 --batch 1024 --seq 8192
+    python -m models.memory --table --loss-chunk 8192   # 8K..1M on 1024, 4096 H200s, seq as needed
 
 The step's arguments are exact (but for a few scalar counters): float32 parameters, AdamW
 moments, the compute-dtype copies of the MoE expert weights (`train.step.TrainState`), router
@@ -526,7 +527,7 @@ def fitting_plans(cfg: ModelConfig, devices: int, seq_len: int, *, expert: int,
     `device_bytes`, which is the last (or all of them, when none fits). kwargs: `plan_memory`'s.
     """
     plans, shards = [], 1
-    while shards * expert * tensor <= devices and seq_len % shards == 0:
+    while devices % (shards * expert * tensor) == 0 and seq_len % shards == 0:
         mesh = dict(fsdp=devices // (expert * tensor * shards), expert=expert, seq=shards,
                     tensor=tensor)
         plans.append(plan_memory(cfg, mesh, batch_size=devices // (tensor * shards),
@@ -611,8 +612,12 @@ def main(argv=None) -> None:
         print(format_plan_table(cfg, args.devices, args.lengths, expert=args.expert,
                                 tensor=args.tensor, loss_chunk_tokens=args.loss_chunk))
         return
-    print_memory_plan(cfg, mesh, batch_size=args.batch, seq_len=args.seq,
-                      loss_chunk_tokens=args.loss_chunk)
+    try:
+        plan = plan_memory(cfg, mesh, batch_size=args.batch, seq_len=args.seq,
+                           loss_chunk_tokens=args.loss_chunk)
+    except ValueError as error:  # a seq axis that does not split --seq
+        parser.error(str(error))
+    print(plan.report())
 
 
 if __name__ == "__main__":

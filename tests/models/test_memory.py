@@ -296,6 +296,8 @@ def test_context_parallel_parts_are_derived():
         rows * (gathered + 3 * exchanged))
     with pytest.raises(ValueError, match="seq mesh axis of 2 devices must split seq_len=127"):
         plan_memory(cfg, {"seq": 2}, batch_size=rows, seq_len=127)
+    with pytest.raises(SystemExit):  # the command line says so in one line
+        memory.main(["--preset", "tiny", "--mesh", "seq=2", "--seq", "127"])
 
 
 def test_fitting_plans_double_the_seq_axis_until_the_plan_fits():
