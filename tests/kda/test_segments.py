@@ -8,7 +8,7 @@ import pytest
 
 from experiments.harness import relative_error
 from kda.segments import kda_attention_in_segments, segment_starts_document
-from tests.kda.calls import run
+from tests.kda.calls import jitted_run, run
 from tests.kda.inputs import make_inputs
 
 
@@ -31,36 +31,42 @@ def test_segment_starts_mark_documents_beginning_at_a_boundary():
     assert segment_starts_document(ids, 256).tolist() == [[False, False]]  # one segment
 
 
-@pytest.mark.parametrize("gate, lower_bound", [("lower_bound", -5.0), ("softplus", None)])
-@pytest.mark.parametrize("segment_tokens", [64, 128])
+# Each gate path once, each with a document starting at a segment boundary (128 in both).
+@pytest.mark.parametrize("gate, lower_bound, segment_tokens", [("lower_bound", -5.0, 64),
+                                                               ("softplus", None, 128)])
 def test_segments_equal_the_whole_sequence_with_documents_at_boundaries(gate, lower_bound,
                                                                          segment_tokens):
     inputs = make_inputs(3, 2, 256, 2, 2, 16, 16, gate=gate, initial_state=True)
-    # Row 0: documents begin exactly at the segment boundaries 128 and 192 and inside one at 40.
+    # Row 0: documents begin at 128 and 192 (segment boundaries of 64 tokens; 128 also of 128)
+    # and inside a segment at 40.
     inputs["segment_ids"] = jnp.concatenate([documents_starting_at(256, [40, 128, 192]),
                                              documents_starting_at(256, [130, 131, 250])])
     options = dict(gate_lower_bound=lower_bound)
-    expected, actual = run("chunked", inputs, **options), in_segments(inputs, segment_tokens,
-                                                                      **options)
-    for name, got, want in zip(("o", "state"), actual, expected):
-        assert relative_error(got, want) <= 1e-5, name
-
-    def loss(fn, differentiable):
-        o, state = fn({**inputs, **differentiable})
-        return jnp.sum(o * jnp.cos(o)) + jnp.sum(state ** 2)
-
     names = ("q", "k", "v", "g", "beta", "initial_state")
-    chosen = {name: inputs[name] for name in names}
-    want = jax.grad(lambda d: loss(lambda x: run("chunked", x, **options), d))(chosen)
-    got = jax.grad(lambda d: loss(lambda x: in_segments(x, segment_tokens, **options), d))(chosen)
+
+    def outputs_and_gradients(fn):
+        """(o, state) of fn and the gradients of a loss of them, in one compiled program."""
+        def loss(differentiable):
+            o, state = fn({**inputs, **differentiable})
+            return jnp.sum(o * jnp.cos(o)) + jnp.sum(state ** 2), (o, state)
+
+        gradients, outputs = jax.jit(jax.grad(loss, has_aux=True))(
+            {name: inputs[name] for name in names})
+        return outputs, gradients
+
+    expected, want = outputs_and_gradients(lambda x: run("chunked", x, **options))
+    actual, got = outputs_and_gradients(lambda x: in_segments(x, segment_tokens, **options))
+    for name, got_output, want_output in zip(("o", "state"), actual, expected):
+        assert relative_error(got_output, want_output) <= 1e-5, name
     for name in names:
         assert relative_error(got[name], want[name]) <= 1e-5, name
 
 
 def test_without_documents_and_without_an_initial_state():
     inputs = make_inputs(5, 1, 192, 1, 2, 16, 16)
-    expected = run("chunked", inputs, gate_lower_bound=-5.0)
-    actual = in_segments(inputs, 64, gate_lower_bound=-5.0)
+    arrays = {name: x for name, x in inputs.items() if name != "use_qk_l2norm"}
+    expected = jitted_run("chunked", inputs, gate_lower_bound=-5.0)
+    actual = jax.jit(lambda x: in_segments({**inputs, **x}, 64, gate_lower_bound=-5.0))(arrays)
     for got, want in zip(actual, expected):
         assert relative_error(got, want) <= 1e-5
 
