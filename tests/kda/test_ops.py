@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import kda
 from experiments.harness import relative_error
 from kda.common import prepare_qk, prepare_qk_vjp
-from tests.kda.calls import loss_and_grads, run
+from tests.kda.calls import jitted_run, loss_and_grads, run
 from tests.kda.inputs import make_inputs
 from tests.kda.tolerances import BF16_TOLERANCE, F32_TOLERANCE, assert_within_bf16_tolerances
 
@@ -35,6 +35,8 @@ def test_chunked_matches_reference_in_float32(seed, batch, length, heads, dims, 
     inputs = make_inputs(seed, batch, length, *heads, *dims, gate=gate,
                          initial_state=initial_state, segments=segments)
     lower_bound = -5.0 if gate == "lower_bound" and bounded_path else None
+    # Eagerly: each example has shapes of its own, and eager dispatch compiles each operation
+    # once for all examples of its shape where `jitted_run` would compile every example whole.
     o_ref, state_ref = run("reference", inputs)
     o, state = run("chunked", inputs, gate_lower_bound=lower_bound)
     assert relative_error(o, o_ref) <= F32_TOLERANCE
@@ -44,11 +46,16 @@ def test_chunked_matches_reference_in_float32(seed, batch, length, heads, dims, 
 @pytest.mark.parametrize("gate_lower_bound", [None, -5.0])
 def test_chunk_sizes_agree(gate_lower_bound):
     inputs = make_inputs(0, 2, 100, 2, 2, 32, 32, initial_state=True, segments=True)
-    o64, s64 = kda.chunk_kda(**inputs, scale=32**-0.5, output_final_state=True,
-                             gate_lower_bound=gate_lower_bound)
+    use_qk_l2norm = inputs.pop("use_qk_l2norm")
+
+    def chunked(chunk_size):
+        return jax.jit(lambda x: kda.chunk_kda(
+            **x, scale=32**-0.5, output_final_state=True, use_qk_l2norm=use_qk_l2norm,
+            gate_lower_bound=gate_lower_bound, chunk_size=chunk_size))(inputs)
+
+    o64, s64 = chunked(64)
     for chunk_size in (16, 32):
-        o, s = kda.chunk_kda(**inputs, scale=32**-0.5, output_final_state=True,
-                             gate_lower_bound=gate_lower_bound, chunk_size=chunk_size)
+        o, s = chunked(chunk_size)
         assert relative_error(o, o64) <= F32_TOLERANCE
         assert relative_error(s, s64) <= F32_TOLERANCE
 
@@ -113,9 +120,9 @@ def time_slice(inputs, start, stop, initial_state=None):
 @pytest.mark.parametrize("impl", ["reference", "chunked"])
 def test_splitting_a_sequence_and_carrying_the_state_equals_the_whole(impl):
     inputs = make_inputs(6, 2, 150, 2, 2, 16, 32, initial_state=True)
-    o_whole, state_whole = run(impl, inputs)
-    o1, state1 = run(impl, time_slice(inputs, 0, 70, inputs["initial_state"]))
-    o2, state2 = run(impl, time_slice(inputs, 70, 150, state1))
+    o_whole, state_whole = jitted_run(impl, inputs)
+    o1, state1 = jitted_run(impl, time_slice(inputs, 0, 70, inputs["initial_state"]))
+    o2, state2 = jitted_run(impl, time_slice(inputs, 70, 150, state1))
     assert relative_error(jnp.concatenate([o1, o2], axis=1), o_whole) <= F32_TOLERANCE
     assert relative_error(state2, state_whole) <= F32_TOLERANCE
 
@@ -125,11 +132,11 @@ def test_packed_documents_equal_separate_runs(impl):
     lengths = (15, 70, 43)  # crosses chunk boundaries and starts mid-chunk
     inputs = make_inputs(7, 1, sum(lengths), 1, 2, 16, 16, gate="softplus", initial_state=True)
     segment_ids = jnp.repeat(jnp.arange(len(lengths)), np.array(lengths))[None]
-    o_packed, state_packed = run(impl, {**inputs, "segment_ids": segment_ids})
+    o_packed, state_packed = jitted_run(impl, {**inputs, "segment_ids": segment_ids})
     bounds = np.cumsum((0,) + lengths)
     # Only the first document continues the initial state; the others start from zero.
-    separate = [run(impl, time_slice(inputs, start, stop,
-                                     inputs["initial_state"] if start == 0 else None))
+    separate = [jitted_run(impl, time_slice(inputs, start, stop,
+                                            inputs["initial_state"] if start == 0 else None))
                 for start, stop in zip(bounds[:-1], bounds[1:])]
     assert relative_error(o_packed, jnp.concatenate([o for o, _ in separate], axis=1)) <= (
         F32_TOLERANCE)
@@ -144,7 +151,7 @@ def test_extreme_gates_stay_finite_and_exact(dtype):
     for inputs, lower_bound in ((saturated, -5.0), (huge, None)):
         grads = loss_and_grads("chunked", inputs, lower_bound)
         chex.assert_tree_all_finite(grads)
-        o_ref, state_ref = run("reference", inputs)
+        o_ref, state_ref = jitted_run("reference", inputs)
         assert relative_error(grads["o"], o_ref) <= (F32_TOLERANCE if dtype == jnp.float32
                                                      else BF16_TOLERANCE["o"])
         assert relative_error(grads["state"], state_ref) <= F32_TOLERANCE
@@ -153,10 +160,10 @@ def test_extreme_gates_stay_finite_and_exact(dtype):
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 def test_future_tokens_never_change_past_outputs(lower_bound):
     inputs = make_inputs(9, 1, 128, 1, 1, 16, 16)
-    o, _ = run("chunked", inputs, gate_lower_bound=lower_bound)
+    o, _ = jitted_run("chunked", inputs, gate_lower_bound=lower_bound)
     changed = {n: x.at[:, 70:].set(x[:, 70:] * 0.5) if n in ("q", "k", "v", "g", "beta") else x
                for n, x in inputs.items()}
-    o_changed, _ = run("chunked", changed, gate_lower_bound=lower_bound)
+    o_changed, _ = jitted_run("chunked", changed, gate_lower_bound=lower_bound)
     np.testing.assert_array_equal(o[:, :70], o_changed[:, :70])
     assert not np.array_equal(o[:, 70:], o_changed[:, 70:])
 
