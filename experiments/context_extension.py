@@ -2,14 +2,20 @@
 data mix shifting toward long documents and long-range recall, and measure needle-in-a-haystack
 and MQAR accuracy at every stage boundary.
 
-    python -m experiments.context_extension                    # CPU: 256 -> 1K -> 4K bytes
+    python -m experiments.context_extension                    # CPU: 64 -> 256 -> 1K bytes
     python -m experiments.context_extension --set lengths=8192,65536,262144,1048576 \\
         --set tokens_per_step=8388608 --set stage_steps=4000,1000,300,100 --set train.model=... \\
-        --set corpus=stdlib,repositories,repositories,repositories
+        --set corpus=stdlib,repositories,repositories,repositories --set corpus_weight=1,1,1,1 \\
+        --set long_document_bias=0,0.5,0.7,0.7 --set mqar_weight=0.05,0.15,0.25,0.25 \\
+        --set needle_weight=0.05,0.15,0.25,0.25 --set answer_weight=1,4,4,4
 
 K3 extends its context 8K -> 64K -> 256K -> 1M; the CPU default is that recipe scaled down.
-Each stage keeps batch_size x seq_len = tokens_per_step, raises the share of corpus chunks drawn
-from documents longer than the row (`long_document_bias`) and of synthetic MQAR and needle rows.
+Each stage keeps batch_size x seq_len = tokens_per_step and sets its data mix: corpus chunks, of
+which a share drawn from documents longer than the row (`long_document_bias`), and synthetic MQAR
+and needle rows. The CPU default's first stage trains on the tasks alone, in short rows where
+their examples are cheap: recall forms there as a sudden transition after a few hundred steps (a
+few hundred thousand answer tokens; mixed with corpus rows from the start, the same steps stay at
+chance). The later stages mix the corpus back in, with the answers' loss weighted up.
 The learning-rate schedule runs once over all stages. At the end of every stage the model is
 evaluated at every length of the curriculum (held-out task examples; needles at fixed depths), so
 the table shows both what the stage taught and how far beyond its length it reaches. The table
@@ -41,8 +47,8 @@ class ContextExtensionConfig:
     lengths: sequence length of each stage.
     tokens_per_step: batch_size x seq_len of every stage (a multiple of each length).
     stage_steps: optimizer steps of each stage.
-    long_document_bias, mqar_weight, needle_weight, answer_weight: each stage's data mix and
-        the loss weight of a task's answer tokens (see DataConfig).
+    corpus_weight, long_document_bias, mqar_weight, needle_weight, answer_weight: each stage's
+        data mix and the loss weight of a task's answer tokens (see DataConfig).
     corpus: each stage's embedded corpus (DataConfig.corpus), or empty for train.data.corpus in
         every stage. Rows past 256K need "repositories": the stdlib has no document that long.
     mqar: the MQAR task trained on and evaluated.
@@ -53,25 +59,27 @@ class ContextExtensionConfig:
 
     train: TrainConfig = dataclasses.field(default_factory=lambda: TrainConfig(
         model=preset("tiny"),
-        optim=OptimConfig(learning_rate=4e-3, warmup_steps=20, decay_fraction=0.3),
-        log_every=5, eval_batches=4,
+        optim=OptimConfig(learning_rate=3e-3, warmup_steps=20, decay_fraction=0.3),
+        log_every=10, eval_batches=4,
     ))
-    lengths: tuple[int, ...] = (256, 1024, 4096)
-    tokens_per_step: int = 4096
-    stage_steps: tuple[int, ...] = (150, 50, 30)
+    lengths: tuple[int, ...] = (64, 256, 1024)
+    tokens_per_step: int = 2048
+    stage_steps: tuple[int, ...] = (700, 100, 40)
+    corpus_weight: tuple[float, ...] = (0.0, 1.0, 1.0)
     long_document_bias: tuple[float, ...] = (0.0, 0.5, 0.7)
-    mqar_weight: tuple[float, ...] = (0.05, 0.15, 0.25)
-    needle_weight: tuple[float, ...] = (0.05, 0.15, 0.25)
-    answer_weight: tuple[float, ...] = (1.0, 1.0, 1.0)
+    mqar_weight: tuple[float, ...] = (1.0, 0.5, 0.5)
+    needle_weight: tuple[float, ...] = (1.0, 0.5, 0.5)
+    answer_weight: tuple[float, ...] = (1.0, 4.0, 4.0)
     corpus: tuple[EmbeddedCorpus, ...] = ()
-    mqar: MQAR = dataclasses.field(default_factory=lambda: MQAR(num_kv_pairs=8))
-    needle: NeedleInHaystack = dataclasses.field(default_factory=NeedleInHaystack)
+    mqar: MQAR = dataclasses.field(default_factory=lambda: MQAR(num_kv_pairs=4))
+    needle: NeedleInHaystack = dataclasses.field(
+        default_factory=lambda: NeedleInHaystack(key_bytes=2, value_bytes=3))
     needle_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
     eval_examples: int = 16
 
     def __post_init__(self):
-        per_stage = ("stage_steps", "long_document_bias", "mqar_weight", "needle_weight",
-                     "answer_weight")
+        per_stage = ("stage_steps", "corpus_weight", "long_document_bias", "mqar_weight",
+                     "needle_weight", "answer_weight")
         for name in per_stage + (("corpus",) if self.corpus else ()):
             if len(getattr(self, name)) != len(self.lengths):
                 raise ValueError(
@@ -96,14 +104,16 @@ class ContextExtensionConfig:
             Stage(
                 dataclasses.replace(
                     base, seq_len=length, batch_size=self.tokens_per_step // length,
-                    long_document_bias=bias, mqar_weight=mqar_share, needle_weight=needle_share,
-                    answer_weight=answer, mqar=self.mqar, needle=self.needle, corpus=corpus,
+                    corpus_weight=corpus_share, long_document_bias=bias,
+                    mqar_weight=mqar_share, needle_weight=needle_share, answer_weight=answer,
+                    mqar=self.mqar, needle=self.needle, corpus=corpus,
                 ),
                 steps,
             )
-            for length, steps, bias, mqar_share, needle_share, answer, corpus in zip(
-                self.lengths, self.stage_steps, self.long_document_bias, self.mqar_weight,
-                self.needle_weight, self.answer_weight, corpora,
+            for length, steps, corpus_share, bias, mqar_share, needle_share, answer, corpus
+            in zip(
+                self.lengths, self.stage_steps, self.corpus_weight, self.long_document_bias,
+                self.mqar_weight, self.needle_weight, self.answer_weight, corpora,
             )
         )
 
@@ -167,8 +177,8 @@ def main(argv=None) -> dict:
     stages = config.stages()
     for index, stage in enumerate(stages):
         print_primary(f"stage {index + 1}: {stage.steps} steps of {stage.data.batch_size} x "
-                      f"{stage.data.seq_len}; long documents "
-                      f"{stage.data.long_document_bias:.0%}, MQAR {stage.data.mqar_weight:g}, "
+                      f"{stage.data.seq_len}; corpus {stage.data.corpus_weight:g} (long documents "
+                      f"{stage.data.long_document_bias:.0%}), MQAR {stage.data.mqar_weight:g}, "
                       f"needle {stage.data.needle_weight:g}")
     with one_line_errors(args.debug):
         # Building every stage's pipeline now refuses a long stage without long enough

@@ -17,6 +17,9 @@ def test_stages_keep_tokens_per_step_and_shift_the_mix():
         config.tokens_per_step}
     biases = [stage.data.long_document_bias for stage in stages]
     assert biases == sorted(biases) and biases[-1] > biases[0]
+    # The first stage trains on the tasks alone; the corpus joins later.
+    assert [stage.data.corpus_weight for stage in stages] == list(config.corpus_weight)
+    assert stages[0].data.corpus_weight == 0 and stages[-1].data.corpus_weight > 0
     assert config.train_config().steps == sum(config.stage_steps)
     assert config.train_config().data == stages[0].data
 
@@ -25,6 +28,7 @@ def test_stages_keep_tokens_per_step_and_shift_the_mix():
     "changes, message",
     [
         (dict(stage_steps=(1, 2)), "stage_steps has 2 entries for 3 stages"),
+        (dict(corpus_weight=(1, 1, 1, 1)), "corpus_weight has 4 entries for 3 stages"),
         (dict(lengths=(1024, 256, 4096)), "increasing"),
         (dict(tokens_per_step=1000), "not a multiple"),
         (dict(eval_examples=0), "eval_examples"),
@@ -37,8 +41,8 @@ def test_inconsistent_curricula_are_refused(changes, message):
 
 def test_table_has_a_row_per_stage_and_length():
     config = ContextExtensionConfig(lengths=(64, 128), tokens_per_step=128, stage_steps=(1, 1),
-                                    long_document_bias=(0, 0), mqar_weight=(0, 0),
-                                    needle_weight=(0, 0), answer_weight=(1, 1),
+                                    corpus_weight=(1, 1), long_document_bias=(0, 0),
+                                    mqar_weight=(0, 0), needle_weight=(0, 0), answer_weight=(1, 1),
                                     needle_depths=(0.5,))
     accuracy = {"exact_match": 0.25, "token_accuracy": 0.5}
     recall = {length: {"mqar": accuracy, "needle@0.5": accuracy} for length in ("64", "128")}
@@ -69,10 +73,10 @@ def test_a_short_curriculum_learns_to_recall_and_writes_its_table(tmp_path, caps
     out = str(tmp_path / "run")
     summary = _run(out, {
         "lengths": "32,64", "tokens_per_step": "1024", "stage_steps": "50,2",
-        "long_document_bias": "0,0", "mqar_weight": "0,0", "needle_weight": "1,1",
+        "corpus_weight": "0,0", "long_document_bias": "0,0", "mqar_weight": "0,0",
+        "needle_weight": "1,1",
         "answer_weight": "1,1", "mqar.num_kv_pairs": "2", "needle.key_bytes": "1",
         "needle.value_bytes": "2", "needle_depths": "0.5", "eval_examples": "32",
-        "train.data.needle_weight": "1", "train.data.corpus_weight": "0",
         "train.optim.learning_rate": "1e-2", "train.optim.warmup_steps": "5",
         "train.optim.schedule": "constant", **SMALL_MODEL,
     })
@@ -92,7 +96,7 @@ def test_a_short_curriculum_learns_to_recall_and_writes_its_table(tmp_path, caps
 def test_stages_take_their_corpus_and_a_long_stage_without_long_documents_fails_first(
         tmp_path, capsys, monkeypatch):
     short = dict(lengths=(64, 1 << 20), tokens_per_step=1 << 20, stage_steps=(1, 1),
-                 long_document_bias=(0.0, 0.5), mqar_weight=(0, 0), needle_weight=(0, 0),
+                 corpus_weight=(1, 1), long_document_bias=(0.0, 0.5), mqar_weight=(0, 0), needle_weight=(0, 0),
                  answer_weight=(1, 1))
     stages = ContextExtensionConfig(**short, corpus=("stdlib", "repositories")).stages()
     assert [stage.data.corpus for stage in stages] == ["stdlib", "repositories"]
