@@ -71,8 +71,7 @@ def assert_matches_oracle(actual, expected, x, d_y, scale):
 
 
 @pytest.mark.parametrize("batch,length,padded_length,heads,key_dim", [
-    (2, 128, 128, 2, 64),  # T' = T, whole blocks
-    (2, 128, 128, 2, 128),
+    (2, 128, 128, 2, 64),  # T' = T, whole blocks (K = 128: the next cases)
     (2, 150, 192, 2, 128),  # padded tokens of dy; a batch row's last block ends inside it
     (1, 150, 192, 3, 64),  # 450 rows, not whole row tiles: zero tokens appended
     (1, 20, 64, 2, 128),  # fewer rows than a block

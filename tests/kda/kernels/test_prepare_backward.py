@@ -22,7 +22,8 @@ from tests.kda.kernels.preparation import (LOWER_BOUND, assert_vjp_matches_plain
 @pytest.mark.slow
 @pytest.mark.parametrize("length,heads,dim,segments,use_qk_l2norm,saturated", [
     (64, (1, 1), 64, False, False, False),
-    (150, (1, 2), 64, True, True, False),  # three chunks, a padded tail, grouped value heads
+    # Three chunks, a padded tail and grouped value heads at K = 64: in
+    # `tests/kda/kernels/test_score_backward.py`, which runs this same VJP.
     (128, (1, 1), 64, True, False, True),  # g = L: the row and column terms of dG nearly cancel
     # K = 128: kernel 1 takes its right-hand sides in two 64-column halves, each of the score
     # kernel's warpgroups two slabs.

@@ -84,14 +84,11 @@ def test_interpreted_four_warpgroups_match_two():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("length,heads,dim,saturated", [
-    (150, (1, 2), 64, False),  # a padded tail, grouped value heads
-    (128, (1, 1), 64, True),
-    (150, (1, 1), 128, False),
-])
-def test_interpreted_vjp_matches_plain_jax(length, heads, dim, saturated):
-    case = preparation_case(22, 1, length, heads, dim, segments=True, use_qk_l2norm=True,
-                            saturated=saturated)
+def test_interpreted_vjp_matches_plain_jax():
+    """Three chunks, a padded tail, grouped value heads at K = 64. The preparation VJP's other
+    cases (K = 128, g = L, no norm, no documents) are those of
+    `tests/kda/kernels/test_prepare_backward.py`: the same VJP, score kernel included."""
+    case = preparation_case(22, 1, 150, (1, 2), 64, segments=True, use_qk_l2norm=True)
     with interpreted_on_simulated_hopper():
         assert_vjp_matches_plain_jax(*case)
 
