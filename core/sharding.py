@@ -10,16 +10,18 @@ the mesh axes:
     batch  -> data, fsdp, expert     tokens are split over every data-like axis
     seq    -> seq                    context parallelism: each sequence's tokens in contiguous
                                      shards over the seq axis (`core.context_parallel`)
-    embed  -> fsdp, expert           parameters at rest are split ZeRO-3 style over the fsdp and
-                                     expert axes (expert ranks are data ranks outside the MoE)
-    latent -> fsdp, expert           low-rank / latent widths, when embed is not in the array
+    embed  -> fsdp, expert, seq      parameters at rest are split ZeRO-3 style over the fsdp,
+                                     expert and seq axes (expert ranks are data ranks outside the
+                                     MoE; seq ranks hold one sequence's shards and the same
+                                     parameters, so they share the parameter state too)
+    latent -> fsdp, expert, seq      low-rank / latent widths, when embed is not in the array
     heads, mlp, vocab -> tensor      Megatron-style tensor parallelism
     expert -> expert                 expert parallelism
     kv -> not split
 
 An expert weight [expert, latent, mlp] is thus split over expert, fsdp and tensor; a dense weight
-[embed, heads] over fsdp x expert and tensor; an activation [batch, seq, embed] over the batch
-axes and seq (embed finds its axes taken).
+[embed, heads] over fsdp x expert x seq and tensor; an activation [batch, seq, embed] over the
+batch axes and seq (embed finds its axes taken).
 
 Resolution follows Flax's convention: a mesh axis already used by an earlier dimension of the
 same array is skipped, and so is an axis that does not divide the dimension (that dimension is
@@ -42,8 +44,8 @@ MESH_AXES = ("data", "fsdp", "expert", "seq", "tensor")
 LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("batch", ("data", "fsdp", "expert")),
     ("seq", ("seq",)),
-    ("embed", ("fsdp", "expert")),
-    ("latent", ("fsdp", "expert")),
+    ("embed", ("fsdp", "expert", "seq")),
+    ("latent", ("fsdp", "expert", "seq")),
     ("heads", ("tensor",)),
     ("kv", ()),
     ("mlp", ("tensor",)),

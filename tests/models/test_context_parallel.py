@@ -11,9 +11,7 @@ from flax import nnx
 from core.sharding import batch_sharding, make_mesh, shard_module
 from experiments.harness import relative_error
 from models.attention import GatedMLA, MLAConfig
-from models.config import preset
 from models.lm import HybridLM
-from models.memory import plan_memory
 from tests.core.test_context_parallel import CONTEXT_MESHES
 from tests.core.test_sharding import SHARD_CFG, logits_and_grads
 from tests.kda.test_segments import documents_starting_at
@@ -90,8 +88,3 @@ def test_hybrid_lm_across_shards_equals_one_device(hybrid_one_device, mesh_name)
     for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(grads))[0],
                                  jax.tree.leaves(nnx.to_pure_dict(want_grads))):
         assert relative_error(got, want) <= 1e-5, jax.tree_util.keystr(path)
-
-
-def test_the_memory_planner_refuses_context_parallelism():
-    with pytest.raises(ValueError, match="does not count context parallelism yet"):
-        plan_memory(preset("tiny"), {"seq": 2}, batch_size=2, seq_len=64)

@@ -271,15 +271,20 @@ def test_long_context_settings_move_memory_as_planned():
 
 def test_context_parallel_parts_are_derived():
     """A seq axis of 2: the batch, router statistics and per-token activations of T / 2 tokens a
-    row, the state unsplit (the rules table splits no parameter over seq), and each layer's
-    exchange, derived by hand for `tiny` (f32, no remat: everything kept)."""
+    row, the state split over seq as over fsdp (the rules table splits embed and latent over
+    both), and each layer's exchange, derived by hand for `tiny` (f32, no remat: everything
+    kept)."""
     cfg = preset("tiny")
     rows, length, local = 2, 128, 64
     split = plan_memory(cfg, {"seq": 2}, batch_size=rows, seq_len=length)
     alone = plan_memory(cfg, {}, batch_size=rows, seq_len=local)  # the same tokens a device
     assert split.rows_per_device == rows and split.batch == alone.batch
     assert split.batch == rows * local * BATCH_BYTES_PER_TOKEN
-    assert split.router_stats == alone.router_stats and split.arguments == alone.arguments
+    assert split.router_stats == alone.router_stats
+    # Two rows of 64 tokens a device on fsdp=2 too, each parameter split the same way.
+    fsdp = plan_memory(cfg, {"fsdp": 2}, batch_size=2 * rows, seq_len=local)
+    assert split.arguments == fsdp.arguments < alone.arguments
+    assert split.gathered_weights == fsdp.gathered_weights > alone.gathered_weights
     mla, kda = cfg.mla, cfg.kda
     assert cfg.mixer_kinds == ("kda", "kda", "kda", "mla") and cfg.remat == "none"
     # Gated MLA: the other shard's 64 latents [c_kv ; k_r] (32 + 8), their W_kvb keys and values
