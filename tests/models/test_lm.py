@@ -191,12 +191,13 @@ def decode_logits(model, tokens, prompt_length, page_size=2):
 
 
 @pytest.mark.slow
-def test_decode_equals_prefill_with_scanned_layers():
+def test_decode_equals_prefill_with_scanned_layers(scanned_without_dense):
     # Unscanned decoding is checked by test_models_generate (greedy == argmax of the forward).
-    model = HybridLM(reference_kda_config(scan_layers=True, **FIVE), rngs=nnx.Rngs(4))
+    # The reference logits come from `forward_with_stats`, the program the router bias test runs.
+    model = scanned_without_dense
     tokens = random_tokens(5, (2, 8))
     np.testing.assert_allclose(
-        decode_logits(model, tokens, prompt_length=4), forward(model, tokens),
+        decode_logits(model, tokens, prompt_length=4), forward_with_stats(model, tokens)[0],
         rtol=2e-5, atol=2e-5,
     )
 
@@ -219,19 +220,35 @@ def restacked(plan, source: dict, target: dict) -> dict:
     return target
 
 
-@pytest.mark.slow
-def test_scanned_rematted_equals_unscanned_forward_and_gradients():
-    plain = HybridLM(reference_kda_config(**FIVE), rngs=nnx.Rngs(6))
-    scanned_cfg = reference_kda_config(scan_layers=True, remat="full", **FIVE)
-    scanned = HybridLM(scanned_cfg, rngs=nnx.Rngs(7))
+REMAT_TOKENS = random_tokens(10, (2, 8))
+
+
+@pytest.fixture(scope="module")
+def five_layers():
+    """The five-layer model, nothing scanned or rematerialised."""
+    return HybridLM(reference_kda_config(**FIVE), rngs=nnx.Rngs(6))
+
+
+@pytest.fixture(scope="module")
+def scanned_gradient(five_layers):
+    """(the scanned, fully rematerialised five-layer model holding `five_layers`' weights, its
+    gradient program compiled as `train.step` compiles it, that program's (loss, grads) at
+    REMAT_TOKENS). One compile serves the equality test and the profiling scopes test."""
+    scanned = HybridLM(reference_kda_config(scan_layers=True, remat="full", **FIVE),
+                       rngs=nnx.Rngs(7))
     assert [(p.size, p.repeats) for p in scanned.plan] == [(1, 1), (2, 2)]
     state = nnx.state(scanned, nnx.Param)
     nnx.replace_by_pure_dict(state, restacked(scanned.plan, nnx.to_pure_dict(
-        nnx.state(plain, nnx.Param)), nnx.to_pure_dict(state)))
+        nnx.state(five_layers, nnx.Param)), nnx.to_pure_dict(state)))
     nnx.update(scanned, state)
-    tokens = random_tokens(8, (2, 8))
-    loss_plain, grads_plain = value_and_grad(plain, tokens)
-    loss_scanned, grads_scanned = value_and_grad(scanned, tokens)
+    compiled = value_and_grad.lower(scanned, REMAT_TOKENS).compile(FAST_COMPILE_OPTIONS)
+    return scanned, compiled, compiled(scanned, REMAT_TOKENS)
+
+
+@pytest.mark.slow
+def test_scanned_rematted_equals_unscanned_forward_and_gradients(five_layers, scanned_gradient):
+    scanned, _, (loss_scanned, grads_scanned) = scanned_gradient
+    loss_plain, grads_plain = value_and_grad(five_layers, REMAT_TOKENS)
     np.testing.assert_allclose(loss_scanned, loss_plain, rtol=1e-6)
     expected = restacked(scanned.plan, nnx.to_pure_dict(grads_plain),
                          nnx.to_pure_dict(grads_scanned))
@@ -249,14 +266,10 @@ def assert_grads_close(got, want):
         np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-4 * np.abs(w).max(), err_msg=name)
 
 
-REMAT_TOKENS = random_tokens(10, (2, 8))
-
-
 @pytest.fixture(scope="module")
-def gradients_without_remat():
+def gradients_without_remat(five_layers):
     """The five-layer model's gradients at REMAT_TOKENS, nothing recomputed."""
-    model = HybridLM(reference_kda_config(**FIVE), rngs=nnx.Rngs(6))
-    return nnx.to_pure_dict(value_and_grad(model, REMAT_TOKENS)[1])
+    return nnx.to_pure_dict(value_and_grad(five_layers, REMAT_TOKENS)[1])
 
 
 @pytest.mark.slow
@@ -283,11 +296,16 @@ def test_offload_remat_keeps_gradients_and_sends_each_layer_input_to_host(
     assert [aval.shape for aval in moved] == [(2, 8, offload.cfg.d_model)] * FIVE["num_layers"]
 
 
+@pytest.fixture(scope="module")
+def scanned_without_dense():
+    """No dense layer: layer 0 is a lone MoE layer, layers 1..4 two stacked [KDA, MLA] groups."""
+    return HybridLM(reference_kda_config(scan_layers=True, first_k_dense=0, **FIVE),
+                    rngs=nnx.Rngs(12))
+
+
 @pytest.mark.slow
-def test_router_bias_update_reaches_every_moe_layer():
-    # No dense layer: layer 0 is a lone MoE layer, layers 1..4 two stacked [KDA, MLA] groups.
-    model = HybridLM(reference_kda_config(scan_layers=True, first_k_dense=0, **FIVE),
-                     rngs=nnx.Rngs(12))
+def test_router_bias_update_reaches_every_moe_layer(scanned_without_dense):
+    model = scanned_without_dense
     _, stats = forward_with_stats(model, random_tokens(13, (2, 8)))
     sites = model.moe_sites()
     assert [stacked for _, stacked in sites] == [False, True, True] and len(stats) == 3
@@ -330,25 +348,21 @@ def test_remat_checkpoints_each_scanned_layer_on_its_own():
     assert scanned_body.count(checkpoint) == 2  # the group's two layers, one checkpoint each
 
 
-def test_compiled_gradient_names_each_part_in_forward_and_backward_ops():
+@pytest.mark.slow
+def test_compiled_gradient_names_each_part_in_forward_and_backward_ops(scanned_gradient):
     # What experiments.profiling.scope_times reads: the scopes survive into the compiled HLO's
-    # op_name metadata, in a lone layer (MLA, dense FFN) and in a scanned group (KDA, MoE), both
-    # rematerialised; backward op_names read "transpose(jvp(kda))/..." or, under the checkpoint
-    # and in scanned bodies, "transpose(jvp())/while/body/eval_jaxpr/checkpoint/kda/...".
-    cfg = reference_kda_config(scan_layers=True, remat="dots", num_layers=3, kda_layers=(2, 3),
-                               full_attn_layers=(1,))
-    model = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))
-    assert [(p.size, p.repeats) for p in model.plan] == [(1, 1), (1, 2)]
-    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
-    compiled = value_and_grad.lower(model, tokens).compile(FAST_COMPILE_OPTIONS)
+    # op_name metadata, in a lone layer (KDA, dense FFN) and in a scanned group (KDA, MLA, MoE),
+    # all rematerialised; backward op_names read "transpose(jvp(kda))/..." or, under the
+    # checkpoint and in scanned bodies, "transpose(jvp())/while/body/eval_jaxpr/checkpoint/kda/...".
+    _, compiled, _ = scanned_gradient
     found = collections.defaultdict(set)
     for op in profiling.hlo_instructions(compiled.as_text()).values():
         scope = profiling.scope_of(op.op_name, PROFILE_SCOPES)
         direction = "backward" if "transpose(" in op.op_name else "forward"
         found[scope].add(direction + (" scanned" if "/while/body/" in op.op_name else ""))
     lone, scanned = {"forward", "backward"}, {"forward scanned", "backward scanned"}
-    expected = dict(embed=lone, attention=lone, dense_ffn=lone, kda=scanned, moe=scanned,
-                    attn_res=lone | scanned, lm_head=lone)
+    expected = dict(embed=lone, attention=scanned, dense_ffn=lone, kda=lone | scanned,
+                    moe=scanned, attn_res=lone | scanned, lm_head=lone)
     for scope, directions in expected.items():
         assert directions <= found[scope], (scope, found[scope])
 
