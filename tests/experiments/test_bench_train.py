@@ -21,6 +21,11 @@ from moe.grouped_matmul import grouped_matmul
 TWO_LAYERS = ("model.num_layers=2", "model.kda_layers=1", "model.full_attn_layers=2")
 TWO_LAYER_FLAGS = [flag for setting in TWO_LAYERS for flag in ("--set", setting)]
 TWO_LAYER_SMOKE = dataclasses.replace(bench_train.SMOKE, settings=TWO_LAYERS)
+# The tests that compile a step use the GPU setup's recomputation policy: on CPU (float32, where no
+# GPU kernel or stand-in runs) one step program then serves the smoke run, `--cpu-plan` and both
+# steps of `--versus`, compiled once (the persistent cache). Remat "none" trains everywhere else.
+GPU_REMAT = ("--remat", bench_train.GPU.remat)
+GPU_REMAT_SMOKE = dataclasses.replace(TWO_LAYER_SMOKE, remat=bench_train.GPU.remat)
 
 
 def test_synthetic_batch_packs_the_documents():
@@ -108,8 +113,8 @@ def test_smoke_run_reports_throughput_memory_breakdown_and_profile(tmp_path, cap
         reported.append(out.read_text())
 
     monkeypatch.setattr(bench_train, "write_result", record)
-    result = bench_train.main(["--smoke", "--steps", "2", "--remat", bench_train.GPU.remat,
-                               "--profile", "--out", str(out), *TWO_LAYER_FLAGS])
+    result = bench_train.main(["--smoke", "--steps", "2", *GPU_REMAT, "--profile", "--out",
+                               str(out), *TWO_LAYER_FLAGS])
     assert "stopped before the step was timed" in reported[0]
     assert "before every layer was timed" in reported[1] and "| rest |" in reported[-1]
     assert "preflight: step compiled" in capsys.readouterr().out
@@ -218,17 +223,17 @@ def test_a_partial_result_is_reported_as_far_as_it_got():
     assert "before every layer was timed" in text
 
 
-@pytest.mark.slow  # the two-layer step compiled twice
+@pytest.mark.slow
 def test_cpu_plan_compiles_the_step_of_an_abstract_state(capsys):
     """`--cpu-plan` builds the trainer abstract (shapes and shardings as the real one, nothing
     allocated) and compiles its step with the GPU kernels stood in."""
-    config = bench_train.train_config(TWO_LAYER_SMOKE, "adamw")
+    config = bench_train.train_config(GPU_REMAT_SMOKE, "adamw")
     abstract = bench_train.Trainer.create(config, abstract=True).state
     concrete = bench_train.Trainer.create(config).state
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract))
     assert jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), abstract) == jax.tree.map(
         lambda x: (x.shape, x.dtype, x.sharding), concrete)
-    result = bench_train.cpu_plan(TWO_LAYER_SMOKE, "adamw")
+    result = bench_train.cpu_plan(GPU_REMAT_SMOKE, "adamw")
     assert 0 < result["memory_gib"]["argument"] <= result["memory_gib"]["peak"]
     assert "GPU kernels stood in" in capsys.readouterr().out
 
@@ -238,7 +243,7 @@ def test_versus_times_the_step_again_with_the_override_in_one_process(tmp_path, 
     timed after it; both rows in the table. (`--no-layers`: the breakdown is skipped.)"""
     out = tmp_path / "bench.md"
     result = bench_train.main(["--smoke", "--steps", "1", "--no-layers", "--versus",
-                               "model.mla.implementation=xla", "--out", str(out),
+                               "model.mla.implementation=xla", "--out", str(out), *GPU_REMAT,
                                *TWO_LAYER_FLAGS])
     versus = result["versus"]
     assert versus["settings"] == ["model.mla.implementation=xla"]
