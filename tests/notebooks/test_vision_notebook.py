@@ -1,20 +1,14 @@
 """notebooks/vision.ipynb runs top to bottom, at the tiny size of the vision quickstart's short
 run, in the project's interpreter."""
 
-import os
 import re
-import sys
 
 import pytest
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
-
+pytest.importorskip("nbclient")
 from tests.experiments.test_vision_quickstart import SHORT_RUN  # noqa: E402
+from tests.notebooks.runner import execute_notebook, images, printed  # noqa: E402
 
-REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-NOTEBOOK = os.path.join(REPOSITORY, "notebooks", "vision.ipynb")
 # The quickstart test's short run (its model, rows and tower: the same compiled step), on digits
 # alone, for 3 steps, with 10 held-out digits.
 SETTINGS = {**SHORT_RUN, "steps": 3, "data.digits_weight": 1.0, "data.colour_weight": 0,
@@ -25,27 +19,17 @@ SETTINGS = {**SHORT_RUN, "steps": 3, "data.digits_weight": 1.0, "data.colour_wei
 def test_notebook_executes():
     """The kernel keeps the suite's XLA flags (conftest), so the compilation cache holds the
     step the quickstart's test compiled with these shapes."""
-    spec = KernelSpecManager().get_kernel_spec("python3")
-    assert os.path.realpath(spec.resource_dir).startswith(os.path.realpath(sys.prefix))
-    notebook = nbformat.read(NOTEBOOK, as_version=4)
-    [parameters] = [cell for cell in notebook.cells
-                    if "parameters" in cell.metadata.get("tags", [])]
-    parameters.source = f"SETTINGS = {SETTINGS!r}"
-    client = nbclient.NotebookClient(notebook, kernel_name="python3", timeout=600,
-                                     resources={"metadata": {"path": REPOSITORY}})
-    client.execute()
-    outputs = [output for cell in notebook.cells if cell.cell_type == "code"
-               for output in cell.outputs]
-    text = "".join(output.get("text", "") for output in outputs)
+    outputs = execute_notebook("vision.ipynb", f"SETTINGS = {SETTINGS!r}")
+    text = printed(outputs)
     # Four images of at most 16 patches (each 2 x 2 block one merged token) and the padding
     # fill the row's 64 slots; the 8 x 8 digit is 2 x 2 patches.
-    images = [tuple(map(int, found)) for found in
+    packed = [tuple(map(int, found)) for found in
               re.findall(r"image \d: (\d+) patches -> (\d+) merged tokens", text)]
-    assert len(images) == 4 and images[0] == (4, 1)
-    assert all(4 <= patches <= 16 and merged * 4 == patches for patches, merged in images)
+    assert len(packed) == 4 and packed[0] == (4, 1)
+    assert all(4 <= patches <= 16 and merged * 4 == patches for patches, merged in packed)
     padding = int(re.search(r"padding: (\d+) slots", text).group(1))
-    assert sum(patches for patches, _ in images) + padding == 64
+    assert sum(patches for patches, _ in packed) + padding == 64
     assert "image placeholders; the buffer holds" in text and "logits (1, " in text
     assert "loss: " in text and "after 3 steps" in text
     assert "held-out digits exact match: " in text and "of 10 (chance 10%)" in text
-    assert sum("image/png" in output.get("data", {}) for output in outputs) == 3
+    assert images(outputs) == 3
