@@ -24,10 +24,12 @@ def test_greedy_decode_is_argmax_of_full_forward_at_every_step(model, full_forwa
 
 @pytest.mark.slow
 def test_decode_after_chunked_prefill_equals_decode_after_one_shot_prefill(model):
-    prompts = jax.random.randint(jax.random.key(7), (2, 9), 0, VOCAB, jnp.int32)
-    one_shot = generate(model, prompts, max_new_tokens=5, page_size=4)
-    for chunk in (3, 4):  # three full chunks; two and a tail of one
-        chunked = generate(model, prompts, max_new_tokens=5, page_size=4,
+    # The greedy test's prompts and lengths: the one-shot run and the decode reuse its programs.
+    one_shot = generate(model, PROMPTS, max_new_tokens=6, page_size=4)
+    # Five full chunks of one, starting inside pages and on their edges; one of four and a tail
+    # of one (the one-token chunk program again).
+    for chunk in (1, 4):
+        chunked = generate(model, PROMPTS, max_new_tokens=6, page_size=4,
                            prefill_chunk_tokens=chunk)
         np.testing.assert_array_equal(chunked.tokens, one_shot.tokens)
 
