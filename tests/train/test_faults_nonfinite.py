@@ -5,6 +5,7 @@ state) on such a step or after too many skipped steps in a row."""
 import math
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -29,24 +30,34 @@ def test_every_float_hyperparameter_must_be_finite():
             OptimConfig(**{field: math.inf})
 
 
-def test_an_update_that_overflows_float32_is_reported_by_the_step():
+def constant_rate_step(learning_rate: float):
+    """(initial state, compiled step) of the toy model at a constant `learning_rate`."""
+    graphdef, state = split_state(OptimConfig(learning_rate=learning_rate, warmup_steps=0,
+                                              schedule="constant"))
+    return state, make_train_step(graphdef, compiler_options=FAST_COMPILE_OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def ordinary_step():
+    """The toy model's step at an ordinary learning rate (3e-3), shared by two tests."""
+    return constant_rate_step(3e-3)
+
+
+def test_an_update_that_overflows_float32_is_reported_by_the_step(ordinary_step):
     # Adam's first update is sign(g) exactly, so a learning rate at float32's top overflows
     # every parameter whose decayed update exceeds one: finite loss and gradients, inf weights.
     for learning_rate, overflows in ((3e-3, 0.0), (3.4e38, 1.0)):
-        graphdef, state = split_state(OptimConfig(learning_rate=learning_rate, warmup_steps=0,
-                                                  schedule="constant"))
-        step = make_train_step(graphdef, compiler_options=FAST_COMPILE_OPTIONS)
-        _, metrics = step(state, make_batch())
+        state, step = ordinary_step if learning_rate == 3e-3 else constant_rate_step(learning_rate)
+        _, metrics = step(jax.tree.map(jnp.copy, state), make_batch())  # the step donates
         assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
         assert float(metrics["skipped"]) == 0.0
         assert float(metrics["nonfinite_state"]) == overflows, learning_rate
 
 
-def test_a_skipped_step_does_not_report_a_non_finite_state():
-    graphdef, state = split_state()
-    step = make_train_step(graphdef, compiler_options=FAST_COMPILE_OPTIONS)
+def test_a_skipped_step_does_not_report_a_non_finite_state(ordinary_step):
+    state, step = ordinary_step
     poisoned = dict(make_batch(), loss_mask=make_batch()["loss_mask"].at[0, 3].set(jnp.nan))
-    _, metrics = step(state, poisoned)
+    _, metrics = step(jax.tree.map(jnp.copy, state), poisoned)
     assert float(metrics["skipped"]) == 1.0 and float(metrics["nonfinite_state"]) == 0.0
 
 
