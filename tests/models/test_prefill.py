@@ -33,23 +33,23 @@ def test_chunked_prefill_equals_the_full_forward(model, full_forward, chunk_toke
     np.testing.assert_allclose(logits, full, rtol=2e-5, atol=2e-5)
     np.testing.assert_array_equal(state.lengths, [12, 12])
     assert allocator.num_free == 0  # every page of the pool holds the prompt's latents
-    last, _ = prefill(model, TOKENS, chunk_tokens=chunk_tokens,
-                      allocator=PageAllocator.holding(2, TOKENS.shape[1], PAGE))
-    np.testing.assert_allclose(last, full[:, -1], rtol=2e-5, atol=2e-5)
 
 
-def test_one_program_for_any_number_of_chunks(model):
+def test_one_program_for_any_number_of_chunks(model, full_forward):
     # One allocator shape for both prompts: the state's shapes do not depend on the prompt.
     def run(length):
-        prefill(model, TOKENS[:, :length], chunk_tokens=2,
-                allocator=PageAllocator.holding(2, TOKENS.shape[1], PAGE))
-        return _extend_chunk._cache_size()
+        last, _ = prefill(model, TOKENS[:, :length], chunk_tokens=2,
+                          allocator=PageAllocator.holding(2, TOKENS.shape[1], PAGE))
+        return last, _extend_chunk._cache_size()
 
     before = _extend_chunk._cache_size()
-    after_two_chunks = run(4)
+    _, after_two_chunks = run(4)
     assert after_two_chunks - before <= 1  # (0 if an earlier test compiled the same shapes)
-    assert run(12) == after_two_chunks  # six chunks: no new program
-    assert run(11) == after_two_chunks + 1  # five full chunks and a tail of one: one more
+    last, programs = run(12)
+    assert programs == after_two_chunks  # six chunks: no new program
+    # Without all_logits, the last position's logits, equal to the full forward's.
+    np.testing.assert_allclose(last, full_forward(model, TOKENS)[:, -1], rtol=2e-5, atol=2e-5)
+    assert run(11)[1] == after_two_chunks + 1  # five full chunks and a tail of one: one more
 
 
 def array_shapes(jaxpr) -> set[tuple[int, ...]]:
