@@ -40,16 +40,18 @@ def assert_same_batch(a, b):
 
 @pytest.fixture(scope="module")
 def trained():
-    """A toy train state after one step, and a second one after two (both kept)."""
-    graphdef, state = split_state()
+    """A toy train state after one step, and a second one after two (both kept), and their
+    graphdef. The MoE computes in bf16, so the state holds float32 parameters and moments and
+    the expert weights' bf16 compute copies (`train.step`): every kind a checkpoint carries."""
+    graphdef, state = split_state(moe_dtype=jnp.bfloat16)
     step = make_train_step(graphdef, compiler_options=FAST_COMPILE_OPTIONS)
     first, _ = step(state, make_batch(0))
     second, _ = step(jax.tree.map(jnp.copy, first), make_batch(1))
-    return first, second
+    return first, second, graphdef
 
 
 def test_round_trip_restores_state_and_data_position(tmp_path, trained):
-    first, second = trained
+    first, second, _ = trained
     iterator = make_train_iterator(DATA)
     checkpointer = Checkpointer(str(tmp_path))
     next(iterator)
@@ -76,12 +78,10 @@ def test_round_trip_restores_state_and_data_position(tmp_path, trained):
     assert_same_batch(next(older), next(reference))
 
 
-def test_round_trip_keeps_the_expert_weights_compute_copies(tmp_path):
+def test_round_trip_keeps_the_expert_weights_compute_copies(tmp_path, trained):
     """A bf16 MoE's state holds its expert weights' bf16 compute copies (`train.step`); they are
     saved and restored with the rest, in bf16, bit for bit."""
-    graphdef, state = split_state(moe_dtype=jnp.bfloat16)
-    state, _ = make_train_step(graphdef, compiler_options=FAST_COMPILE_OPTIONS)(state,
-                                                                             make_batch(0))
+    state, _, graphdef = trained
     iterator = make_train_iterator(DATA)
     checkpointer = Checkpointer(str(tmp_path))
     checkpointer.save(1, state, iterator)
@@ -93,7 +93,7 @@ def test_round_trip_keeps_the_expert_weights_compute_copies(tmp_path):
 
 
 def test_an_interrupted_save_leaves_the_previous_checkpoint(tmp_path, trained):
-    first, second = trained
+    first, second, _ = trained
     iterator = make_train_iterator(DATA)
     checkpointer = Checkpointer(str(tmp_path))
     checkpointer.save(1, first, iterator)
