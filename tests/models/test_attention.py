@@ -407,17 +407,20 @@ def test_layer_with_the_packed_path_is_refused_on_cpu():
         layer(jnp.zeros((1, 4, D_MODEL), jnp.bfloat16), segment_ids=jnp.ones((1, 4), jnp.int32))
 
 
-def emulated_packed_cudnn(packed_calls: list):
+def emulated_packed_cudnn(packed_calls: list, mask_type=cudnn_fused.MaskType.PADDING_CAUSAL):
     """A stand-in for jax's cuDNN wrapper that computes what cuDNN's packed layout receives: the
     wrapper's own conversion (`_fix_seqlen_offsets`: the rows' segments flattened, offsets in
-    elements), then causal attention within each flat segment; tokens in none get 0. Appends to
-    `packed_calls` whenever it runs."""
+    elements), then attention within each flat segment, causal under PADDING_CAUSAL (the
+    decoder) and among all its tokens under PADDING (the vision tower); tokens in none get 0.
+    Checks that the caller asks for `mask_type`; appends to `packed_calls` whenever it runs."""
+    causal = mask_type == cudnn_fused.MaskType.PADDING_CAUSAL
+    expected_mask_type = mask_type
 
     def dot_product_attention(query, key, value, bias=None, mask=None, q_seqlen=None,
                               kv_seqlen=None, q_offsets=None, kv_offsets=None, *, scale,
                               mask_type, qkv_layout):
         assert bias is None and mask is None and qkv_layout == "BTNH"
-        assert mask_type == cudnn_fused.MaskType.PADDING_CAUSAL
+        assert mask_type == expected_mask_type
         assert query.shape == key.shape == value.shape  # one head size (see pad_head_dims)
         lengths, _, starts, _ = cudnn_fused._fix_seqlen_offsets(
             q_seqlen, kv_seqlen, q_offsets, kv_offsets, query, key)
@@ -427,8 +430,9 @@ def emulated_packed_cudnn(packed_calls: list):
         tokens = jnp.arange(batch * length)
         inside = (tokens[:, None] >= starts) & (tokens[:, None] < starts + lengths)  # [BT, B*M]
         segment = jnp.where(inside.any(1), jnp.argmax(inside, 1), -1)
-        allowed = ((segment[:, None] == segment[None, :]) & (segment[:, None] >= 0)
-                   & (tokens[None, :] <= tokens[:, None]))
+        allowed = (segment[:, None] == segment[None, :]) & (segment[:, None] >= 0)
+        if causal:
+            allowed &= tokens[None, :] <= tokens[:, None]
         flat = [t.reshape(1, batch * length, heads, width) for t in (query, key, value)]
         out = jax.nn.dot_product_attention(*flat, mask=allowed[None, None], scale=scale)
         out = jnp.where((segment >= 0)[None, :, None, None], out, 0)

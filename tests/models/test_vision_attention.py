@@ -18,7 +18,8 @@ from models import attention
 from models.attention import document_segments
 from models.vision import VisionConfig, VisionTower, pack_images
 from kda.common import document_index
-from tests.models.test_attention import cuda_trace, relative_l2  # noqa: F401 (a fixture)
+from tests.models.test_attention import (  # noqa: F401 (cuda_trace: a fixture)
+    cuda_trace, emulated_packed_cudnn, relative_l2)
 
 PATCH = 2
 # Heads of 8: a head size cuDNN takes (a multiple of 8), so the lowering test needs no padding.
@@ -40,42 +41,14 @@ def tower(dtype=jnp.float32, **fields) -> VisionTower:
     return VisionTower(dataclasses.replace(TINY, **fields), dtype=dtype, rngs=nnx.Rngs(0))
 
 
-def emulated_bidirectional_cudnn(packed_calls: list):
-    """A stand-in for jax's cuDNN wrapper that computes what cuDNN's packed layout receives with
-    the padding mask (no causal part): the wrapper's own conversion (`_fix_seqlen_offsets`: the
-    rows' segments flattened, offsets in elements), then attention among the tokens of each flat
-    segment; tokens in none get 0. Appends to `packed_calls` whenever it runs."""
-
-    def dot_product_attention(query, key, value, bias=None, mask=None, q_seqlen=None,
-                              kv_seqlen=None, q_offsets=None, kv_offsets=None, *, scale,
-                              mask_type, qkv_layout):
-        assert bias is None and mask is None and qkv_layout == "BTNH"
-        assert mask_type == cudnn_fused.MaskType.PADDING
-        lengths, _, starts, _ = cudnn_fused._fix_seqlen_offsets(
-            q_seqlen, kv_seqlen, q_offsets, kv_offsets, query, key)
-        batch, length, heads, width = query.shape
-        lengths = lengths.reshape(-1)  # [B * M], the segments first, then zeros
-        starts = starts.reshape(-1)[: lengths.size] // (heads * width)  # in tokens of [B * T]
-        tokens = jnp.arange(batch * length)
-        inside = (tokens[:, None] >= starts) & (tokens[:, None] < starts + lengths)  # [BT, B*M]
-        segment = jnp.where(inside.any(1), jnp.argmax(inside, 1), -1)
-        allowed = (segment[:, None] == segment[None, :]) & (segment[:, None] >= 0)
-        flat = [t.reshape(1, batch * length, heads, width) for t in (query, key, value)]
-        out = jax.nn.dot_product_attention(*flat, mask=allowed[None, None], scale=scale)
-        out = jnp.where((segment >= 0)[None, :, None, None], out, 0)
-        jax.debug.callback(lambda: packed_calls.append(1))
-        return out.reshape(query.shape)
-
-    return dot_product_attention
-
-
 @pytest.fixture
 def packed_calls(monkeypatch):
     """The packed path on this CPU: device checks off, cuDNN emulated
-    (`emulated_bidirectional_cudnn`); the list of the emulator's runs."""
+    (`emulated_packed_cudnn` with the padding mask); the list of the emulator's runs."""
     calls = []
     monkeypatch.setattr(attention, "_require_packed_cudnn", lambda q: None)
-    monkeypatch.setattr(cudnn_fused, "dot_product_attention", emulated_bidirectional_cudnn(calls))
+    monkeypatch.setattr(cudnn_fused, "dot_product_attention",
+                        emulated_packed_cudnn(calls, cudnn_fused.MaskType.PADDING))
     return calls
 
 
