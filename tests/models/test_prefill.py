@@ -49,7 +49,9 @@ def test_one_program_for_any_number_of_chunks(model, full_forward):
     assert programs == after_two_chunks  # six chunks: no new program
     # Without all_logits, the last position's logits, equal to the full forward's.
     np.testing.assert_allclose(last, full_forward(model, TOKENS)[:, -1], rtol=2e-5, atol=2e-5)
-    assert run(11)[1] == after_two_chunks + 1  # five full chunks and a tail of one: one more
+    # Five full chunks and a tail of one: one more program (0 if an earlier test of the process,
+    # test_generate's chunked prefill, compiled the one-token chunk of these shapes).
+    assert run(11)[1] - after_two_chunks <= 1
 
 
 def array_shapes(jaxpr) -> set[tuple[int, ...]]:
