@@ -450,11 +450,13 @@ def cpu_plan(setup: BenchSetup, optimizer: str) -> dict:
     return {**times, "memory_gib": memory}
 
 
-def compiled_trainer(config: TrainConfig, setup: BenchSetup, compiler_options: dict | None = None):
-    """A trainer of `config`, the placed synthetic batch and its step compiled ahead of time
-    (the preflight printed), and {compile_seconds, lowering_seconds, memory_gib}."""
+def compiled_trainer(config: TrainConfig, setup: BenchSetup, compiler_options: dict | None = None,
+                     batch: dict | None = None):
+    """A trainer of `config`, the placed `batch` (default: the synthetic batch of `setup`) and its
+    step compiled ahead of time (the preflight printed), and {compile_seconds, lowering_seconds,
+    memory_gib}."""
     trainer = Trainer.create(config)
-    batch = trainer.place(synthetic_batch(setup))
+    batch = trainer.place(synthetic_batch(setup) if batch is None else batch)
     compiled, times = compile_step(trainer, batch, compiler_options)
     return trainer, batch, compiled, {**times, "memory_gib": preflight(compiled, times, setup)}
 

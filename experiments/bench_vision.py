@@ -26,9 +26,9 @@ norms, RoPE and the interpolated positions are left out; forward+backward is 3x 
 (`train.metrics.TRAIN_FLOPS_PER_FORWARD`). "diff vs dense": the relative L2 distance of a path's
 forward features from the dense mask's.
 
-Training step, through `experiments.bench_train`'s machinery (`train_config`, `compile_step`,
-`preflight`, `step_runner`, `timed_step`): the `1b` preset, 2 rows of 4096 tokens, layers scanned
-(to keep the compile short), remat dots_kernels, AdamW. Text only: bench_train's synthetic batch
+Training step, through `experiments.bench_train`'s machinery (`train_config`, `compiled_trainer`,
+`step_runner`, `timed_step`): the `1b` preset, 2 rows of 4096 tokens, layers scanned (to keep the
+compile short), remat dots_kernels, AdamW. Text only: bench_train's synthetic batch
 (random bytes, four documents a row) on the model without a tower. With images: the same batch
 with two images a row in its longest document (448x448 and 672x448: 640 placeholder tokens, 15.6%
 of the tokens) on the model with the k3 tower (image token `train.tokenizer.IMAGE_PAD_ID`); one
@@ -50,9 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.bench_train import (BenchSetup, compile_step, explained_out_of_memory,
-                                     preflight, step_runner, synthetic_batch, timed_step,
-                                     train_config)
+from experiments.bench_train import (BenchSetup, compiled_trainer, explained_out_of_memory,
+                                     step_runner, synthetic_batch, timed_step, train_config)
 from experiments.harness import (cell, command_line, compiled_once, compiled_peak_mib,
                                  gpu_or_smoke_args, median_seconds, package_version,
                                  relative_error, report_preamble, table_row, write_json,
@@ -61,7 +60,6 @@ from kda.common import document_index
 from models.attention import document_segments
 from models.config import ModelConfig, count_params, preset
 from models.vision import MERGE_PATCHES, VisionBatch, VisionConfig, VisionTower, pack_images
-from train.loop import Trainer
 from train.metrics import TRAIN_FLOPS_PER_FORWARD, peak_flops_per_device, train_flops_per_token
 from train.multimodal import image_tokens
 from train.tokenizer import IMAGE_PAD_ID
@@ -288,10 +286,8 @@ def train_row(setup: BenchSetup, model: ModelConfig, batch: dict, extra_flops: f
     """Compiles (the preflight printed) and times the training step of `model` on `batch`;
     extra_flops: the step's model FLOPs outside the decoder (the tower's)."""
     config = dataclasses.replace(train_config(setup, OPTIMIZER), model=model)
-    trainer = Trainer.create(config)
-    placed = trainer.place(batch)
-    compiled, times = compile_step(trainer, placed)
-    memory = preflight(compiled, times, setup)
+    trainer, placed, compiled, times = compiled_trainer(config, setup, batch=batch)
+    memory = times.pop("memory_gib")
     flops_per_token = (train_flops_per_token(model, setup.seq_len)["total"]
                        + extra_flops / setup.tokens)
     with explained_out_of_memory(setup, memory):
@@ -299,12 +295,11 @@ def train_row(setup: BenchSetup, model: ModelConfig, batch: dict, extra_flops: f
     del trainer, compiled, placed
     gc.collect()  # frees the state before the next step is built
     peak = peak_flops_per_device()
-    flops_per_second = numbers["tokens_per_second"] * flops_per_token
     return {**times, "peak_gib": memory["peak"], "flops_per_token": flops_per_token,
             "step_seconds": numbers["step_seconds"],
             "tokens_per_second": numbers["tokens_per_second"],
-            "model_tflops_per_second": flops_per_second / 1e12,
-            "mfu": None if peak is None else flops_per_second / peak}
+            "model_tflops_per_second": numbers["model_tflops_per_second"],
+            "mfu": None if peak is None else numbers["model_tflops_per_second"] * 1e12 / peak}
 
 
 def run_train(size: Size, report: Callable[[], None], rows: list[dict]) -> None:
