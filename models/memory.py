@@ -316,13 +316,12 @@ def _xla_core_bytes(cfg: ModelConfig, mixer: str, tensor: int, rows: int, seq_le
     (twice under context parallelism: the op's second run has values of width K), or dense
     attention's (its [T / P, T] scores) in place of cuDNN's softmax statistics."""
     local = seq_len // shards
-    kernels_floats = local * rows * (
-        _kda_op_floats(cfg, tensor) * (1 if shards == 1 else 2) if mixer == "kda"
-        else 2 * cfg.mla.num_heads / tensor)
     if mixer == "kda":
-        width = cfg.kda.head_dim
-        xla = xla_kda_op_bytes(cfg, tensor, rows, local, width) * (1 if shards == 1 else 2)
+        runs = 1 if shards == 1 else 2
+        kernels_floats = runs * local * rows * _kda_op_floats(cfg, tensor)
+        xla = runs * xla_kda_op_bytes(cfg, tensor, rows, local, cfg.kda.head_dim)
     else:
+        kernels_floats = local * rows * 2 * cfg.mla.num_heads / tensor
         xla = xla_attention_bytes(cfg, tensor, rows, local, seq_len)
     return xla - kernels_floats * cfg.compute_dtype.itemsize
 
