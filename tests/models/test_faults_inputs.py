@@ -5,14 +5,22 @@ import dataclasses
 
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from models.config import preset
 from models.generate import Sampling, generate
+from models.lm import HybridLM
 from models.memory import main as memory_main
 from models.prefill import prefill
 
-VOCAB = 264  # the tiny preset's byte vocabulary (the `model` fixture of conftest.py)
+VOCAB = 264  # the tiny preset's byte vocabulary
 PROMPTS = jnp.ones((2, 3), jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The tiny hybrid's shapes, no weights: each refusal comes before any computation."""
+    return nnx.eval_shape(lambda: HybridLM(preset("tiny"), rngs=nnx.Rngs(0)))
 
 
 @pytest.mark.parametrize("bad_id", [5000, -7, VOCAB])
