@@ -33,6 +33,8 @@ from train.step import FAST_COMPILE_OPTIONS
 VOCAB = 264
 # Five layers: a dense KDA layer, then [KDA, MLA] twice, a scannable run of two groups.
 FIVE = dict(num_layers=5, kda_layers=(1, 2, 4), full_attn_layers=(3, 5))
+# Two layers, every layer kind: KDA with the dense FFN, then Gated MLA with the MoE.
+TWO = dict(num_layers=2, kda_layers=(1,), full_attn_layers=(2,))
 
 
 def reference_kda_config(**overrides):
@@ -72,38 +74,41 @@ def param_count(model_or_abstract) -> int:
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return HybridLM(preset("tiny"), rngs=nnx.Rngs(0))
+def two_layers():
+    """KDA with a dense FFN, then Gated MLA with the MoE, on the default path (KDA's chunked op)."""
+    return HybridLM(preset("tiny", **TWO), rngs=nnx.Rngs(0))
+
+
+@jax.jit
+def logits_and_hidden(model, tokens):
+    """The logits and router stats of `model.forward`, those of `forward(return_hidden=True)`
+    and the LM head of its hidden states: one program for the interface, causality and
+    return_hidden tests."""
+    (logits, stats), (hidden, hidden_stats) = (model.forward(tokens),
+                                               model.forward(tokens, return_hidden=True))
+    return logits, stats, hidden, hidden_stats, model.lm_head(hidden)
 
 
 @pytest.mark.slow
-def test_interface_and_causality(tiny):
+def test_interface_and_causality(two_layers):
     tokens = random_tokens(1, (2, 12))
-    logits = forward(tiny, tokens)
+    logits = logits_and_hidden(two_layers, tokens)[0]
     assert logits.shape == (2, 12, VOCAB) and logits.dtype == jnp.float32
     changed = tokens.at[:, 7:].set(random_tokens(2, (2, 5)))
-    changed_logits = forward(tiny, changed)
+    changed_logits = logits_and_hidden(two_layers, changed)[0]
     # Changing a future token never changes an earlier logit, not even by rounding.
     np.testing.assert_array_equal(logits[:, :7], changed_logits[:, :7])
     assert not np.allclose(logits[:, 7:], changed_logits[:, 7:])
 
 
 @pytest.mark.slow
-def test_return_hidden_gives_the_lm_head_input():
+def test_return_hidden_gives_the_lm_head_input(two_layers):
     """forward(return_hidden=True) returns what the LM head multiplies: the head of it is the
     logits, bit for bit (the input of `train.step.chunked_lm_head_nll`)."""
-    model = HybridLM(preset("tiny", num_layers=2, kda_layers=(1,), full_attn_layers=(2,)),
-                     rngs=nnx.Rngs(0))
-    tokens = random_tokens(1, (2, 12))
-
-    @jax.jit
-    def logits_and_hidden(model, tokens):
-        (logits, stats), (hidden, hidden_stats) = (model.forward(tokens),
-                                                   model.forward(tokens, return_hidden=True))
-        return logits, stats, hidden, hidden_stats, model.lm_head(hidden)
-
-    logits, stats, hidden, hidden_stats, head_of_hidden = logits_and_hidden(model, tokens)
-    assert hidden.shape == (2, 12, model.cfg.d_model) and hidden.dtype == model.cfg.compute_dtype
+    logits, stats, hidden, hidden_stats, head_of_hidden = logits_and_hidden(
+        two_layers, random_tokens(1, (2, 12)))
+    assert hidden.shape == (2, 12, two_layers.cfg.d_model)
+    assert hidden.dtype == two_layers.cfg.compute_dtype
     np.testing.assert_array_equal(head_of_hidden, logits)
     for got, want in zip(jax.tree.leaves(hidden_stats), jax.tree.leaves(stats)):
         np.testing.assert_array_equal(got, want)
@@ -151,9 +156,15 @@ def test_scan_plan_of_k3():
     )
 
 
+@pytest.fixture(scope="module")
+def two_layers_reference():
+    """The two-layer model, KDA through its recurrent oracle, nothing rematerialised."""
+    return HybridLM(reference_kda_config(**TWO), rngs=nnx.Rngs(6))
+
+
 @pytest.mark.slow
-def test_packed_documents_equal_separate_runs():
-    model = HybridLM(reference_kda_config(), rngs=nnx.Rngs(3))
+def test_packed_documents_equal_separate_runs(two_layers_reference):
+    model = two_layers_reference
     lengths = (5, 4, 3)
     packed_row = random_tokens(3, (1, sum(lengths)))
     segments = jnp.repeat(jnp.arange(1, 4), jnp.array(lengths), total_repeat_length=12)
@@ -171,15 +182,15 @@ def test_packed_documents_equal_separate_runs():
         )
 
 
-def decode_logits(model, tokens, prompt_length, page_size=2):
-    """Logits of tokens [B, T]: the prompt through one `extend`, then one token per call."""
+def decode_logits(model, tokens, page_size=2):
+    """Logits of tokens [B, T] decoded one token per `extend` call (one compiled program)."""
     batch, length = tokens.shape
     max_pages = -(-length // page_size)
     allocator = PageAllocator(pages_needed(batch, length, page_size), page_size, batch, max_pages)
     state = model.init_decode_state(batch, num_pages=allocator.num_pages, page_size=page_size,
                                     max_pages_per_seq=max_pages)
     pieces, start = [], 0
-    for stop in [prompt_length] + list(range(prompt_length + 1, length + 1)):
+    for stop in range(1, length + 1):
         for row in range(batch):
             allocator.reserve(row, stop)
         state = dataclasses.replace(state, block_tables=jnp.asarray(allocator.block_tables))
@@ -192,12 +203,14 @@ def decode_logits(model, tokens, prompt_length, page_size=2):
 
 @pytest.mark.slow
 def test_decode_equals_prefill_with_scanned_layers(scanned_without_dense):
-    # Unscanned decoding is checked by test_models_generate (greedy == argmax of the forward).
-    # The reference logits come from `forward_with_stats`, the program the router bias test runs.
+    # Unscanned decoding is checked by test_generate (greedy == argmax of the forward), multi-token
+    # chunks by test_prefill (chunked prefill == the forward): the layers' scan is the same for
+    # any chunk length. The reference logits come from `forward_with_stats`, the program the
+    # router bias test runs.
     model = scanned_without_dense
     tokens = random_tokens(5, (2, 8))
     np.testing.assert_allclose(
-        decode_logits(model, tokens, prompt_length=4), forward_with_stats(model, tokens)[0],
+        decode_logits(model, tokens), forward_with_stats(model, tokens)[0],
         rtol=2e-5, atol=2e-5,
     )
 
@@ -267,14 +280,14 @@ def assert_grads_close(got, want):
 
 
 @pytest.fixture(scope="module")
-def gradients_without_remat(five_layers):
-    """The five-layer model's gradients at REMAT_TOKENS, nothing recomputed."""
-    return nnx.to_pure_dict(value_and_grad(five_layers, REMAT_TOKENS)[1])
+def gradients_without_remat(two_layers_reference):
+    """The two-layer model's gradients at REMAT_TOKENS, nothing recomputed."""
+    return nnx.to_pure_dict(value_and_grad(two_layers_reference, REMAT_TOKENS)[1])
 
 
 @pytest.mark.slow
 def test_dots_remat_keeps_gradients(gradients_without_remat):
-    rematted = HybridLM(reference_kda_config(remat="dots", **FIVE), rngs=nnx.Rngs(6))
+    rematted = HybridLM(reference_kda_config(remat="dots", **TWO), rngs=nnx.Rngs(6))
     _, got = value_and_grad(rematted, REMAT_TOKENS)
     assert_grads_close(nnx.to_pure_dict(got), gradients_without_remat)
 
@@ -288,12 +301,12 @@ def _host_offloads(jaxpr) -> list:
 @pytest.mark.slow
 def test_offload_remat_keeps_gradients_and_sends_each_layer_input_to_host(
         gradients_without_remat):
-    offload = HybridLM(reference_kda_config(remat="offload", **FIVE), rngs=nnx.Rngs(6))
+    offload = HybridLM(reference_kda_config(remat="offload", **TWO), rngs=nnx.Rngs(6))
     _, got = value_and_grad(offload, REMAT_TOKENS)
     assert_grads_close(nnx.to_pure_dict(got), gradients_without_remat)
     # The backward pass finds each layer's [B, T, D] input in host memory, nothing else.
     moved = _host_offloads(jax.make_jaxpr(nnx.grad(loss_fn))(offload, REMAT_TOKENS).jaxpr)
-    assert [aval.shape for aval in moved] == [(2, 8, offload.cfg.d_model)] * FIVE["num_layers"]
+    assert [aval.shape for aval in moved] == [(2, 8, offload.cfg.d_model)] * TWO["num_layers"]
 
 
 @pytest.fixture(scope="module")
@@ -325,11 +338,11 @@ def test_router_bias_update_reaches_every_moe_layer(scanned_without_dense):
         update_router_biases([moe for moe, _ in sites], stats[:-1])
 
 
-def test_bad_inputs_raise(tiny):
+def test_bad_inputs_raise(two_layers):
     with pytest.raises(ValueError, match="tokens"):
-        tiny(jnp.zeros((4,), jnp.int32))
+        two_layers(jnp.zeros((4,), jnp.int32))
     with pytest.raises(ValueError, match="segment_ids"):
-        tiny(jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 3), jnp.int32))
+        two_layers(jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 3), jnp.int32))
 
 
 @pytest.mark.slow
