@@ -11,20 +11,25 @@ from train.loop import Stage, TrainConfig
 # Two layers (KDA with a dense FFN, Gated MLA with MoE): every kind of state, quick to compile.
 SMALL_RUN = [
     "model.num_layers=2", "model.kda_layers=1", "model.full_attn_layers=2",
-    "data.packing_bins=4", "steps=3", "log_every=1", "checkpoint_every=1", "eval_batches=1",
+    "data.packing_bins=4", "steps=2", "log_every=1", "checkpoint_every=1", "eval_batches=1",
     "fast_compile=true", "progress=false", "mesh.data=1",
 ]
-# Two stages of 64 tokens per step (as in context extension): checkpoint 1 closes the first, so
-# resuming from it starts the second stage's data.
-STAGES = [(32, 2, 1), (64, 1, 2)]  # (seq_len, batch_size, steps)
+# Two stages of one step each: checkpoint 1 closes the first, so resuming from it starts the
+# second stage's data. Both have the shape of the other tests' runs, so that one compiled step
+# (and one in the persistent compilation cache) serves them all; the second draws other batches
+# (`small_run` gives each stage its own data seed).
+STAGES = [(32, 2, 1), (32, 2, 1)]  # (seq_len, batch_size, steps)
 
 
 def small_run(overrides: list[str], stages: list[tuple[int, int, int]]):
-    """(TrainConfig with `overrides`, its Stages from (seq_len, batch_size, steps) triples)."""
+    """(TrainConfig with `overrides`, its Stages from (seq_len, batch_size, steps) triples).
+    Stage i draws its data with seed `data.seed + i`: consecutive stages never repeat batches,
+    even at the same shape."""
     config = apply_overrides(TrainConfig(), overrides)
     return config, [
-        Stage(dataclasses.replace(config.data, seq_len=length, batch_size=rows), steps)
-        for length, rows, steps in stages
+        Stage(dataclasses.replace(config.data, seq_len=length, batch_size=rows,
+                                  seed=config.data.seed + index), steps)
+        for index, (length, rows, steps) in enumerate(stages)
     ]
 
 

@@ -44,8 +44,7 @@ def finished(tmp_path_factory) -> Run:
     """A finished two-step run on two data files, with checkpoints 1 and 2."""
     root = tmp_path_factory.mktemp("finished")
     data = write_corpus(root)
-    config, stages = small_run([*SMALL_RUN, "steps=2", "data.paths=" + ",".join(data)],
-                               [(32, 2, 2)])
+    config, stages = small_run([*SMALL_RUN, "data.paths=" + ",".join(data)], [(32, 2, 2)])
     run_dir = str(root / "run")
     train(config, run_dir, stages=stages)
     return Run(config, stages, run_dir, data)

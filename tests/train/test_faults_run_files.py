@@ -48,7 +48,7 @@ def test_the_quickstart_summary_reports_a_nan_validation(tmp_path, monkeypatch, 
 
 @pytest.mark.slow
 def test_a_torn_last_metrics_line_is_dropped_with_a_warning_and_resume_proceeds(tmp_path):
-    config, stages = small_run([*SMALL_RUN, "steps=2"], [(32, 2, 2)])
+    config, stages = small_run(SMALL_RUN, [(32, 2, 2)])
     run_dir = str(tmp_path / "run")
     train(config, run_dir, until_step=1, stages=stages)
     path = os.path.join(run_dir, METRICS_FILE)
@@ -75,7 +75,7 @@ def test_an_unreadable_config_json_names_the_file_and_line(tmp_path, contents, w
     config_path = os.path.join(run_dir, "config.json")
     with open(config_path, "wb") as f:
         f.write(contents)
-    config, stages = small_run(SMALL_RUN, [(32, 2, 3)])
+    config, stages = small_run(SMALL_RUN, [(32, 2, 2)])
     with pytest.raises(ValueError, match=re.escape(f"{config_path}, {where}")):
         train(config, run_dir, resume=True, stages=stages)
 
