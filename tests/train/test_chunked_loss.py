@@ -2,6 +2,8 @@
 `lm_head_logits` + `cross_entropy` (values and gradients), in the training and evaluation steps
 too, and never hold the [tokens, vocab] logits (XLA's memory analysis)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,11 +34,20 @@ def full_nll(hidden, kernel, targets):
     return cross_entropy(lm_head_logits(hidden, kernel), targets)
 
 
-def masked_mean_and_grads(nll_fn, hidden, kernel, targets, mask):
-    """The masked mean loss and its gradients w.r.t. hidden and kernel, as the step computes."""
+@functools.partial(jax.jit, static_argnums=0)
+def nll_loss_and_grads(chunk_tokens, hidden, kernel, targets, mask):
+    """The per-token NLL [B, T] of the chunked path with `chunk_tokens` (None: the full head and
+    loss), the masked mean loss and its gradients w.r.t. hidden and kernel, as the step
+    computes. One compiled program per path, chunk size, dtype and shape, shared by the tests."""
+    def nll(hidden, kernel):
+        if chunk_tokens is None:
+            return full_nll(hidden, kernel, targets)
+        return chunked_lm_head_nll(hidden, kernel, targets, chunk_tokens)
+
     def loss(hidden, kernel):
-        return jnp.sum(nll_fn(hidden, kernel, targets) * mask) / jnp.sum(mask)
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(hidden, kernel)
+        return jnp.sum(nll(hidden, kernel) * mask) / jnp.sum(mask)
+
+    return nll(hidden, kernel), *jax.value_and_grad(loss, argnums=(0, 1))(hidden, kernel)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -50,10 +61,8 @@ def test_chunked_nll_and_gradients_equal_the_full_head_and_loss(dtype, chunk_tok
     d hidden within one bf16 ulp of it (2^-8), where float32 rounding crossed a bf16 rounding
     boundary."""
     hidden, kernel, targets, mask = inputs(dtype)
-    chunked = lambda h, k, t: chunked_lm_head_nll(h, k, t, chunk_tokens)  # noqa: E731
-    want_nll, got_nll = full_nll(hidden, kernel, targets), chunked(hidden, kernel, targets)
-    (want_loss, want_grads) = masked_mean_and_grads(full_nll, hidden, kernel, targets, mask)
-    (got_loss, got_grads) = masked_mean_and_grads(chunked, hidden, kernel, targets, mask)
+    want_nll, want_loss, want_grads = nll_loss_and_grads(None, hidden, kernel, targets, mask)
+    got_nll, got_loss, got_grads = nll_loss_and_grads(chunk_tokens, hidden, kernel, targets, mask)
     assert got_nll.shape == (B, T) and got_nll.dtype == jnp.float32
     for got, want in zip(got_grads, want_grads):
         assert got.dtype == want.dtype and got.shape == want.shape
@@ -73,9 +82,8 @@ def test_chunked_nll_is_stable_at_large_logits():
     gradients, all finite (the log-normalizer subtracts each row's max)."""
     hidden, kernel, targets, mask = inputs(jnp.float32)
     hidden = 100.0 * hidden
-    chunked = lambda h, k, t: chunked_lm_head_nll(h, k, t, 5)  # noqa: E731
-    want_loss, want_grads = masked_mean_and_grads(full_nll, hidden, kernel, targets, mask)
-    got_loss, got_grads = masked_mean_and_grads(chunked, hidden, kernel, targets, mask)
+    _, want_loss, want_grads = nll_loss_and_grads(None, hidden, kernel, targets, mask)
+    _, got_loss, got_grads = nll_loss_and_grads(5, hidden, kernel, targets, mask)
     assert float(jnp.max(jnp.abs(lm_head_logits(hidden, kernel)))) > 200
     assert np.isfinite(float(got_loss))
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
