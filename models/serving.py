@@ -54,12 +54,25 @@ Prefix sharing (`prefix_sharing=True`): at each page boundary where a prefill ch
 engine keeps the sequence's full pages (reference counted, never written again) and a copy of its
 slot's KDA state. A request whose tokens start with a kept prefix starts from it: it holds the
 same pages and prefills only the rest. Kept prefixes are evicted least recently used first, when
-pages run out or more than `max_prefixes` are kept.
+pages run out or more than `max_prefixes` are kept. A prefix is keyed on its tokens and on the
+contents of the images whose placeholders begin in it, so equal placeholders of other pixels
+never share pages.
+
+Images (a model with a vision tower): `Request(prompt, images=(pixels, ...))`, one image
+[H, W, C] per placeholder run of the prompt, in order. At the request's first prefill chunk that
+holds a placeholder, the tower, merger and projector run once on its images (packed in rows of
+`max_image_patches` patches, the row count padded to a power of two), and every chunk replaces
+its placeholders' embeddings by their merged image tokens, whichever chunk a run falls in: the
+request gets the tokens `generate(..., images=pack_images(images, ...))` gives it. Tokens after
+the prompt (generated, forced) are text. This adds a prefill program per chunk bucket that holds
+placeholders, one tower program per power of two of vision rows, and a small gather per pair.
 """
 
+import bisect
 import collections
 import dataclasses
 import functools
+import hashlib
 import heapq
 import math
 import numbers
@@ -75,6 +88,7 @@ from models.generate import Sampling, filter_logits
 from models.lm import DecodeState, HybridLM
 from models.paged_cache import NULL_PAGE, PageAllocator
 from models.prefill import check_positive_int, check_prompts
+from models.vision import VisionBatch, merged_valid, num_image_tokens, pack_images
 
 FinishReason = Literal["stop", "length", "pause"]
 SEED_LIMIT = 2**32
@@ -95,6 +109,10 @@ class Request:
     key_offset: token i generated after the prompt is drawn with the key index key_offset + i: a
       sequence continued from its tokens passes how many it had past its first prompt, to draw
       the keys an uninterrupted run would have drawn.
+    images: the prompt's images [H, W, C], one per placeholder run, in the runs' order (for a
+      model with a vision tower): the k-th placeholder token takes the k-th merged image token,
+      as in `models.generate.generate(..., images=pack_images(images, ...))`. Requests compare
+      equal when their images' contents do (`image_digests`).
     """
 
     prompt: tuple[int, ...]
@@ -104,6 +122,8 @@ class Request:
     stop_tokens: tuple[int, ...] = ()
     pause_sequences: tuple[tuple[int, ...], ...] = ()
     key_offset: int = 0
+    images: tuple[np.ndarray, ...] = dataclasses.field(default=(), compare=False)
+    image_digests: tuple[bytes, ...] = dataclasses.field(default=(), init=False)
 
     def __post_init__(self):
         ids = np.asarray(self.prompt)
@@ -131,6 +151,19 @@ class Request:
         if (isinstance(self.key_offset, bool) or not isinstance(self.key_offset, numbers.Integral)
                 or not 0 <= self.key_offset < 2**31):
             raise ValueError(f"key_offset must be an int in [0, 2^31), got {self.key_offset!r}")
+        images = tuple(np.array(image, np.float32) for image in self.images)
+        for index, image in enumerate(images):
+            if image.ndim != 3:
+                raise ValueError(f"images[{index}] must be [H, W, C] pixels, got shape "
+                                 f"{image.shape}")
+            image.flags.writeable = False
+        object.__setattr__(self, "images", images)
+        object.__setattr__(self, "image_digests", tuple(image_digest(i) for i in images))
+
+
+def image_digest(image: np.ndarray) -> bytes:
+    """A digest of an image's shape and float32 pixels: kept prefixes are keyed on it."""
+    return hashlib.blake2b(repr(image.shape).encode() + image.tobytes(), digest_size=16).digest()
 
 
 def _short(value) -> str:
@@ -262,16 +295,25 @@ def _fresh_or_kept(leaf: jax.Array, axis: int, start: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def _prefill_program(graphdef, axes, variables, caches, slot, tokens, block_row, start):
+def _prefill_program(graphdef, axes, variables, caches, slot, tokens, block_row, start,
+                     image_rows):
     """One prompt chunk tokens [1, C] of the sequence in `slot` (int32 scalar), whose block table
     row is block_row [1, P] and whose cache holds start [1] tokens. Returns the caches with the
-    slot's KDA state continued and the chunk's latents in its pages (the rest unchanged)."""
+    slot's KDA state continued and the chunk's latents in its pages (the rest unchanged).
+    image_rows: for a chunk that holds image placeholders, (features [1, C, D], is_image bool
+    [1, C]) from `_chunk_features`: the placeholders' decoder inputs (None: text only)."""
     leaves, treedef = jax.tree.flatten(caches)
     mine = [leaf if axis is None else _fresh_or_kept(
         jax.lax.dynamic_index_in_dim(leaf, slot, axis, keepdims=True), axis, start)
         for leaf, axis in zip(leaves, axes)]
     state = DecodeState(jax.tree.unflatten(treedef, mine), block_row, start)
-    _, state = nnx.merge(graphdef, variables).extend(tokens, state, all_logits=False)
+    model = nnx.merge(graphdef, variables)
+    embedded = None
+    if image_rows is not None:
+        features, is_image = image_rows
+        embedded = model.embed_inputs(tokens)
+        embedded = jnp.where(is_image[..., None], features.astype(embedded.dtype), embedded)
+    _, state = model.extend(tokens, state, all_logits=False, embedded=embedded)
     updated = [new if axis is None else jax.lax.dynamic_update_index_in_dim(leaf, new, slot, axis)
                for leaf, new, axis in zip(leaves, jax.tree.leaves(state.caches), axes)]
     return jax.tree.unflatten(treedef, updated)
@@ -320,12 +362,42 @@ def _write_slot(axes, caches, slot, saved):
         for leaf, axis in zip(leaves, axes)])
 
 
-_PROGRAMS = (_prefill_program, decode_program, _read_slot, _write_slot)
+@functools.partial(jax.jit, static_argnums=(0,))
+def _vision_program(graphdef, variables, images: VisionBatch):
+    """The merged image tokens of a request's vision buffer [R, P, p p C]: features
+    [R P / 4, D] (row-major; the valid ones in the images' order) from the tower, merger and
+    projector. Compiled once per row count R (a power of two: `_vision_buffer`)."""
+    features, _ = nnx.merge(graphdef, variables).vision(images)
+    return features.reshape(-1, features.shape[-1])
+
+
+@jax.jit
+def _chunk_features(features, index):
+    """The decoder inputs of a chunk's image placeholders: features [F, D] of the request's
+    vision buffer, index int32 [1, C] (a position's row in features, -1 for a text token) ->
+    (features [1, C, D], is_image bool [1, C]) for `_prefill_program`."""
+    return jnp.take(features, jnp.maximum(index, 0), axis=0), index >= 0
+
+
+_PROGRAMS = (_prefill_program, decode_program, _read_slot, _write_slot, _vision_program,
+             _chunk_features)
 
 
 def compiled_programs() -> int:
     """Programs the serving functions have compiled in this process (all engines together)."""
     return sum(program._cache_size() for program in _PROGRAMS)
+
+
+def _placed_like_outputs(variables, caches):
+    """Fresh caches placed as the programs return them: replicated over the mesh of the model's
+    parameters (when they lie on one), so that the first prefill and decode calls run the
+    programs every later call runs, instead of compiling each twice (once for caches on one
+    device, once for caches on the mesh)."""
+    sharding = getattr(jax.tree.leaves(variables)[0], "sharding", None)  # None: numpy
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return caches
+    return jax.device_put(caches, jax.sharding.NamedSharding(sharding.mesh,
+                                                             jax.sharding.PartitionSpec()))
 
 
 @dataclasses.dataclass
@@ -343,6 +415,8 @@ class _Sequence:
     segment_start: int = 0  # generated tokens before the segment (since the last resume)
     max_tokens: int = 0  # the segment's tokens at most
     paused: bool = False
+    images: "_Images | None" = None  # the prompt's images, for a request with images
+
 
     def __post_init__(self):
         self.max_tokens = self.request.max_tokens
@@ -369,6 +443,38 @@ class _Sequence:
 
 
 @dataclasses.dataclass
+class _Images:
+    """A request's images: their vision buffer, where their merged tokens go, their features.
+
+    buffer: the images packed in rows of the engine's max_image_patches (`_vision_buffer`).
+    rows: int32 [T] for each prompt position, the row of its feature in the tower's output
+      (`_vision_program`), -1 for a text token.
+    starts: each image's first placeholder position, ascending (for prefix keys).
+    features: [F, D] the tower's output, computed when the first chunk with a placeholder runs.
+    """
+
+    buffer: VisionBatch
+    rows: np.ndarray
+    starts: tuple[int, ...]
+    features: jax.Array | None = None
+
+
+def _vision_buffer(images: Sequence[np.ndarray], patch_size: int,
+                   max_patches: int) -> tuple[VisionBatch, np.ndarray]:
+    """The images packed in rows of max_patches patch slots (`pack_images`), the row count padded
+    to a power of two (so a server compiles the tower once per power of two), and the flat index
+    of each merged image token in the tower's output, in the images' order: (buffer, int32 [N])."""
+    packed = pack_images(images, patch_size=patch_size, num_rows=len(images),
+                         max_patches=max_patches, channels=images[0].shape[-1])
+    used = int(np.flatnonzero(packed.segment_ids.any(axis=1))[-1]) + 1
+    rows = 1 << (used - 1).bit_length()
+    pad = ((0, max(rows - len(images), 0)),)
+    buffer = VisionBatch(*(np.pad(array[:rows], pad + ((0, 0),) * (array.ndim - 1))
+                           for array in (packed.pixels, packed.segment_ids, packed.positions)))
+    return buffer, np.flatnonzero(merged_valid(buffer.segment_ids).reshape(-1)).astype(np.int32)
+
+
+@dataclasses.dataclass
 class _Prefix:
     """A kept prefix: its full pages and a copy of the KDA state after its last token."""
 
@@ -388,17 +494,24 @@ class Engine:
     prefill_chunk_tokens: the longest prefill chunk, page_size times a power of two.
     prefix_sharing: keep prefixes at page boundaries for later requests to start from.
     max_prefixes: kept prefixes at most (each holds one slot's KDA state on the device).
+    max_image_patches: patches an image may have at most (a multiple of 4): a request's images
+      are packed in vision rows of that many patches (`Request.images`).
     """
 
     def __init__(self, model: HybridLM, *, slots: int, num_pages: int, page_size: int = 16,
                  max_seq_len: int, prefill_chunk_tokens: int = 256,
-                 prefix_sharing: bool = False, max_prefixes: int = 64):
+                 prefix_sharing: bool = False, max_prefixes: int = 64,
+                 max_image_patches: int = 1024):
         check_positive_int("slots", slots, "sequences decoded together")
         check_positive_int("page_size", page_size, "tokens per page of the MLA latent cache")
         check_positive_int("max_seq_len", max_seq_len, "tokens a sequence holds at most")
         check_positive_int("prefill_chunk_tokens", prefill_chunk_tokens,
                            "the longest prompt chunk of a prefill step")
         check_positive_int("max_prefixes", max_prefixes, "kept prefixes at most")
+        check_positive_int("max_image_patches", max_image_patches, "patches of an image at most")
+        if max_image_patches % 4:
+            raise ValueError(f"max_image_patches must be a multiple of 4 (whole 2 x 2 blocks), "
+                             f"got {max_image_patches}")
         whole_pages = prefill_chunk_tokens // page_size
         if prefill_chunk_tokens % page_size or whole_pages & (whole_pages - 1):
             raise ValueError(f"prefill_chunk_tokens must be page_size ({page_size}) times a power "
@@ -411,20 +524,22 @@ class Engine:
         self.page_size = page_size
         self.max_seq_len = max_seq_len
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.max_image_patches = max_image_patches
         self.buckets = chunk_buckets(page_size, prefill_chunk_tokens)
         self.stats = EngineStats()
         self._graphdef, self._variables = nnx.split(model)
         self._axes = slot_axes(model)
         self._allocator = PageAllocator(num_pages, page_size, slots,
                                         math.ceil(max_seq_len / page_size))
-        self._caches = model.init_decode_state(
+        self._caches = _placed_like_outputs(self._variables, model.init_decode_state(
             slots, num_pages=num_pages, page_size=page_size,
-            max_pages_per_seq=self._allocator.max_pages_per_seq).caches
+            max_pages_per_seq=self._allocator.max_pages_per_seq).caches)
         self._running: list[_Sequence | None] = [None] * slots
         self._waiting: list[tuple[int, _Sequence]] = []  # heap by request id: oldest first
         self._next_id = 0
         self._admissions = 0
-        self._prefixes: collections.OrderedDict[tuple[int, ...], _Prefix] | None = (
+        # Kept prefixes by key (`_prefix_key`: tokens and image digests).
+        self._prefixes: collections.OrderedDict[tuple, _Prefix] | None = (
             collections.OrderedDict() if prefix_sharing else None)
         self._max_prefixes = max_prefixes
         self._completed: dict[int, Completion] = {}  # finished, not yet handed out
@@ -448,10 +563,55 @@ class Engine:
                 f"engine's max_seq_len of {self.max_seq_len} tokens; shorten the prompt or build "
                 "the engine with a larger max_seq_len")
         self._check_pages(len(request.prompt) + request.max_tokens)
-        sequence = _Sequence(self._next_id, request)
+        sequence = _Sequence(self._next_id, request, images=self._images(request))
         self._next_id += 1
         heapq.heappush(self._waiting, (sequence.id, sequence))
         return sequence.id
+
+    def _images(self, request: Request) -> _Images | None:
+        """The request's images placed for prefill; None for a text request. Raises a ValueError
+        naming what does not fit the model's tower or the prompt's placeholders."""
+        vision = self.model.cfg.vision
+        if vision is None:
+            if request.images:
+                raise ValueError("Request.images were given to an engine whose model has no "
+                                 "vision tower: build it from a ModelConfig with "
+                                 "vision=VisionConfig(...), or send text only")
+            return None
+        prompt = np.asarray(request.prompt)
+        placeholders = np.flatnonzero(prompt == vision.image_token_id)
+        if not request.images and not placeholders.size:
+            return None
+        counts = []
+        for index, image in enumerate(request.images):
+            height, width, channels = image.shape
+            if channels != vision.in_channels:
+                raise ValueError(f"Request.images[{index}] has {channels} channels, the tower "
+                                 f"takes in_channels={vision.in_channels}")
+            try:
+                counts.append(num_image_tokens(height, width, vision.patch_size))
+            except ValueError as error:
+                raise ValueError(f"Request.images[{index}]: {error}") from None
+            if 4 * counts[-1] > self.max_image_patches:
+                raise ValueError(
+                    f"Request.images[{index}] ({height} x {width}) has {4 * counts[-1]} patches, "
+                    f"more than the engine's max_image_patches={self.max_image_patches}; resize "
+                    "it or build the engine with a larger max_image_patches")
+        if placeholders.size != sum(counts):
+            raise ValueError(
+                f"the prompt holds {placeholders.size} image placeholders (token "
+                f"{vision.image_token_id}) but Request.images give {sum(counts)} merged image "
+                f"tokens ({len(counts)} images): give each image a run of (h / 2)(w / 2) "
+                "placeholders for its h x w patches, in image order")
+        if prompt[-1] == vision.image_token_id:
+            raise ValueError("the prompt ends with an image placeholder: close the image's run "
+                             "(an <image_end> token) so that the prompt ends with text")
+        buffer, feature_rows = _vision_buffer(request.images, vision.patch_size,
+                                              self.max_image_patches)
+        rows = np.full(len(prompt), -1, np.int32)
+        rows[placeholders] = feature_rows
+        firsts = np.cumsum([0, *counts[:-1]])
+        return _Images(buffer, rows, tuple(int(placeholders[k]) for k in firsts))
 
     def _check_pages(self, longest: int) -> None:
         """Raises unless the pool holds a sequence of `longest` tokens (or max_seq_len)."""
@@ -552,7 +712,7 @@ class Engine:
         for size in self.buckets:
             self._caches = _prefill_program(
                 self._graphdef, self._axes, self._variables, self._caches, np.int32(0),
-                np.zeros((1, size), np.int32), null_row, np.zeros((1,), np.int32))
+                np.zeros((1, size), np.int32), null_row, np.zeros((1,), np.int32), None)
         self._decode(warmup=True)
         if self._prefixes is not None:
             saved = _read_slot(self._axes, self._caches, np.int32(0))
@@ -581,8 +741,8 @@ class Engine:
     def _admit(self) -> None:
         while self._waiting and None in self._running:
             _, sequence = self._waiting[0]
-            prefix = self._longest_prefix(sequence.tokens) if self._prefixes else None
-            shared = 0 if prefix is None else len(prefix)
+            prefix = self._longest_prefix(sequence) if self._prefixes else None
+            shared = 0 if prefix is None else len(prefix[0])
             needed = math.ceil(sequence.length / self.page_size) - shared // self.page_size
             while needed > self._allocator.num_free and self._evict_prefix(keep=prefix):
                 pass
@@ -609,12 +769,26 @@ class Engine:
         tokens = np.asarray([sequence.token(i) for i in range(start, start + size)], np.int32)
         self._caches = _prefill_program(
             self._graphdef, self._axes, self._variables, self._caches, np.int32(slot), tokens[None],
-            self._allocator.block_tables[slot : slot + 1], np.array([start], np.int32))
+            self._allocator.block_tables[slot : slot + 1], np.array([start], np.int32),
+            self._image_rows(sequence.images, start, size))
         sequence.fed += size
         self.stats.prefill_chunks += 1
         self.stats.prefill_tokens += size
         if self._prefixes is not None and sequence.fed % self.page_size == 0:
             self._keep_prefix(sequence)
+
+    def _image_rows(self, images: _Images | None, start: int, size: int):
+        """The image inputs of the chunk [start, start + size) for `_prefill_program`: None when
+        it holds no placeholder of the prompt; the request's tower runs at its first such chunk."""
+        rows = np.full((1, size), -1, np.int32)
+        if images is not None:
+            prompt_part = images.rows[start : start + size]
+            rows[0, : len(prompt_part)] = prompt_part
+        if not (rows >= 0).any():
+            return None
+        if images.features is None:
+            images.features = _vision_program(self._graphdef, self._variables, images.buffer)
+        return _chunk_features(images.features, rows)
 
     def _decode(self, warmup: bool = False) -> list[TokenEvent]:
         ready = sorted((s for s in self._active() if s.fed == s.length - 1),
@@ -731,13 +905,24 @@ class Engine:
 
     # Kept prefixes.
 
-    def _longest_prefix(self, tokens: Sequence[int]) -> tuple[int, ...] | None:
-        """The longest kept prefix of `tokens` that leaves at least their last token to feed."""
+    @staticmethod
+    def _prefix_key(sequence: _Sequence, length: int) -> tuple[tuple[int, ...], tuple[bytes, ...]]:
+        """The key of the first `length` tokens of `sequence`: the tokens, and the digests of the
+        images whose placeholders begin among them (equal placeholders, other pixels: another
+        key)."""
+        images = 0 if sequence.images is None else bisect.bisect_left(sequence.images.starts,
+                                                                      length)
+        return sequence.tokens[:length], sequence.request.image_digests[:images]
+
+    def _longest_prefix(self, sequence: _Sequence) -> tuple | None:
+        """The key of the longest kept prefix of `sequence` that leaves at least its last token
+        to feed."""
         if not self._prefixes:
             return None
-        lengths = sorted({len(p) for p in self._prefixes if len(p) < len(tokens)}, reverse=True)
+        lengths = sorted({len(tokens) for tokens, _ in self._prefixes
+                          if len(tokens) < sequence.length}, reverse=True)
         for length in lengths:
-            key = tuple(tokens[:length])
+            key = self._prefix_key(sequence, length)
             if key in self._prefixes:
                 return key
         return None
@@ -747,7 +932,7 @@ class Engine:
         its slot holds the prefix's pages and KDA state. Looked up when its prefill begins
         (prefills run one at a time, oldest first), so requests admitted together with a common
         prompt share what the first of them has prefilled. True if only its last token is left."""
-        key = self._longest_prefix(sequence.tokens)
+        key = self._longest_prefix(sequence)
         if key is None:
             return False
         kept = self._prefixes[key]
@@ -755,12 +940,12 @@ class Engine:
         self._allocator.share(sequence.slot, kept.pages)
         self._caches = _write_slot(self._axes, self._caches, np.int32(sequence.slot),
                                    kept.kda_state)
-        sequence.fed = len(key)
-        self.stats.shared_tokens += len(key)
+        sequence.fed = len(key[0])
+        self.stats.shared_tokens += len(key[0])
         return sequence.fed == sequence.length - 1
 
     def _keep_prefix(self, sequence: _Sequence) -> None:
-        key = sequence.tokens[: sequence.fed]
+        key = self._prefix_key(sequence, sequence.fed)
         if key in self._prefixes:
             self._prefixes.move_to_end(key)
             return
@@ -771,7 +956,7 @@ class Engine:
         if len(self._prefixes) > self._max_prefixes:
             self._evict_prefix()
 
-    def _evict_prefix(self, keep: tuple[int, ...] | None = None) -> bool:
+    def _evict_prefix(self, keep: tuple | None = None) -> bool:
         """Forgets the least recently used kept prefix (not `keep`); False if there is none."""
         for key in self._prefixes or ():
             if key != keep:
