@@ -13,7 +13,8 @@ exactly.
 The task (`RLTask`, e.g. `train.rl.arithmetic.Curriculum`) is a stream of prompts with a
 verifier: `prompt(i)` and `reward(i, completion)`. Iteration v (the policy version v):
 
-1. An engine holding the current policy (`make_engine`) samples G trajectories of each of the
+1. An engine holding the current policy (`make_engine`; its MoE expert weights in the compute
+   dtype, `rollout_policy`) samples G trajectories of each of the
    next P prompts and continues the unfinished ones of earlier iterations
    (`train.rl.rollout.rollout`: tool turns, limits, partial rollouts with a token budget).
 2. Finished groups join the ready queue; the oldest P of them are the learner's batch
@@ -70,7 +71,7 @@ from train.rl.losses import RLLossConfig
 from train.rl.rollout import (RolloutBuffer, RolloutConfig, ToolEnvironment, Trajectory,
                               make_batch, rollout, rollout_metrics)
 from train.rl.tools import FlakyTool, ToolResult
-from train.step import make_token_logp
+from train.step import make_token_logp, state_path_key
 
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = "checkpoints"
@@ -131,6 +132,28 @@ def make_engine(model: HybridLM, config: RLConfig) -> Engine:
     return Engine(model, slots=config.slots, num_pages=config.slots * pages + 1,
                   page_size=config.page_size, max_seq_len=config.rollout.max_length,
                   prefill_chunk_tokens=config.prefill_chunk_tokens, prefix_sharing=True)
+
+
+def rollout_policy(trainer: Trainer) -> HybridLM:
+    """The policy the engine samples with: the trainer's model with each MoE expert weight
+    replaced by its compute copy (`train.step.TrainState.compute_copies`: the weight rounded to
+    the compute dtype, rewritten by every learner step). The engine then reads bf16 expert weights
+    instead of casting the float32 masters at every decode step, and computes exactly what the
+    float32 model computes under bf16 compute (the model casts those weights itself). A model
+    stored in its compute dtype has no copies: its own parameters."""
+    train_state = nnx.merge(trainer.graphdef, trainer.state)
+    model = train_state.model
+    copies = {key: copy[...] for key, copy in train_state.compute_copies.items()}
+    if not copies:
+        return model
+    graphdef, state = nnx.split(model)
+
+    def read(path, value):
+        key = state_path_key(tuple(part.key for part in path
+                                   if isinstance(part, jax.tree_util.DictKey)))
+        return copies.get(key, value)
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(read, state))
 
 
 class CountingEnvironment:
@@ -243,7 +266,8 @@ class RLRun:
         self.environment.counts.clear()
         first = self.next_prompt
         prompts = [self.task.prompt(i) for i in range(first, first + config.prompts_per_iteration)]
-        finished, self.rollouts = rollout(make_engine(self.model, config), prompts,
+        finished, self.rollouts = rollout(make_engine(rollout_policy(self.trainer), config),
+                                          prompts,
                                           config.rollout, self.environment, version=version,
                                           buffer=self.rollouts)
         ready = _groups(self.ready) + finished
