@@ -16,6 +16,7 @@ import pytest
 from experiments import quickstart as experiments_quickstart
 from tests.train.small_run import SMALL_RUN, write_corpus
 from train.loop import CHECKPOINT_DIR, train
+from train.optim import OptimConfig
 
 pytestmark = pytest.mark.slow  # each test starts a Python with JAX (the last one also trains)
 
@@ -26,7 +27,13 @@ def quickstart_args(tmp_path, out: str, *options: str) -> list[str]:
     """The quickstart's arguments for a small run (two steps of 2 x 32 bytes) on two small data
     files."""
     data = write_corpus(tmp_path)
-    settings = [*SMALL_RUN, "steps=2", "data.seq_len=32", "data.batch_size=2"]
+    # The small run's optimizer too (the quickstart's own differs): its programs are the other
+    # tests' small runs', which the suite's persistent compilation cache then holds.
+    optim = OptimConfig()
+    settings = [*SMALL_RUN, "data.seq_len=32", "data.batch_size=2",
+                f"optim.learning_rate={optim.learning_rate}",
+                f"optim.warmup_steps={optim.warmup_steps}",
+                f"optim.decay_fraction={optim.decay_fraction}"]
     return ["--out", out, "--sample-bytes", "0", "--data", *data,
             *[item for setting in settings for item in ("--set", setting)], *options]
 
