@@ -1,6 +1,8 @@
 """train.step on a small model: the update, the QB router-bias update, skipping of non-finite
 steps, evaluation, Muon, QK-Clip, and which gradients enter the update in bfloat16."""
 
+import functools
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -175,24 +177,25 @@ def test_muon_step_is_finite_and_moves_the_matrices():
     assert float(jnp.abs(after - before).max()) > 0
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def _head_max_logits(graphdef, state, batch):
     model = nnx.merge(graphdef, state).model
     _, captured = qk_clip.capture_forward(model, batch["tokens"], batch["segment_ids"])
     [(path, layer)] = qk_clip.mla_layers(model)
-    return np.asarray(qk_clip.max_logits(layer.cfg, *captured[path], batch["segment_ids"]))
+    return qk_clip.max_logits(layer.cfg, *captured[path], batch["segment_ids"])
 
 
 def test_qk_clip_caps_the_heads_above_tau():
     # A learning rate of ~0 isolates the clip: only heads over tau change.
     graphdef, initial = split_state(OptimConfig(learning_rate=1e-12, warmup_steps=0))
     batch = make_batch(2)
-    before = _head_max_logits(graphdef, initial, batch)
+    before = np.asarray(_head_max_logits(graphdef, initial, batch))
     assert abs(before[0] - before[1]) > 1e-3
     tau = float(before.mean())  # one head above, one below
     step = make_train_step(graphdef, qk_clip_tau=tau, compiler_options=FAST_COMPILE_OPTIONS)
     state, metrics = step(fresh(initial), batch)
     np.testing.assert_allclose(metrics["qk_max_logit"][0], before, rtol=1e-5)
-    after = _head_max_logits(graphdef, state, batch)
+    after = np.asarray(_head_max_logits(graphdef, state, batch))
     np.testing.assert_allclose(after, np.minimum(before, tau), rtol=1e-4)
 
 
