@@ -9,6 +9,8 @@
   (and the final state when that document is the row's last), in every implementation.
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -81,8 +83,9 @@ def test_chunked_op_is_exact_for_erasing_gates(value, layout):
 def test_erasing_gates_at_every_chunk_size():
     inputs, _ = erasing_inputs(-jnp.inf, "runs")
     o_ref, state_ref = oracle(inputs)
-    for chunk_size in (16, 32):
-        o, state = chunked(inputs, chunk_size=chunk_size)
+    arrays = {n: x for n, x in inputs.items() if n != "use_qk_l2norm"}
+    for chunk_size in (16, 32):  # one program each (eagerly, every operation's shapes are new)
+        o, state = jax.jit(lambda x: chunked({**inputs, **x}, chunk_size=chunk_size))(arrays)
         assert relative_error(o, o_ref) <= F32_TOLERANCE, chunk_size
         assert relative_error(state, state_ref) <= F32_TOLERANCE, chunk_size
 
@@ -114,20 +117,39 @@ def small_inputs(gate="lower_bound"):
 CHECKED_IMPL = "reference"
 
 
+@functools.cache
+def _output_program(options):
+    """`kda_attention`'s output under `jit`, one program for every call with these options."""
+    return jax.jit(lambda x: run(CHECKED_IMPL, {**x, "use_qk_l2norm": True}, **dict(options))[0])
+
+
+@functools.cache
+def _gradient_program(options):
+    """The gradient of sum(o) with respect to g under `jit`, one program for these options."""
+
+    def loss(g, x):
+        return jnp.sum(run(CHECKED_IMPL, {**x, "g": g, "use_qk_l2norm": True},
+                           **dict(options))[0])
+
+    return jax.jit(jax.grad(loss))
+
+
+def _arrays(inputs):
+    assert inputs["use_qk_l2norm"] is True  # as the programs above take it
+    return {n: x for n, x in inputs.items() if n != "use_qk_l2norm"}
+
+
 def jitted_output(inputs, **options):
     """`kda_attention`'s output under `jit`, waited for (a callback's error arrives here)."""
-    arrays = {n: x for n, x in inputs.items() if n != "use_qk_l2norm"}
-    call = jax.jit(lambda x: run(CHECKED_IMPL, {**inputs, **x}, **options)[0])
-    return jax.block_until_ready(call(arrays))
+    call = _output_program(tuple(sorted(options.items())))
+    return jax.block_until_ready(call(_arrays(inputs)))
 
 
 def jitted_gradient(inputs, **options):
     """The gradient of sum(o) with respect to g under `jit`, waited for."""
-
-    def loss(g):
-        return jnp.sum(run(CHECKED_IMPL, {**inputs, "g": g}, **options)[0])
-
-    return jax.block_until_ready(jax.jit(jax.grad(loss))(inputs["g"]))
+    arrays = _arrays(inputs)
+    call = _gradient_program(tuple(sorted(options.items())))
+    return jax.block_until_ready(call(arrays.pop("g"), arrays))
 
 
 @pytest.mark.parametrize("bad_gate,message", [
@@ -161,7 +183,8 @@ def test_check_inputs_is_silent_for_gates_that_keep_the_promise():
 
 
 def test_layer_config_turns_the_check_on():
-    cfg = KDAConfig(num_heads=2, head_dim=16, gate="softplus", check_inputs=True)
+    cfg = KDAConfig(num_heads=2, head_dim=16, gate="softplus", check_inputs=True,
+                    impl=CHECKED_IMPL)
     layer = KDA(24, cfg, rngs=nnx.Rngs(0))
     forward = nnx.jit(lambda layer, x: layer(x))
     x = jax.random.normal(jax.random.PRNGKey(1), (1, 40, 24))
