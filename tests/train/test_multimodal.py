@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 from sklearn.datasets import load_sample_image
 
+from core.sharding import init_sharded, make_mesh
 from models.config import preset
 from models.lm import HybridLM
 from models.vision import VisionConfig, patch_positions, patchify
@@ -296,7 +297,8 @@ def test_packed_documents_with_images_equal_each_document_alone(batches):
     """The forward on a packed batch equals, at every token of a document, the forward on that
     document alone in its row: images reach their own placeholders, and segments keep the
     documents apart (KDA resets, MLA masks) with their images inside them."""
-    model = HybridLM(SMALL_MODEL, rngs=nnx.Rngs(0))
+    model = init_sharded(lambda: HybridLM(SMALL_MODEL, rngs=nnx.Rngs(0)),
+                         make_mesh(devices=jax.devices()[:1]))  # one program, not op by op
     forward = jax.jit(lambda model, batch: model(batch["tokens"], batch["segment_ids"],
                                                  batch_images(batch)))
     batch = next(b for b in batches if len(runs_of(b["tokens"][0])) > 1)
