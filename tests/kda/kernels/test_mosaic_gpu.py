@@ -25,7 +25,7 @@ from kda.kernels.mosaic_gpu.common import recurrence_operands
 from kda.kernels.mosaic_gpu.prepare import prepare_chunks_kernel
 from kda.kernels.mosaic_gpu.tiles import COMPILER_PARAMS, scanned_cumulative_sum
 from kda.kernels.triton import op as triton_path
-from tests.kda.calls import loss_and_grads, run
+from tests.kda.calls import jitted_run, loss_and_grads, run
 from tests.kda.inputs import bf16_inputs
 from tests.kda.kernels.hopper import (HOPPER, TWO_PROGRAMS_PER_SM, interpreted_on_simulated_hopper,
                                       lowering_for_hopper_within)
@@ -35,7 +35,10 @@ from tests.kda.tolerances import BF16_TOLERANCE, assert_within_bf16_tolerances
 
 @pytest.mark.slow
 @pytest.mark.parametrize("gate,lower_bound,length,heads,initial_state,segments", [
-    ("lower_bound", -5.0, 128, (2, 2), True, False),
+    # (Both kernels on one value head per q/k head: the forward of
+    # `test_interpreted_kernel_gradients_match_reference_without_initial_state`; the preparation
+    # kernel without segment ids, in
+    # `test_interpreted_preparation_without_segment_ids_is_one_document`.)
     # Four chunks: the pipeline refills its buffers (races there show only from the third chunk);
     # a padded tail; grouped value heads.
     ("softplus", None, 200, (1, 2), False, True),
@@ -46,7 +49,7 @@ def test_interpreted_kernel_matches_reference(kernel_on_any_backend, gate, lower
                                               heads, initial_state, segments):
     inputs = bf16_inputs(0, 1, length, *heads, 64, gate=gate, initial_state=initial_state,
                          segments=segments)
-    o_ref, state_ref = run("reference", inputs)
+    o_ref, state_ref = jitted_run("reference", inputs)
     with interpreted_on_simulated_hopper():
         o, state = run(mosaic_gpu.NAME, inputs, gate_lower_bound=lower_bound)
     assert o.dtype == jnp.bfloat16 and state.dtype == jnp.float32
@@ -60,7 +63,7 @@ def test_interpreted_kernel_gradients_match_reference_without_initial_state(
     """Without an initial state the recurrence kernel starts from zeros it does not read, and
     the backward gives the missing state no cotangent. (With one, and both kernels forward:
     `tests/kda/kernels/test_mosaic_gpu_backward.py`'s gradient tests.)"""
-    inputs = bf16_inputs(1, 1, 128, 2, 2, 64, initial_state=False, segments=True)
+    inputs = bf16_inputs(1, 1, 128, 1, 1, 64, initial_state=False, segments=True)
     expected = loss_and_grads("reference", inputs, None)
     with interpreted_on_simulated_hopper():
         actual = loss_and_grads(mosaic_gpu.NAME, inputs, -5.0)
@@ -72,7 +75,8 @@ def assert_preparation_matches_plain_jax(inputs, dim, prepare_kernel=prepare_chu
     `prepare_chunks`."""
     args = [inputs[name] for name in ("q", "k", "v", "g", "beta")]
     options = preparation_options(inputs, dim)
-    expected = recurrence_operands(prepare_chunks(*args, chunk_size=64, **options))
+    expected = jax.jit(lambda *xs: recurrence_operands(prepare_chunks(*xs, chunk_size=64,
+                                                                      **options)))(*args)
     actual = jax.jit(lambda *xs: prepare_kernel(*xs, **options))(*args)
     for name, got, want in zip(expected._fields, actual, expected):
         assert got.shape == want.shape and got.dtype == want.dtype, name
@@ -87,8 +91,8 @@ def assert_preparation_matches_plain_jax(inputs, dim, prepare_kernel=prepare_chu
 @pytest.mark.parametrize("dim,batch,length,heads,use_qk_l2norm,saturated,save_for_backward", [
     # Four chunks, a padded tail, grouped value heads; the residuals written too (their values
     # are checked where the backward reads them, `tests/kda/kernels/test_prepare_backward.py`).
-    (64, 2, 200, (1, 2), True, False, True),
-    (128, 1, 64, (1, 1), False, False, False),
+    (64, 1, 200, (1, 2), True, False, True),
+    (128, 2, 64, (1, 1), False, False, False),  # two batch rows of their own documents
     (64, 1, 128, (1, 1), True, True, False),  # g = L everywhere: the tile factors reach e^37.5
 ])
 def test_interpreted_preparation_matches_plain_jax(dim, batch, length, heads, use_qk_l2norm,
@@ -110,8 +114,9 @@ def test_interpreted_preparation_matches_plain_jax(dim, batch, length, heads, us
 @pytest.mark.slow
 def test_interpreted_preparation_without_segment_ids_is_one_document():
     """Without segment ids the kernel reads no document index and its masks are constants: every
-    output and residual as with segment ids that never change (no document starts)."""
-    inputs = bf16_inputs(4, 2, 200, 1, 2, 64, segments=False)
+    output and residual as with segment ids that never change (no document starts). Two chunks
+    of two batch rows: the document index is read per program."""
+    inputs = bf16_inputs(4, 2, 128, 1, 1, 64, segments=False)
     args = [inputs[name] for name in ("q", "k", "v", "g", "beta")]
     options = preparation_options(inputs, 64)
 
@@ -120,7 +125,7 @@ def test_interpreted_preparation_without_segment_ids_is_one_document():
             *xs, **{**options, "segment_ids": segment_ids}, save_for_backward=True))(*args))
 
     with interpreted_on_simulated_hopper():
-        without, one_document = prepared(None), prepared(jnp.zeros((2, 200), jnp.int32))
+        without, one_document = prepared(None), prepared(jnp.zeros((2, 128), jnp.int32))
     for got, want in zip(without, one_document):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
@@ -224,7 +229,7 @@ def test_kernel_is_chosen_only_on_hopper_for_bf16_heads_of_64_or_128(monkeypatch
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU fallback")
 def test_on_cpu_auto_falls_back_and_asking_by_name_is_refused():
     inputs = bf16_inputs(4, 1, 70, 2, 2, 64)
-    np.testing.assert_array_equal(run("auto", inputs)[0], run("chunked", inputs)[0])
+    np.testing.assert_array_equal(jitted_run("auto", inputs)[0], jitted_run("chunked", inputs)[0])
     with pytest.raises(ValueError, match=r"impl='mosaic_gpu' does not support this call"):
         run(mosaic_gpu.NAME, inputs)
 
