@@ -94,7 +94,7 @@ def test_gradients_reach_every_parameter_in_bfloat16():
     def loss(model):
         return jnp.mean(jnp.square(model(x).astype(jnp.float32)))
 
-    grads = nnx.grad(loss)(layer)
+    grads = nnx.jit(nnx.grad(loss))(layer)  # eagerly, every operation of the VJP compiles alone
     for path, g in jax.tree.leaves_with_path(nnx.state(grads, nnx.Param)):
         assert bool(jnp.isfinite(g).all()), path
         assert float(jnp.abs(g).max()) > 0, path
@@ -149,8 +149,9 @@ def test_segment_tokens_runs_long_calls_in_segments_with_the_same_result(monkeyp
     def loss(layer):
         return jnp.sum(jnp.sin(layer(x, segment_ids=segment_ids)))
 
-    (expected, want), (actual, got) = (nnx.value_and_grad(loss)(layer)
-                                       for layer in (whole, segmented))
+    # One jit for both layers: their configs differ, so each traces (and compiles) its own.
+    value_and_grad = nnx.jit(nnx.value_and_grad(loss))
+    (expected, want), (actual, got) = (value_and_grad(layer) for layer in (whole, segmented))
     assert calls == [64]
     assert relative_error(actual, expected) <= 1e-5
     for (path, a), (_, b) in zip(nnx.to_flat_state(got), nnx.to_flat_state(want)):
