@@ -1,6 +1,7 @@
 """`kda_attention`: input validation, and how the dispatcher chooses an implementation."""
 
 import chex
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -40,14 +41,22 @@ def test_bad_options_are_refused(inputs):
         kda.kda_attention(**inputs, impl="flash")
 
 
+def traced(inputs, **options):
+    """`kda.kda_attention(**inputs, **options)` traced, not run: the outputs' shapes and dtypes
+    (`jax.ShapeDtypeStruct`s), after the same validation and choice of implementation."""
+    arrays = {n: x for n, x in inputs.items() if isinstance(x, jax.Array)}
+    return jax.eval_shape(
+        lambda x: kda.kda_attention(**{**inputs, **x}, **options), arrays)
+
+
 def test_outputs_have_the_documented_dtypes_and_shapes(inputs):
     bf16 = {n: inputs[n].astype(jnp.bfloat16) for n in ("q", "k", "v")}
-    o, state = kda.kda_attention(**{**inputs, **bf16}, output_final_state=True)
+    o, state = traced({**inputs, **bf16}, output_final_state=True)
     chex.assert_shape(o, (2, 10, 4, 6))
     chex.assert_type(o, jnp.bfloat16)
     chex.assert_shape(state, (2, 4, 8, 6))
     chex.assert_type(state, jnp.float32)
-    assert kda.kda_attention(**inputs)[1] is None
+    assert traced(inputs)[1] is None
 
 
 def test_auto_uses_a_kernel_only_for_calls_it_supports(inputs, monkeypatch):
@@ -61,10 +70,10 @@ def test_auto_uses_a_kernel_only_for_calls_it_supports(inputs, monkeypatch):
     kda.register_kernel("bounded_only", kernel,
                         supports=lambda call: call.gate_lower_bound is not None)
     assert "bounded_only" in kda.available_implementations()
-    kda.kda_attention(**inputs, gate_lower_bound=-5.0)
-    kda.kda_attention(**inputs)  # unbounded gate: falls back to the chunked op
+    traced(inputs, gate_lower_bound=-5.0)
+    traced(inputs)  # unbounded gate: falls back to the chunked op
     assert calls == [-5.0]
     with pytest.raises(ValueError, match=r"impl='bounded_only' does not support this call"):
-        kda.kda_attention(**inputs, impl="bounded_only")
+        traced(inputs, impl="bounded_only")
     with pytest.raises(ValueError, match=r"reserved"):
         kda.register_kernel("chunked", kernel, supports=lambda call: True)
