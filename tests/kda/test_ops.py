@@ -6,8 +6,6 @@ import jax.numpy as jnp
 import jax.test_util
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import kda
 from experiments.harness import relative_error
@@ -17,53 +15,69 @@ from tests.kda.inputs import make_inputs
 from tests.kda.tolerances import BF16_TOLERANCE, F32_TOLERANCE, assert_within_bf16_tolerances
 
 
-@pytest.mark.slow
-@settings(deadline=None, max_examples=8)
-@given(
-    seed=st.integers(0, 2**16),
-    batch=st.sampled_from([1, 2]),
-    length=st.sampled_from([1, 37, 64, 130]),
-    heads=st.sampled_from([(1, 1), (2, 2), (1, 2), (2, 4)]),
-    dims=st.sampled_from([(16, 16), (32, 16)]),
-    gate=st.sampled_from(["lower_bound", "softplus"]),
-    bounded_path=st.booleans(),
-    initial_state=st.booleans(),
-    segments=st.booleans(),
-)
-def test_chunked_matches_reference_in_float32(seed, batch, length, heads, dims, gate,
-                                              bounded_path, initial_state, segments):
+# (seed, batch, length, (H, HV), (K, V), gate, gate_lower_bound, initial state, documents):
+# together every value of each: T of one token, part of a chunk, whole chunks, several chunks
+# with a padded tail; one q/k head per value head or shared by two; K = V, K < V and K > V; both
+# gate forms, the bounded path and the unbounded one (also for the lower-bound gate); with and
+# without an initial state and packed documents. The first two share their compiled programs
+# with `test_packed_documents_equal_separate_runs` and `test_splitting_a_sequence_...` below.
+MATCH_CASES = {
+    "T=128 GVA softplus documents": (7, 1, 128, (1, 2), (16, 16), "softplus", None, True, True),
+    "T=150 K<V": (6, 2, 150, (2, 2), (16, 32), "lower_bound", None, True, False),
+    "T=1": (11, 1, 1, (1, 1), (16, 16), "softplus", None, False, False),
+    "T=37 bounded documents": (12, 2, 37, (2, 4), (32, 16), "lower_bound", -5.0, False, True),
+    "T=130 GVA bounded documents": (14, 2, 130, (1, 2), (32, 16), "lower_bound", -5.0, True,
+                                    True),
+}
+
+
+def match_inputs(case):
+    """`make_inputs` of a `MATCH_CASES` case, and the chunked op's options: its gate_lower_bound
+    where it has one (no option otherwise, as the tests that share its programs call it)."""
+    seed, batch, length, heads, dims, gate, lower_bound, initial_state, segments = (
+        MATCH_CASES[case])
     inputs = make_inputs(seed, batch, length, *heads, *dims, gate=gate,
                          initial_state=initial_state, segments=segments)
-    lower_bound = -5.0 if gate == "lower_bound" and bounded_path else None
-    # Eagerly: each example has shapes of its own, and eager dispatch compiles each operation
-    # once for all examples of its shape where `jitted_run` would compile every example whole.
-    o_ref, state_ref = run("reference", inputs)
-    o, state = run("chunked", inputs, gate_lower_bound=lower_bound)
+    return inputs, {} if lower_bound is None else {"gate_lower_bound": lower_bound}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(MATCH_CASES))
+def test_chunked_matches_reference_in_float32(case):
+    inputs, options = match_inputs(case)
+    o_ref, state_ref = jitted_run("reference", inputs)
+    o, state = jitted_run("chunked", inputs, **options)
     assert relative_error(o, o_ref) <= F32_TOLERANCE
     assert relative_error(state, state_ref) <= F32_TOLERANCE
 
 
-@pytest.mark.parametrize("gate_lower_bound", [None, -5.0])
-def test_chunk_sizes_agree(gate_lower_bound):
-    inputs = make_inputs(0, 2, 100, 2, 2, 32, 32, initial_state=True, segments=True)
+# Each path on a case above with an initial state and documents over several chunks: its 64-token
+# chunks are the program that test compiles.
+@pytest.mark.parametrize("case", ["T=128 GVA softplus documents", "T=130 GVA bounded documents"])
+def test_chunk_sizes_agree(case):
+    inputs, options = match_inputs(case)
+    o64, s64 = jitted_run("chunked", inputs, **options)
     use_qk_l2norm = inputs.pop("use_qk_l2norm")
-
-    def chunked(chunk_size):
-        return jax.jit(lambda x: kda.chunk_kda(
-            **x, scale=32**-0.5, output_final_state=True, use_qk_l2norm=use_qk_l2norm,
-            gate_lower_bound=gate_lower_bound, chunk_size=chunk_size))(inputs)
-
-    o64, s64 = chunked(64)
     for chunk_size in (16, 32):
-        o, s = chunked(chunk_size)
-        assert relative_error(o, o64) <= F32_TOLERANCE
-        assert relative_error(s, s64) <= F32_TOLERANCE
+        o, s = jax.jit(lambda x: kda.chunk_kda(
+            **x, scale=x["q"].shape[-1] ** -0.5, output_final_state=True,
+            use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, **options))(inputs)
+        assert relative_error(o, o64) <= F32_TOLERANCE, chunk_size
+        assert relative_error(s, s64) <= F32_TOLERANCE, chunk_size
+
+
+def gradient_inputs(dtype, gate="lower_bound"):
+    """The gradient tests' inputs (initial state, documents): float32 [B=1, T=80, H=1, HV=2,
+    K=V=16]; bf16 [B=2, T=200, H=2, HV=4, K=V=64]."""
+    if dtype == jnp.float32:
+        return make_inputs(4, 1, 80, 1, 2, 16, 16, gate=gate, initial_state=True, segments=True)
+    return make_inputs(3, 2, 200, 2, 4, 64, 64, gate=gate, dtype=jnp.bfloat16,
+                       initial_state=True, segments=True)
 
 
 @pytest.mark.parametrize("gate,lower_bound", [("lower_bound", -5.0), ("softplus", None)])
 def test_bfloat16_within_fla_tolerances(gate, lower_bound):
-    inputs = make_inputs(3, 2, 200, 2, 4, 64, 64, gate=gate, dtype=jnp.bfloat16,
-                         initial_state=True, segments=True)
+    inputs = gradient_inputs(jnp.bfloat16, gate)
     expected = loss_and_grads("reference", inputs, None)
     actual = loss_and_grads("chunked", inputs, lower_bound)
     assert actual["o"].dtype == jnp.bfloat16 and actual["state"].dtype == jnp.float32
@@ -72,7 +86,7 @@ def test_bfloat16_within_fla_tolerances(gate, lower_bound):
 
 @pytest.mark.parametrize("gate,lower_bound", [("lower_bound", -5.0), ("softplus", None)])
 def test_chunked_gradients_match_reference_in_float32(gate, lower_bound):
-    inputs = make_inputs(4, 1, 80, 1, 2, 16, 16, gate=gate, initial_state=True, segments=True)
+    inputs = gradient_inputs(jnp.float32, gate)
     expected = loss_and_grads("reference", inputs, None)
     actual = loss_and_grads("chunked", inputs, lower_bound)
     for name in expected:
@@ -87,6 +101,7 @@ def test_reference_gradients_match_finite_differences():
         inputs = {n: x.astype(jnp.float64) if n in names else x for n, x in inputs.items()}
         names = ("q", "k", "v", "g", "beta", "initial_state")
 
+        @jax.jit  # one program for every evaluation of check_grads (and one for its VJP)
         def loss(*args):
             o, state = kda.kda_reference(**{**inputs, **dict(zip(names, args))}, scale=0.5,
                                          output_final_state=True)
@@ -121,15 +136,18 @@ def time_slice(inputs, start, stop, initial_state=None):
 def test_splitting_a_sequence_and_carrying_the_state_equals_the_whole(impl):
     inputs = make_inputs(6, 2, 150, 2, 2, 16, 32, initial_state=True)
     o_whole, state_whole = jitted_run(impl, inputs)
-    o1, state1 = jitted_run(impl, time_slice(inputs, 0, 70, inputs["initial_state"]))
-    o2, state2 = jitted_run(impl, time_slice(inputs, 70, 150, state1))
+    # Two halves of 75 tokens, split inside a chunk: one program for both.
+    o1, state1 = jitted_run(impl, time_slice(inputs, 0, 75, inputs["initial_state"]))
+    o2, state2 = jitted_run(impl, time_slice(inputs, 75, 150, state1))
     assert relative_error(jnp.concatenate([o1, o2], axis=1), o_whole) <= F32_TOLERANCE
     assert relative_error(state2, state_whole) <= F32_TOLERANCE
 
 
 @pytest.mark.parametrize("impl", ["reference", "chunked"])
 def test_packed_documents_equal_separate_runs(impl):
-    lengths = (15, 70, 43)  # crosses chunk boundaries and starts mid-chunk
+    # The second document starts mid-chunk and crosses a chunk boundary; the last two, which
+    # start from zero, are alike (one program for both).
+    lengths = (30, 49, 49)
     inputs = make_inputs(7, 1, sum(lengths), 1, 2, 16, 16, gate="softplus", initial_state=True)
     segment_ids = jnp.repeat(jnp.arange(len(lengths)), np.array(lengths))[None]
     o_packed, state_packed = jitted_run(impl, {**inputs, "segment_ids": segment_ids})
@@ -145,7 +163,10 @@ def test_packed_documents_equal_separate_runs(impl):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_extreme_gates_stay_finite_and_exact(dtype):
-    base = make_inputs(8, 1, 300, 2, 2, 32, 32, dtype=dtype, initial_state=True)
+    """Gates saturated at the bound and gates down to -1000, on the gradient tests' inputs (their
+    documents, 44 and 136 tokens the longest, span chunk boundaries), and so with the chunked
+    gradients those tests compiled: the documents are constants of those programs."""
+    base = gradient_inputs(dtype)
     saturated = {**base, "g": jnp.full_like(base["g"], -5.0)}
     huge = {**base, "g": -1000.0 * jax.random.uniform(jax.random.PRNGKey(0), base["g"].shape)}
     for inputs, lower_bound in ((saturated, -5.0), (huge, None)):
@@ -157,13 +178,14 @@ def test_extreme_gates_stay_finite_and_exact(dtype):
         assert relative_error(grads["state"], state_ref) <= F32_TOLERANCE
 
 
-@pytest.mark.parametrize("lower_bound", [None, -5.0])
-def test_future_tokens_never_change_past_outputs(lower_bound):
-    inputs = make_inputs(9, 1, 128, 1, 1, 16, 16)
-    o, _ = jitted_run("chunked", inputs, gate_lower_bound=lower_bound)
+# Each path, on the inputs (and so the programs) of a case above.
+@pytest.mark.parametrize("case", ["T=128 GVA softplus documents", "T=130 GVA bounded documents"])
+def test_future_tokens_never_change_past_outputs(case):
+    inputs, options = match_inputs(case)
+    o, _ = jitted_run("chunked", inputs, **options)
     changed = {n: x.at[:, 70:].set(x[:, 70:] * 0.5) if n in ("q", "k", "v", "g", "beta") else x
                for n, x in inputs.items()}
-    o_changed, _ = jitted_run("chunked", changed, gate_lower_bound=lower_bound)
+    o_changed, _ = jitted_run("chunked", changed, **options)
     np.testing.assert_array_equal(o[:, :70], o_changed[:, :70])
     assert not np.array_equal(o[:, 70:], o_changed[:, 70:])
 
