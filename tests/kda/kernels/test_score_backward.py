@@ -85,11 +85,10 @@ def test_interpreted_four_warpgroups_match_two():
 
 @pytest.mark.slow
 def test_interpreted_vjp_matches_plain_jax():
-    """Two chunks (a program each: the kernel carries nothing from one to the next), a padded
-    tail, grouped value heads at K = 64. The preparation VJP's other cases (K = 128, g = L, no
-    norm, no documents) are those of `tests/kda/kernels/test_prepare_backward.py`: the same VJP,
-    score kernel included."""
-    case = preparation_case(22, 1, 100, (1, 2), 64, segments=True, use_qk_l2norm=True)
+    """Three chunks, a padded tail, grouped value heads at K = 64. The preparation VJP's other
+    cases (K = 128, g = L, no norm, no documents) are those of
+    `tests/kda/kernels/test_prepare_backward.py`: the same VJP, score kernel included."""
+    case = preparation_case(22, 1, 150, (1, 2), 64, segments=True, use_qk_l2norm=True)
     with interpreted_on_simulated_hopper():
         assert_vjp_matches_plain_jax(*case)
 
