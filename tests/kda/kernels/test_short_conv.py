@@ -53,14 +53,6 @@ def _vjp(fn, x, weight, grads):
     return out, pullback(tuple(g.astype(out[0].dtype) for g in grads))
 
 
-@functools.partial(jax.jit, static_argnames="dtype")
-def _xla_vjp(x, weight, segment_ids, grads, dtype):
-    """`_vjp` of the XLA path with x taken in `dtype`, under one jit (both backward schemes'
-    cases share it)."""
-    return _vjp(functools.partial(_xla_parts, segment_ids=segment_ids, dtype=dtype),
-                x, weight, grads)
-
-
 def _max_error(values, exact):
     return max(float(np.max(np.abs(np.asarray(v, np.float64) - np.asarray(e, np.float64))))
                for v, e in zip(values, exact))
@@ -83,8 +75,12 @@ def test_kernels_in_interpret_mode_are_at_least_as_accurate_as_xla(backward, doc
     assert all(p.dtype == jnp.bfloat16 for p in parts) and dx.dtype == jnp.bfloat16
     assert d_weight.shape == weight.shape and d_weight.dtype == jnp.float32
 
-    exact, (exact_dx, exact_dw) = _xla_vjp(x, weight, segment_ids, grads, dtype=jnp.float32)
-    xla, (xla_dx, xla_dw) = _xla_vjp(x, weight, segment_ids, grads, dtype=jnp.bfloat16)
+    exact, (exact_dx, exact_dw) = _vjp(
+        functools.partial(_xla_parts, segment_ids=segment_ids, dtype=jnp.float32),
+        x, weight, grads)
+    xla, (xla_dx, xla_dw) = _vjp(
+        functools.partial(_xla_parts, segment_ids=segment_ids, dtype=jnp.bfloat16),
+        x, weight, grads)
     for ours, theirs, truth in ((parts, xla, exact), ((dx,), (xla_dx,), (exact_dx,))):
         scale = max(float(np.max(np.abs(np.asarray(t, np.float32)))) for t in truth)
         assert _max_error(ours, truth) <= 2**-8 * scale  # one bf16 rounding of the result
