@@ -11,6 +11,9 @@ per destination shard (`capacity` rows, first choices first), exchanges buffers 
 `jax.lax.all_to_all`, runs the dropless path on what it received, and sends the results back.
 Copies beyond a full buffer are dropped and counted; `capacity_factor=None` sizes the buffers so
 that nothing can be dropped, and then the result equals `dropless_moe`.
+
+Data parallel (`data_parallel_moe`, under `jax.shard_map`): on a mesh without an `expert` axis,
+each device runs the dropless path on its own tokens with every expert's weights.
 """
 
 from __future__ import annotations
@@ -254,6 +257,49 @@ def dropless_moe(
         fuse_glu_epilogues=fuse_glu_epilogues,
     )
     return unsort_combine(y_sorted, weights, plan.order, plan.inverse)
+
+
+def data_parallel_moe(
+    x: jax.Array,
+    expert_ids: jax.Array,
+    weights: jax.Array,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    activation: Activation,
+    *,
+    backend: str = "auto",
+    fuse_glu_epilogues: bool = False,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+) -> jax.Array:
+    """`dropless_moe` on each device's own tokens, for a mesh without an `expert` axis.
+
+    Under plain `jit` the dispatch sorts the T·k token copies of the whole batch, a sort XLA's
+    partitioner does not split: every device would gather every device's tokens and run all of
+    them through the experts. Here (under `jax.shard_map`, tokens split over all mesh axes) each
+    device sorts and runs only its T/P tokens; the expert weights enter whole on every device, as
+    fsdp gathers any weight for its matmul, and their gradients are summed over the devices.
+
+    Args:
+        x, expert_ids, weights, w_in, w_out, activation, backend, fuse_glu_epilogues: as in
+            `dropless_moe`; the token count T must divide by the mesh size.
+        mesh: the mesh (None = the one set by `jax.set_mesh`).
+
+    Returns:
+        [T, W] equal to `dropless_moe`'s.
+    """
+    _check_dispatch_args(x, expert_ids, weights, w_in, w_out)
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if x.shape[0] % mesh.size:
+        raise ValueError(
+            f"the token count {x.shape[0]} must divide by the mesh size {mesh.size} "
+            f"(tokens are split over all mesh axes {mesh.axis_names})."
+        )
+    tokens = P(mesh.axis_names)
+    body = functools.partial(dropless_moe, activation=activation, backend=backend,
+                             fuse_glu_epilogues=fuse_glu_epilogues)
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(tokens, tokens, tokens, P(), P()), out_specs=tokens,
+    )(x, expert_ids, weights, w_in.astype(x.dtype), w_out.astype(x.dtype))
 
 
 def expert_parallel_moe(

@@ -32,7 +32,7 @@ from core.norms import rms_norm
 from core.sharding import logical
 from moe.activations import GLUActivation, fused_glu
 from moe.config import MoEConfig
-from moe.dispatch import EXPERT_AXIS, dropless_moe, expert_parallel_moe
+from moe.dispatch import EXPERT_AXIS, data_parallel_moe, dropless_moe, expert_parallel_moe
 from moe.routing import (
     PERMUTATION_NAME,
     RouterStats,
@@ -121,7 +121,8 @@ class StableLatentMoE(nnx.Module):
 
     Under a mesh with an `expert` axis of size > 1 (`jax.set_mesh`), the routed experts run expert
     parallel (`moe.dispatch.expert_parallel_moe`; with `token_chunk`, chunk by chunk, each chunk's
-    B·token_chunk tokens split over all devices); otherwise dropless on each device.
+    B·token_chunk tokens split over all devices); under a mesh of several devices without one,
+    dropless on each device's own tokens (`moe.dispatch.data_parallel_moe`).
     """
 
     def __init__(
@@ -366,7 +367,8 @@ class StableLatentMoE(nnx.Module):
                 fuse_glu_epilogues=self.cfg.fuse_glu_epilogues,
                 mesh=mesh,
             )
-        y = dropless_moe(
+        dispatch = data_parallel_moe if _splits_tokens(mesh, z.shape[0]) else dropless_moe
+        y = dispatch(
             z, expert_ids, weights, w_in, w_out, self.activation, backend=self.cfg.gmm_backend,
             fuse_glu_epilogues=self.cfg.fuse_glu_epilogues,
         )
@@ -376,6 +378,15 @@ class StableLatentMoE(nnx.Module):
 def _expert_shards(mesh) -> int:
     """Size of the mesh's `expert` axis (1 without one): above 1, the experts run in parallel."""
     return mesh.shape[EXPERT_AXIS] if EXPERT_AXIS in mesh.axis_names else 1
+
+
+def _splits_tokens(mesh, num_tokens: int) -> bool:
+    """Whether the routed experts run data parallel (`data_parallel_moe`): a mesh of several
+    devices, none of its axes manual already (inside a `shard_map` the tokens are local), that
+    splits num_tokens evenly. Otherwise they run as one program over all tokens (`dropless_moe`):
+    the same result, every device doing the whole batch's work."""
+    manual = any(kind == jax.sharding.AxisType.Manual for kind in mesh.axis_types)
+    return mesh.size > 1 and not manual and num_tokens % mesh.size == 0
 
 
 def moe_layers(model: nnx.Module) -> list[StableLatentMoE]:

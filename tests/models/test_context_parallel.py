@@ -83,10 +83,9 @@ def test_hybrid_lm_across_shards_equals_one_device(hybrid_one_device, mesh_name)
     placed = [jax.device_put(x, batch_sharding(mesh, x.shape)) for x in (tokens, SEGMENT_IDS)]
     with jax.set_mesh(mesh):
         # The short convolution's halo, KDA's state maps and MLA's latents cross the shards,
-        # each under its own shard_map (and the MoE's under expert parallelism); the rest runs
-        # token by token.
-        shard_maps = 3 + (mesh.shape["expert"] > 1)
-        assert collectives(sharded, *placed) == (shard_maps, {"all_gather", "ppermute"})
+        # each under its own shard_map, and the MoE dispatches each shard's tokens under one
+        # (expert or data parallel); the rest runs token by token.
+        assert collectives(sharded, *placed) == (4, {"all_gather", "ppermute"})
         logits, grads = jax.jit(logits_and_grads)(sharded, *placed)
     assert logits.sharding.spec[1] == "seq"  # the stream stays split to the head
     np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
