@@ -83,9 +83,11 @@ def test_config_refuses_an_unknown_implementation_or_max_segments(fields, messag
     "capability, dtype, implementation, expected",
     [
         ((9, 0), jnp.bfloat16, None, "cudnn_segments"),  # Hopper, 16-bit: the packed layout
-        ((9, 0), jnp.float32, None, "xla"),  # cuDNN takes 16-bit inputs only
-        ((8, 0), jnp.bfloat16, None, "xla"),  # pre-Hopper: the dense mask (XLA on this CPU)
-        (None, jnp.bfloat16, None, "xla"),  # no CUDA device
+        # "dense": the backend's dense-mask path (`attention.backend_implementation`: cuDNN on a
+        # GPU, XLA on a CPU).
+        ((9, 0), jnp.float32, None, "dense"),  # cuDNN's packed layout takes 16-bit inputs only
+        ((8, 0), jnp.bfloat16, None, "dense"),  # pre-Hopper
+        (None, jnp.bfloat16, None, "dense"),  # no CUDA device
         ((9, 0), jnp.bfloat16, "xla", "xla"),  # a configured path wins
     ],
 )
@@ -94,13 +96,16 @@ def test_default_is_the_packed_layout_where_it_can_run(monkeypatch, capability, 
     monkeypatch.setattr(attention, "_cuda_compute_capability", lambda: capability)
     monkeypatch.setattr(cudnn_fused, "check_cudnn_version", lambda: 91000)
     model = tower(dtype, implementation=implementation)
+    if expected == "dense":
+        expected = attention.backend_implementation(dtype)
     assert [block.implementation for block in model.blocks] == [expected] * TINY.num_layers
 
 
 def test_the_default_sizes_the_packed_check_by_the_head(monkeypatch):
     monkeypatch.setattr(attention, "_cuda_compute_capability", lambda: (9, 0))
     monkeypatch.setattr(cudnn_fused, "check_cudnn_version", lambda: 91000)
-    for head_dim, expected in ((8, "cudnn_segments"), (12, "xla"), (264, "xla")):
+    dense = attention.backend_implementation(jnp.bfloat16)
+    for head_dim, expected in ((8, "cudnn_segments"), (12, dense), (264, dense)):
         model = tower(jnp.bfloat16, head_dim=head_dim)
         assert model.blocks[0].implementation == expected, head_dim
 
