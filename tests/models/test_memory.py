@@ -30,11 +30,11 @@ arguments, and the temporaries. Tolerances, from the measurements tabled at `COM
   (`TOTAL_CASES`; the unrolled seq=2 step has the same context-parallel terms).
   Not yet on the other scanned steps (XLA's loops hold 19-30% more than planned:
   7.2 MiB more for the one-device step scanned than unrolled, which the planner counts alike)
-  nor on meshes that combine seq with data, fsdp or expert: there XLA:CPU's peak for the same
-  tokens per device moves with the mesh (seq2 x fsdp2 x expert2: 9.5 MiB, seq2 x fsdp4: 21.9
-  MiB, one row of 64 tokens each; without seq, expert4: 17.8 MiB, fsdp4: 26.4 MiB for a row of
+  nor on most meshes that combine seq with data, fsdp or expert: there XLA:CPU's peak for the
+  same tokens per device moves with the mesh (seq2 x fsdp2 x expert2: 9.5 MiB, seq2 x fsdp4: 8.9
+  MiB, one row of 64 tokens each; without seq, expert4: 17.8 MiB, fsdp4: 16.2 MiB for a row of
   128), which the planner's per-token accounting does not follow; the ratios are tabled in
-  docs/memory_planner.md.
+  docs/memory_planner.md (fsdp4 0.91, not asserted: each asserted mesh is a compile).
 - context parallelism's own terms (the gathered MLA latents and keys, KDA's second run, maps
   and halo) are derived by hand for `tiny` (`test_context_parallel_parts_are_derived`).
 """
