@@ -289,17 +289,22 @@ def data_parallel_moe(
     """
     _check_dispatch_args(x, expert_ids, weights, w_in, w_out)
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    if x.shape[0] % mesh.size:
-        raise ValueError(
-            f"the token count {x.shape[0]} must divide by the mesh size {mesh.size} "
-            f"(tokens are split over all mesh axes {mesh.axis_names})."
-        )
+    _check_token_split(x.shape[0], mesh)
     tokens = P(mesh.axis_names)
     body = functools.partial(dropless_moe, activation=activation, backend=backend,
                              fuse_glu_epilogues=fuse_glu_epilogues)
     return jax.shard_map(
         body, mesh=mesh, in_specs=(tokens, tokens, tokens, P(), P()), out_specs=tokens,
     )(x, expert_ids, weights, w_in.astype(x.dtype), w_out.astype(x.dtype))
+
+
+def _check_token_split(num_tokens: int, mesh) -> None:
+    """The token-sharded dispatches split the tokens over all mesh axes: they must divide."""
+    if num_tokens % mesh.size:
+        raise ValueError(
+            f"the token count {num_tokens} must divide by the mesh size {mesh.size} "
+            f"(tokens are split over all mesh axes {mesh.axis_names})."
+        )
 
 
 def expert_parallel_moe(
@@ -347,11 +352,7 @@ def expert_parallel_moe(
         raise ValueError(
             f"num_experts={num_experts} must divide by the '{EXPERT_AXIS}' axis size {shards}."
         )
-    if x.shape[0] % mesh.size:
-        raise ValueError(
-            f"the token count {x.shape[0]} must divide by the mesh size {mesh.size} "
-            f"(tokens are split over all mesh axes {mesh.axis_names})."
-        )
+    _check_token_split(x.shape[0], mesh)
     local_copies = x.shape[0] // mesh.size * expert_ids.shape[1]
     wanted = (
         local_copies
