@@ -780,12 +780,11 @@ class Engine:
     def _image_rows(self, images: _Images | None, start: int, size: int):
         """The image inputs of the chunk [start, start + size) for `_prefill_program`: None when
         it holds no placeholder of the prompt; the request's tower runs at its first such chunk."""
-        rows = np.full((1, size), -1, np.int32)
-        if images is not None:
-            prompt_part = images.rows[start : start + size]
-            rows[0, : len(prompt_part)] = prompt_part
-        if not (rows >= 0).any():
+        prompt_part = None if images is None else images.rows[start : start + size]
+        if prompt_part is None or not (prompt_part >= 0).any():
             return None
+        rows = np.full((1, size), -1, np.int32)
+        rows[0, : len(prompt_part)] = prompt_part
         if images.features is None:
             images.features = _vision_program(self._graphdef, self._variables, images.buffer)
         return _chunk_features(images.features, rows)
