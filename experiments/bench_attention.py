@@ -2,7 +2,7 @@
 documents, implementation by implementation, and writes a markdown table.
 
     python -m experiments.bench_attention --gpu     # H200: bench_train's shape, bf16
-                                                    # -> benchmarks/attention_h200.md
+                                                    # -> benchmarks/attention_<card>.md
     python -m experiments.bench_attention --smoke   # tiny float32 CPU run through XLA (the test)
 
 The `--gpu` shape is the `1b` step's (`experiments.bench_train`): [B, T, H] = [4, 4096, 16], q/k
@@ -253,7 +253,7 @@ def main(argv=None):
         parser.add_argument("--max-segments", nargs="+", type=int, default=[4, 16], metavar="M",
                             help="the M of each cudnn_segments contender (default: 4 16)")
 
-    args = gpu_or_smoke_args(argv, __doc__.split("\n\n")[0], "attention_h200.md",
+    args = gpu_or_smoke_args(argv, __doc__.split("\n\n")[0], "attention",
                              gpu_help="the H200 shape and every implementation",
                              smoke_help="a tiny float32 shape through XLA alone (a CPU check)",
                              add_options=max_segments_option)

@@ -2,7 +2,7 @@
 side by side, and writes a markdown table.
 
     python -m experiments.bench_attn_res --gpu     # H200: the `1b` model's stream, bf16
-                                                   # -> benchmarks/attn_res_h200.md
+                                                   # -> benchmarks/attn_res_<card>.md
     python -m experiments.bench_attn_res --smoke   # tiny float32 CPU run (the test)
 
 The walk is the `1b` model's: 16 layers (32 sub-layers) sealing every 8 sub-layers, a read
@@ -141,7 +141,7 @@ def write_table(path: Path, results: dict, difference: float, setup: Setup, comm
 
 
 def main(argv=None):
-    args = gpu_or_smoke_args(argv, __doc__.split("\n\n")[0], "attn_res_h200.md",
+    args = gpu_or_smoke_args(argv, __doc__.split("\n\n")[0], "attn_res",
                              gpu_help="the 1b model's stream, bf16",
                              smoke_help="a tiny float32 run (CPU check)")
     setup = GPU_SETUP if args.gpu else SMOKE_SETUP

@@ -1,9 +1,9 @@
 """Generation benchmark: time to first token, decode tokens/s against the memory-read floor, and
 the latent cache's bytes per token, for the serving engine (`models.serving`).
 
-    python -m experiments.bench_generate --gpu     # 1b in bf16 -> benchmarks/generate_h200.md
-    python -m experiments.bench_generate --gpu --long   # batch 1 at 128K, 256K and 1M tokens
-                                                        # -> benchmarks/long_context_inference_h200.md
+    python -m experiments.bench_generate --gpu     # 1b in bf16 -> benchmarks/generate_<card>.md
+    python -m experiments.bench_generate --gpu --long   # batch 1 at 128K, 256K and 1M tokens ->
+                                                    # benchmarks/long_context_inference_<card>.md
     python -m experiments.bench_generate --smoke   # a two-layer tiny model on CPU
 
 What it measures, in one process:
@@ -55,6 +55,7 @@ from experiments.harness import (
     write_markdown,
 )
 from models.config import ModelConfig, count_params, format_count, preset
+from models.jit_split import split_for_jit
 from models.lm import HybridLM
 from models.paged_cache import NULL_PAGE
 from models.serving import Engine, Request, RowSampling, decode_program, slot_axes
@@ -83,7 +84,7 @@ SMOKE = Size("tiny", dict(num_layers=2, kda_layers=(1,), full_attn_layers=(2,)),
              bandwidth_bytes=64 << 20, memory_margin=0)
 # `--long`: one sequence, prefilled whole (TTFT) and decoded, at the million-token issue's lengths.
 LONG_CONTEXTS = (131072, 262144, 1048576)
-LONG_TABLE = "long_context_inference_h200.md"
+LONG_SUBJECT = "long_context_inference"
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -215,7 +216,7 @@ def time_to_first_token(model: HybridLM, size: Size, contexts) -> list[dict]:
 def decode_cells(model: HybridLM, size: Size, bandwidth: float, repeats: int,
                  warmup: int) -> list[dict]:
     """Decode step time, tokens/s and the floor ratio of every (batch, context) cell."""
-    graphdef, variables = nnx.split(model)
+    structure, variables = split_for_jit(model)
     axes = slot_axes(model)
     per_token, per_row = latent_bytes_per_token(model), slot_state_bytes(model)
     max_pages = math.ceil((max(size.contexts) + 1) / size.page_size)
@@ -247,8 +248,8 @@ def decode_cells(model: HybridLM, size: Size, bandwidth: float, repeats: int,
 
             def step():
                 nonlocal caches
-                caches, next_tokens, _ = decode_program(graphdef, axes, variables, caches, tokens,
-                                                        tables, lengths, active, rows)
+                caches, next_tokens, _ = decode_program(structure, axes, variables, caches,
+                                                        tokens, tables, lengths, active, rows)
                 return next_tokens
 
             seconds = median_seconds(step, steps=repeats, warmup=warmup)
@@ -345,11 +346,11 @@ def main(argv=None) -> dict:
         parser.add_argument("--long", action="store_true",
                             help="batch 1 at contexts of 128K, 256K and 1M tokens (--smoke: "
                             "twice and four times its contexts); --gpu default table: "
-                            f"benchmarks/{LONG_TABLE}")
+                            f"benchmarks/{LONG_SUBJECT}_<card>.md")
 
     args = gpu_or_smoke_args(
         argv, __doc__.split("\n\n")[0],
-        lambda args: LONG_TABLE if args.long else "generate_h200.md",
+        lambda args: LONG_SUBJECT if args.long else "generate",
         gpu_help="1b preset in bf16, batches 1-256, contexts 4K-128K (about 6 minutes on an H200)",
         smoke_help="tiny preset (two layers) on CPU, batches 1-2, contexts 32-64",
         add_options=add_long)

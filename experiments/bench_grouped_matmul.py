@@ -2,10 +2,10 @@
 
     python -m experiments.bench_grouped_matmul --gpu     # H200: 131072 rows (16384 tokens x
                                                          # top-8), 64 groups
-                                                         # -> benchmarks/grouped_matmul_h200.md
+                                                         # -> benchmarks/grouped_matmul_<card>.md
     python -m experiments.bench_grouped_matmul --smoke   # tiny sizes on CPU (interpret mode)
     python -m experiments.bench_grouped_matmul --gpu --expert-mlp   # the expert MLP, GLU fused
-                                                         # or not -> benchmarks/expert_mlp_h200.md
+                                                         # or not -> benchmarks/expert_mlp_<card>.md
 
 Row-ragged products (lhs [M, K] x rhs [G, K, N], rows grouped; the two forward products of the
 expert MLP and their input gradients, rhs transposed): ours (`ragged_matmul`) under every config
@@ -42,8 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
-from experiments.harness import (command_line, median_seconds, package_version, relative_error,
-                                 report_preamble, write_markdown)
+from experiments.harness import (command_line, gpu_table, median_seconds, package_version,
+                                 relative_error, report_preamble, write_markdown)
 from moe import dispatch
 from moe.activations import GLUActivation
 from moe.kernels.mosaic_gpu.ragged_matmul import ragged_matmul, work_table
@@ -543,8 +543,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="our weight-gradient configs to time (default: all of TRANSPOSED_SWEEP_CONFIGS)",
     )
     parser.add_argument(
-        "--out", default=None, help="markdown table (default benchmarks/grouped_matmul_h200.md "
-        "with --gpu)"
+        "--out", default=None, help="markdown table (default with --gpu: "
+        "benchmarks/grouped_matmul_<card>.md, with --expert-mlp benchmarks/expert_mlp_<card>.md)"
     )
     return parser.parse_args(argv)
 
@@ -569,8 +569,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         def render(rows):
             return expert_mlp_markdown(size, rows, command)
 
-        default_out, complaint = ("benchmarks/expert_mlp_h200.md",
-                                  "the fused path disagrees with the unfused one")
+        subject, complaint = "expert_mlp", "the fused path disagrees with the unfused one"
     else:
         size = GPU_SIZE if args.gpu else SMOKE_SIZE
 
@@ -581,9 +580,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         def render(rows):
             return markdown(size, rows, command)
 
-        default_out, complaint = ("benchmarks/grouped_matmul_h200.md",
-                                  "outputs disagree with the reference")
-    out = args.out or (default_out if args.gpu else None)
+        subject, complaint = "grouped_matmul", "outputs disagree with the reference"
+    out = args.out or (gpu_table(subject) if args.gpu else None)
 
     def write_table(rows):
         if out:

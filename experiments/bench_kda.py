@@ -14,7 +14,7 @@ shape in turns (`time_contenders`: a drift of the GPU's clocks falls on all), th
 relative L2 error is measured against our chunked op (or, in a run without it, the first other
 KDA contender's, `error_anchor`), and memory comes from XLA's analysis of the compiled
 forward+backward (torch's peak for fla). Peers that are not installed are skipped with a note.
-The table goes to `benchmarks/kda_h200.md` with `--gpu` (`benchmarks/kda_<backend>.md` else),
+The table goes to `benchmarks/kda_<card>.md` with `--gpu` (`benchmarks/kda_<backend>.md` else),
 and each shape's results, once timed, to the JSON file beside it (`OUT.json`), from which
 `--resume` takes them instead of timing those shapes again (a run cut short, or shapes spread
 over several jobs: all contenders of a shape are always timed in one process).
@@ -37,8 +37,8 @@ import numpy as np
 
 import kda
 from experiments.harness import (cell, command_line, compiled_once, compiled_peak_mib, device_ms,
-                                 package_version, relative_error, report_preamble, speedup,
-                                 table_row, timing_cells, write_json, write_markdown)
+                                 gpu_table, package_version, relative_error, report_preamble,
+                                 speedup, table_row, timing_cells, write_json, write_markdown)
 from experiments.profiling import ops_markdown, profile_device_ops
 from kda.chunked import CHUNK_SIZE, chunk_recurrence, prepare_chunks
 from kda.kernels.triton import op as triton_path
@@ -581,10 +581,10 @@ def main(argv=None):
     parser.add_argument("--long", action="store_true",
                         help=f"with --gpu: shapes {' '.join(LONG_SHAPES)}, segments of "
                              f"{LONG_SEGMENT_TOKENS} tokens, auto and jla only, no part rows; "
-                             "the table goes to benchmarks/kda_long_h200.md")
+                             "the table goes to benchmarks/kda_long_<card>.md")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path,
-                        help="markdown file (default: benchmarks/kda_h200.md with --gpu, else "
+                        help="markdown file (default: benchmarks/kda_<card>.md with --gpu, else "
                              "benchmarks/kda_<backend>.md); the timed shapes go beside it as JSON")
     parser.add_argument("--resume", action="store_true",
                         help="keep the shapes that an earlier run with the same --out timed (in "
@@ -601,7 +601,7 @@ def main(argv=None):
         args.segment_tokens = args.segment_tokens or LONG_SEGMENT_TOKENS
         args.impls = args.impls or ["auto"]
         args.peers, args.parts = [peer for peer in args.peers if peer == "jla"], False
-        args.out = args.out or Path("benchmarks") / "kda_long_h200.md"
+        args.out = args.out or gpu_table("kda_long")
     if args.impls:
         impls = args.impls
     elif args.gpu:  # the token-by-token scan would only measure patience at these lengths
@@ -623,7 +623,7 @@ def main(argv=None):
     table = contenders(args.gpu, impls, args.peers, args.parts, args.device_time,
                        args.segment_tokens)
     names = list(table)
-    out = args.out or Path("benchmarks") / f"kda_{'h200' if args.gpu else backend}.md"
+    out = args.out or (gpu_table("kda") if args.gpu else Path("benchmarks") / f"kda_{backend}.md")
     command = command_line("experiments.bench_kda", argv)
     dtype = jnp.bfloat16 if args.gpu else np.float32
     timed_path = out.with_suffix(".json")

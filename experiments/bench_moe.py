@@ -3,7 +3,7 @@ same active FLOPs, in one process on one device.
 
     python -m experiments.bench_moe --gpu      # H200: d=2048, 64 experts, top-8, latent 1024,
                                                # expert width 1024, 16K tokens; writes
-                                               # benchmarks/moe_h200.md
+                                               # benchmarks/moe_<card>.md
     python -m experiments.bench_moe --smoke    # the same code at a tiny size (CPU check)
     python -m experiments.bench_moe --gpu --profile   # also: the layer's parts timed one by one
                                                       # and the top device ops of a traced step
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from core.norms import rms_norm
-from experiments.harness import (command_line, compiled_peak_mib, median_seconds,
+from experiments.harness import (command_line, compiled_peak_mib, gpu_table, median_seconds,
                                  package_version, relative_error, report_preamble, write_markdown)
 from experiments.profiling import idle_markdown, ops_markdown, profile_device_ops
 from moe.activations import fused_glu
@@ -327,7 +327,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     size.add_argument("--smoke", action="store_true", help="a tiny size that runs on CPU")
     parser.add_argument("--iters", type=int, default=None, help="timed steps (default 20 / 2)")
     parser.add_argument(
-        "--out", default=None, help="markdown table (default benchmarks/moe_h200.md with --gpu)"
+        "--out", default=None, help="markdown table (default benchmarks/moe_<card>.md with --gpu)"
     )
     parser.add_argument(
         "--profile",
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
     command = command_line("experiments.bench_moe", argv)
     table = markdown(shape, results, command)
     print(table)
-    out = args.out or ("benchmarks/moe_h200.md" if args.gpu else None)
+    out = args.out or (gpu_table("moe") if args.gpu else None)
     if out:
         write_markdown(out, table)
     if "xla_check" in results and not results["xla_check"] <= XLA_AGREEMENT_TOLERANCE:

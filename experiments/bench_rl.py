@@ -2,7 +2,7 @@
 then the learner step), each phase timed, with rollout tokens/s, learner tokens/s and MFU.
 
     python -m experiments.bench_rl --gpu     # `1b`, 2 prompts x 8 trajectories of 4,097 tokens
-                                             # -> benchmarks/rl_h200.md (about 5 minutes on an
+                                             # -> benchmarks/rl_<card>.md (about 5 minutes on an
                                              # H200, most of it compiling)
     python -m experiments.bench_rl --smoke   # a two-layer `tiny` on CPU, trajectories of 33
 
@@ -55,8 +55,8 @@ import numpy as np
 
 from experiments.bench_train import (GPU_MEMORY_FRACTION, BenchSetup, device_memory_limit,
                                      memory_analysis, train_config)
-from experiments.harness import (cell, command_line, package_version, report_preamble, table_row,
-                                 write_json, write_markdown)
+from experiments.harness import (cell, command_line, gpu_table, package_version, report_preamble,
+                                 table_row, write_json, write_markdown)
 from models.config import count_params, format_count, preset
 from train.loop import Trainer
 from train.metrics import peak_flops_per_device, train_flops_per_token
@@ -67,7 +67,6 @@ from train.rl.rollout import RolloutConfig, ToolEnvironment, make_batch, rollout
 
 # Tokens each trajectory samples in the warm-up rollout: enough to run every program once.
 WARMUP_TOKENS = 4
-GPU_TABLE = "benchmarks/rl_h200.md"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,8 +311,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-length", type=int,
                         help="tokens of a trajectory, prompt included (the batch's rows hold "
                         "one less)")
-    parser.add_argument("--out", type=Path, help=f"markdown table (--gpu default: {GPU_TABLE}), "
-                        "the numbers next to it as .json")
+    parser.add_argument("--out", type=Path, help="markdown table (--gpu default: "
+                        "benchmarks/rl_<card>.md), the numbers next to it as .json")
     args = parser.parse_args(argv)
     size = GPU if args.gpu else SMOKE
     for name, value in (("prompts", args.prompts), ("max_length", args.max_length)):
@@ -326,7 +325,7 @@ def main(argv=None) -> dict:
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
         if jax.default_backend() != "gpu":
             parser.error(f"--gpu needs a CUDA backend, but JAX runs on {jax.default_backend()!r}")
-    out = args.out or (Path(GPU_TABLE) if args.gpu else None)
+    out = args.out or (gpu_table("rl") if args.gpu else None)
     command = command_line("experiments.bench_rl", argv)
     config = rl_config(size)
     task = PromptsOfLength(Curriculum(max_steps=(16,)), size.prompt_length, size.prompts)

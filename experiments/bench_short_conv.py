@@ -2,7 +2,7 @@
 and its Pallas kernels side by side, and writes a markdown table.
 
     python -m experiments.bench_short_conv --gpu     # H200: the `1b` layer's q|k|v,
-                                                     # -> benchmarks/short_conv_h200.md
+                                                     # -> benchmarks/short_conv_<card>.md
     python -m experiments.bench_short_conv --smoke   # tiny CPU run, kernels interpreted (the test)
     python -m experiments.bench_short_conv --gpu --tiles 32x128/4 32x128/4/recompute
                                                      # other blocks or backward schemes
@@ -191,7 +191,7 @@ def main(argv=None):
                             f"the backward scheme, one of {short_conv.BACKWARDS} "
                             f"(default {short_conv.OPTIONS})")
 
-    args = gpu_or_smoke_args(argv, __doc__.split("\n\n")[0], "short_conv_h200.md",
+    args = gpu_or_smoke_args(argv, __doc__.split("\n\n")[0], "short_conv",
                              gpu_help="the 1b layer's q|k|v, on the GPU",
                              smoke_help="a tiny run, kernels in interpret mode (CPU check)",
                              add_options=tiles_option)

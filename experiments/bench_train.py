@@ -52,6 +52,7 @@ import os
 import platform
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from unittest import mock
 
 import flax
@@ -60,8 +61,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.harness import (cell, command_line, median_seconds, pipelined_seconds,
-                                 write_json, write_markdown)
+from experiments.harness import (cell, command_line, gpu_table, median_seconds,
+                                 pipelined_seconds, write_json, write_markdown)
 from experiments.profiling import (idle_markdown, idle_summary_line, ops_markdown,
                                    profile_compiler_options, scope_ops_markdown, scopes_markdown,
                                    trace_device_ops)
@@ -726,13 +727,13 @@ def markdown(result: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_result(result: dict, command: str, out: str) -> None:
+def write_result(result: dict, command: str, out: str | Path) -> None:
     """The markdown table at `out`, the numbers next to it as .json (both replaced whole)."""
     write_markdown(out, markdown(result, command))
     write_json(os.path.splitext(out)[0] + ".json", result)
 
 
-def write_long_result(result: dict, command: str, out: str) -> None:
+def write_long_result(result: dict, command: str, out: str | Path) -> None:
     """`write_result` for `--long`."""
     write_markdown(out, long_markdown(result, command))
     write_json(os.path.splitext(out)[0] + ".json", result)
@@ -773,12 +774,12 @@ def main(argv=None) -> dict:
                         help="time the step only, not each layer kind alone (the breakdown)")
     parser.add_argument("--long", action="store_true",
                         help="one row of each --lengths tokens with the memory-lean policy "
-                        "(--gpu: benchmarks/long_context_h200.md); with --smoke, tiny lengths")
+                        "(--gpu: benchmarks/long_context_<card>.md); with --smoke, tiny lengths")
     parser.add_argument("--lengths", type=int, nargs="+", metavar="T",
                         help=f"--long's tokens per row (--gpu: {' '.join(map(str, LONG_LENGTHS))})")
     parser.add_argument("--preset", help="the model preset (--gpu and --long: 1b, --smoke: tiny)")
     parser.add_argument("--out", help="write the markdown table here (--gpu default: "
-                        "benchmarks/train_h200.md) and the numbers next to it as .json, "
+                        "benchmarks/train_<card>.md) and the numbers next to it as .json, "
                         "rewritten as each number is measured")
     args = parser.parse_args(argv)
     if args.lengths and not args.long:
@@ -815,13 +816,13 @@ def main(argv=None) -> dict:
         return cpu_plan(setup, args.optimizer)
     command = command_line("experiments.bench_train", argv)
     if args.long:
-        out = args.out or ("benchmarks/long_context_h200.md" if args.gpu else None)
+        out = args.out or (gpu_table("long_context") if args.gpu else None)
         report = (lambda result: None) if out is None else (
             lambda result: write_long_result(result, command, out))
         result = run_long(setup, lengths, args.optimizer, report)
         print(long_markdown(result, command))
         return result
-    out = args.out or ("benchmarks/train_h200.md" if args.gpu else None)
+    out = args.out or (gpu_table("train") if args.gpu else None)
     report = (lambda result: None) if out is None else (
         lambda result: write_result(result, command, out))
     result = run(setup, args.optimizer, report, profile=args.profile)

@@ -2,7 +2,8 @@
 attention path, and the `1b` training step with images against text only.
 
     python -m experiments.bench_vision --gpu     # K3 tower and the 1b step, bf16, under 4 minutes
-                                                 # on an H200 -> benchmarks/vision_h200.md (+ .json)
+                                                 # on an H200 -> benchmarks/vision_<card>.md
+                                                 # (+ .json)
     python -m experiments.bench_vision --smoke   # a tiny tower and the `tiny` step on CPU (the test)
     python -m experiments.bench_vision --gpu --parts tower    # the tower's table alone
 
@@ -396,7 +397,7 @@ def main(argv=None) -> dict:
                             "(default: both)")
 
     args = gpu_or_smoke_args(
-        argv, __doc__.split("\n\n")[0], "vision_h200.md",
+        argv, __doc__.split("\n\n")[0], "vision",
         gpu_help="the K3 tower in bf16 and the 1b step (under 4 minutes on an H200)",
         smoke_help="a tiny tower and the tiny step in float32 on CPU (a check)",
         add_options=parts_option)

@@ -19,7 +19,13 @@ side gives inf, so that no comparison (`error <= tolerance` or `error > toleranc
 Tables: `report_preamble` (title, device, command, date, versions), `table_row`, `cell`,
 `timing_cells` (times and speedups over a baseline row), `write_markdown` and `write_json`, which
 replace the file whole. `gpu_or_smoke_args` is the command line of a benchmark with a `--gpu`
-size, whose table goes to `benchmarks/<subject>_h200.md` by default, and a CPU `--smoke` size.
+size, whose table goes to `benchmarks/<subject>_<card>.md` by default (`gpu_table`), and a CPU
+`--smoke` size.
+
+Card names (`card_slug`): the device kind's first word holding a digit, its model number,
+lowercased ("NVIDIA H100 80GB HBM3" -> "h100", "NVIDIA H200" -> "h200", "NVIDIA A100-SXM4-80GB"
+-> "a100"); a kind with no such word gives all its words joined by "-" ("cpu"). So a run on an
+H100 writes `*_h100.md` and never overwrites an H200's table.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import datetime
 import importlib.metadata
 import json
 import platform
+import re
 import statistics
 import sys
 import time
@@ -183,13 +190,29 @@ def write_json(path: Path | str, data):
     path.write_text(json.dumps(data, indent=1) + "\n")
 
 
-def gpu_or_smoke_args(argv, description: str, table: str | Callable[[argparse.Namespace], str],
+def card_slug(device_kind: str) -> str:
+    """A short lowercase name of the card `device_kind` names (a `jax.Device.device_kind`): its
+    first word holding a digit ("NVIDIA H100 80GB HBM3" -> "h100"), else all its words joined by
+    "-" ("cpu"). Words are runs of letters and digits."""
+    words = re.findall(r"[a-z0-9]+", device_kind.lower())
+    if not words:
+        raise ValueError(f"device_kind {device_kind!r} has no letters or digits to name a card by")
+    return next((word for word in words if any(c.isdigit() for c in word)), "-".join(words))
+
+
+def gpu_table(subject: str) -> Path:
+    """`benchmarks/<subject>_<card>.md`, the default table of a `--gpu` run on this process's
+    first device (`card_slug`): `gpu_table("moe")` is benchmarks/moe_h100.md on an H100."""
+    return Path("benchmarks") / f"{subject}_{card_slug(jax.devices()[0].device_kind)}.md"
+
+
+def gpu_or_smoke_args(argv, description: str, subject: str | Callable[[argparse.Namespace], str],
                       gpu_help: str, smoke_help: str,
                       add_options=lambda parser: None) -> argparse.Namespace:
     """The options of a small benchmark: --gpu or --smoke, --repeats, --warmup, --out (its
-    markdown table; with --gpu, benchmarks/`table` unless given, `table(args)` where the table
-    depends on the options; with --smoke, none unless given), and what `add_options(parser)`
-    adds. --gpu on a backend other than CUDA is refused."""
+    markdown table; with --gpu, `gpu_table(subject)` unless given, `subject(args)` where the
+    table depends on the options; with --smoke, none unless given), and what
+    `add_options(parser)` adds. --gpu on a backend other than CUDA is refused."""
     parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     size = parser.add_mutually_exclusive_group(required=True)
@@ -200,11 +223,11 @@ def gpu_or_smoke_args(argv, description: str, table: str | Callable[[argparse.Na
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=Path,
                         help="markdown table (--gpu default: "
-                        + (f"benchmarks/{table})" if isinstance(table, str) else
-                           "a table under benchmarks/ named for the options)"))
+                        + (f"benchmarks/{subject}_<card>.md)" if isinstance(subject, str) else
+                           "benchmarks/<subject>_<card>.md, the subject named for the options)"))
     args = parser.parse_args(argv)
     if args.gpu and jax.default_backend() != "gpu":
         parser.error(f"--gpu needs a CUDA backend, but JAX runs on {jax.default_backend()!r}")
     if args.out is None and args.gpu:
-        args.out = Path("benchmarks") / (table(args) if callable(table) else table)
+        args.out = gpu_table(subject(args) if callable(subject) else subject)
     return args

@@ -1,5 +1,9 @@
 """experiments.harness: the error metric (its two norms, the worst leaf, non-finite values never
-passing), the pipelined step timer, the command line and the options of a small benchmark."""
+passing), the pipelined step timer, the command line, the options of a small benchmark and the
+card its `--gpu` table is named for."""
+
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -42,11 +46,49 @@ def test_command_line_names_the_module_and_its_arguments():
 
 
 def test_small_benchmark_options_put_the_gpu_table_in_benchmarks(capsys):
-    args = harness.gpu_or_smoke_args(["--smoke"], "d", "x_h200.md", "gpu", "smoke")
+    args = harness.gpu_or_smoke_args(["--smoke"], "d", "x", "gpu", "smoke")
     assert args.out is None and (args.repeats, args.warmup) == (20, 3)
     with pytest.raises(SystemExit):  # this CPU has no CUDA backend
-        harness.gpu_or_smoke_args(["--gpu"], "d", "x_h200.md", "gpu", "smoke")
+        harness.gpu_or_smoke_args(["--gpu"], "d", "x", "gpu", "smoke")
     assert "--gpu needs a CUDA backend" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device_kind, card", [
+    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100"), ("NVIDIA H200", "h200"),
+    ("NVIDIA A100-SXM4-80GB", "a100"), ("Tesla V100-SXM2-16GB", "v100"), ("cpu", "cpu"),
+    ("Some New Card", "some-new-card"),
+])
+def test_card_slug_is_the_first_word_with_a_digit_of_the_device_kind(device_kind, card):
+    assert harness.card_slug(device_kind) == card
+
+
+def test_card_slug_refuses_a_device_kind_without_words():
+    with pytest.raises(ValueError, match="device_kind"):
+        harness.card_slug(" - ")
+
+
+def test_gpu_tables_are_named_for_the_card_the_run_is_on(monkeypatch):
+    """An H100 run writes benchmarks/<subject>_h100.md unless --out says otherwise, so it never
+    replaces an H200's table."""
+    device = types.SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(harness.jax, "devices", lambda *backend: [device])
+    monkeypatch.setattr(harness.jax, "default_backend", lambda: "gpu")
+    assert harness.gpu_table("moe") == Path("benchmarks/moe_h100.md")
+    args = harness.gpu_or_smoke_args(["--gpu"], "d", "attention", "gpu", "smoke")
+    assert args.out == Path("benchmarks/attention_h100.md")
+
+    def long_option(parser):
+        parser.add_argument("--long", action="store_true")
+
+    def subject(args):
+        return "x_long" if args.long else "x"
+
+    for argv, out in ((["--gpu", "--long"], "benchmarks/x_long_h100.md"),
+                      (["--gpu"], "benchmarks/x_h100.md"),
+                      (["--gpu", "--out", "mine.md"], "mine.md")):
+        args = harness.gpu_or_smoke_args(argv, "d", subject, "gpu", "smoke",
+                                         add_options=long_option)
+        assert args.out == Path(out)
 
 
 def test_markdown_and_json_replace_the_file_whole(tmp_path):
