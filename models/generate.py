@@ -21,8 +21,8 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
+from models.jit_split import ModelStructure, split_for_jit
 from models.lm import DecodeState, HybridLM
 from models.paged_cache import PageAllocator
 from models.prefill import check_positive_int, check_prompts, prefill
@@ -92,13 +92,14 @@ _sample_tokens = jax.jit(sample_tokens, static_argnums=2)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(4,))
-def _extend_and_sample(graphdef, sampling: Sampling, variables, tokens, state: DecodeState, key):
+def _extend_and_sample(structure: ModelStructure, sampling: Sampling, variables, tokens,
+                       state: DecodeState, key):
     """One decode step: the next token [B] of every sequence and the new state (the old one is
     donated: the page pool is updated in place).
 
     Compiled once per model structure, sampling rule and token shape, across `generate` calls.
     """
-    logits, state = nnx.merge(graphdef, variables).extend(tokens, state, all_logits=False)
+    logits, state = structure.merge(variables).extend(tokens, state, all_logits=False)
     return sample_tokens(logits, key, sampling), state
 
 
@@ -150,10 +151,10 @@ def generate(
         chunk_tokens=prompt_length if prefill_chunk_tokens is None else prefill_chunk_tokens,
         images=images,
     )
-    graphdef, variables = nnx.split(model)
+    structure, variables = split_for_jit(model)
 
     def step(variables, tokens, state, key):
-        return _extend_and_sample(graphdef, sampling, variables, tokens, state, key)
+        return _extend_and_sample(structure, sampling, variables, tokens, state, key)
 
     def with_tables(state: DecodeState) -> DecodeState:
         return dataclasses.replace(state, block_tables=jnp.asarray(allocator.block_tables))

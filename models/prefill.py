@@ -38,30 +38,30 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
+from models.jit_split import ModelStructure, split_for_jit
 from models.lm import DecodeState, HybridLM
 from models.paged_cache import PageAllocator
 from models.vision import VisionBatch, VisionConfig, merged_valid
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(4,))
-def _extend_chunk(graphdef, all_logits: bool, variables, tokens, state: DecodeState,
-                  embedded=None):
+def _extend_chunk(structure: ModelStructure, all_logits: bool, variables, tokens,
+                  state: DecodeState, embedded=None):
     """One chunk [B, C] appended to `state`: logits [B, C, V] (all_logits) or [B, V], new state.
     Without all_logits the LM head runs on the chunk's last position only. embedded: the chunk's
     decoder input [B, C, D] for a prompt with images (None: its token embeddings).
 
     Compiled once per model structure, chunk shape and state shape (and with or without images).
     """
-    return nnx.merge(graphdef, variables).extend(tokens, state, all_logits=all_logits,
-                                                 embedded=embedded)
+    return structure.merge(variables).extend(tokens, state, all_logits=all_logits,
+                                             embedded=embedded)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _embed_inputs(graphdef, variables, tokens, images: VisionBatch):
+def _embed_inputs(structure: ModelStructure, variables, tokens, images: VisionBatch):
     """The prompt's decoder input [B, T, D] with its images merged in (`HybridLM.embed_inputs`)."""
-    return nnx.merge(graphdef, variables).embed_inputs(tokens, images)
+    return structure.merge(variables).embed_inputs(tokens, images)
 
 
 def check_images(prompts: np.ndarray, images: VisionBatch, vision: VisionConfig) -> None:
@@ -159,11 +159,11 @@ def prefill(
         batch, num_pages=allocator.num_pages, page_size=allocator.page_size,
         max_pages_per_seq=allocator.max_pages_per_seq,
     )
-    graphdef, variables = nnx.split(model)
+    structure, variables = split_for_jit(model)
     embedded = None
     if images is not None:
         # A model without a tower refuses the images here (`HybridLM.embed_inputs`).
-        embedded = _embed_inputs(graphdef, variables, jnp.asarray(prompts), images)
+        embedded = _embed_inputs(structure, variables, jnp.asarray(prompts), images)
         check_images(prompts, images, model.cfg.vision)
     pieces = []
     for start in range(0, length, chunk_tokens):
@@ -172,7 +172,7 @@ def prefill(
             allocator.reserve(row, stop)
         state = DecodeState(state.caches, jnp.asarray(allocator.block_tables), state.lengths)
         logits, state = _extend_chunk(
-            graphdef, all_logits, variables, jnp.asarray(prompts[:, start:stop]), state,
+            structure, all_logits, variables, jnp.asarray(prompts[:, start:stop]), state,
             None if embedded is None else embedded[:, start:stop],
         )
         if all_logits:

@@ -82,9 +82,9 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from models.generate import Sampling, filter_logits
+from models.jit_split import split_for_jit
 from models.lm import DecodeState, HybridLM
 from models.paged_cache import NULL_PAGE, PageAllocator
 from models.prefill import check_positive_int, check_prompts
@@ -295,7 +295,7 @@ def _fresh_or_kept(leaf: jax.Array, axis: int, start: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def _prefill_program(graphdef, axes, variables, caches, slot, tokens, block_row, start,
+def _prefill_program(structure, axes, variables, caches, slot, tokens, block_row, start,
                      image_rows):
     """One prompt chunk tokens [1, C] of the sequence in `slot` (int32 scalar), whose block table
     row is block_row [1, P] and whose cache holds start [1] tokens. Returns the caches with the
@@ -307,7 +307,7 @@ def _prefill_program(graphdef, axes, variables, caches, slot, tokens, block_row,
         jax.lax.dynamic_index_in_dim(leaf, slot, axis, keepdims=True), axis, start)
         for leaf, axis in zip(leaves, axes)]
     state = DecodeState(jax.tree.unflatten(treedef, mine), block_row, start)
-    model = nnx.merge(graphdef, variables)
+    model = structure.merge(variables)
     embedded = None
     if image_rows is not None:
         features, is_image = image_rows
@@ -320,10 +320,11 @@ def _prefill_program(graphdef, axes, variables, caches, slot, tokens, block_row,
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def decode_program(graphdef, axes, variables, caches, tokens, block_tables, lengths, active,
+def decode_program(structure, axes, variables, caches, tokens, block_tables, lengths, active,
                     rows: RowSampling):
-    """The engine's decode step (benchmarks call it on caches they fill): one token tokens
-    [S, 1] for every slot, with block_tables [S, P], lengths [S] (tokens already cached; 0 starts
+    """The engine's decode step (benchmarks call it on caches they fill) of the model
+    `split_for_jit` gave as (structure, variables), with the caches' slot axes `slot_axes`: one
+    token tokens [S, 1] for every slot, with block_tables [S, P], lengths [S] (tokens already cached; 0 starts
     a fresh KDA state) and per-row sampling `rows`. Returns the caches, the next tokens [S] and
     their log-probabilities [S] (`sample_rows`). Rows not `active` [S] keep their KDA state;
     their block table rows must point at the null page (their latents land there). The caches
@@ -332,7 +333,7 @@ def decode_program(graphdef, axes, variables, caches, tokens, block_tables, leng
     fresh = [leaf if axis is None else _fresh_or_kept(leaf, axis, lengths)
              for leaf, axis in zip(leaves, axes)]
     state = DecodeState(jax.tree.unflatten(treedef, fresh), block_tables, lengths)
-    logits, state = nnx.merge(graphdef, variables).extend(tokens, state, all_logits=False)
+    logits, state = structure.merge(variables).extend(tokens, state, all_logits=False)
     kept = []
     for old, new, axis in zip(leaves, jax.tree.leaves(state.caches), axes):
         if axis is None:
@@ -363,11 +364,11 @@ def _write_slot(axes, caches, slot, saved):
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _vision_program(graphdef, variables, images: VisionBatch):
+def _vision_program(structure, variables, images: VisionBatch):
     """The merged image tokens of a request's vision buffer [R, P, p p C]: features
     [R P / 4, D] (row-major; the valid ones in the images' order) from the tower, merger and
     projector. Compiled once per row count R (a power of two: `_vision_buffer`)."""
-    features, _ = nnx.merge(graphdef, variables).vision(images)
+    features, _ = structure.merge(variables).vision(images)
     return features.reshape(-1, features.shape[-1])
 
 
@@ -527,7 +528,7 @@ class Engine:
         self.max_image_patches = max_image_patches
         self.buckets = chunk_buckets(page_size, prefill_chunk_tokens)
         self.stats = EngineStats()
-        self._graphdef, self._variables = nnx.split(model)
+        self._structure, self._variables = split_for_jit(model)
         self._axes = slot_axes(model)
         self._allocator = PageAllocator(num_pages, page_size, slots,
                                         math.ceil(max_seq_len / page_size))
@@ -711,7 +712,7 @@ class Engine:
         null_row = np.full((1, self._allocator.max_pages_per_seq), NULL_PAGE, np.int32)
         for size in self.buckets:
             self._caches = _prefill_program(
-                self._graphdef, self._axes, self._variables, self._caches, np.int32(0),
+                self._structure, self._axes, self._variables, self._caches, np.int32(0),
                 np.zeros((1, size), np.int32), null_row, np.zeros((1,), np.int32), None)
         self._decode(warmup=True)
         if self._prefixes is not None:
@@ -768,8 +769,8 @@ class Engine:
         slot, start = sequence.slot, sequence.fed
         tokens = np.asarray([sequence.token(i) for i in range(start, start + size)], np.int32)
         self._caches = _prefill_program(
-            self._graphdef, self._axes, self._variables, self._caches, np.int32(slot), tokens[None],
-            self._allocator.block_tables[slot : slot + 1], np.array([start], np.int32),
+            self._structure, self._axes, self._variables, self._caches, np.int32(slot),
+            tokens[None], self._allocator.block_tables[slot : slot + 1], np.array([start], np.int32),
             self._image_rows(sequence.images, start, size))
         sequence.fed += size
         self.stats.prefill_chunks += 1
@@ -786,7 +787,7 @@ class Engine:
         rows = np.full((1, size), -1, np.int32)
         rows[0, : len(prompt_part)] = prompt_part
         if images.features is None:
-            images.features = _vision_program(self._graphdef, self._variables, images.buffer)
+            images.features = _vision_program(self._structure, self._variables, images.buffer)
         return _chunk_features(images.features, rows)
 
     def _decode(self, warmup: bool = False) -> list[TokenEvent]:
@@ -818,7 +819,7 @@ class Engine:
             rows.seed[slot] = sequence.request.seed
             rows.index[slot] = sequence.request.key_offset + len(sequence.generated)
         self._caches, next_tokens, logprobs = decode_program(
-            self._graphdef, self._axes, self._variables, self._caches, tokens, tables, lengths,
+            self._structure, self._axes, self._variables, self._caches, tokens, tables, lengths,
             active, rows)
         if not ready:
             return []

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
+from models.jit_split import split_for_jit
 from models.lm import DecodeState
 from models.paged_cache import PageAllocator
 from models.prefill import _extend_chunk, prefill
@@ -75,9 +75,9 @@ def test_lm_head_runs_on_the_last_position_only_unless_all_logits(model, all_log
     state = model.init_decode_state(2, num_pages=allocator.num_pages, page_size=PAGE,
                                     max_pages_per_seq=allocator.max_pages_per_seq)
     state = DecodeState(state.caches, jnp.asarray(allocator.block_tables), state.lengths)
-    graphdef, variables = nnx.split(model)
+    structure, variables = split_for_jit(model)
     jaxpr = jax.make_jaxpr(_extend_chunk, static_argnums=(0, 1))(
-        graphdef, all_logits, variables, TOKENS[:, :5], state)
+        structure, all_logits, variables, TOKENS[:, :5], state)
     # [B, C, V] logits of the 5-token chunk exist only when they are returned.
     assert ((2, 5, VOCAB) in array_shapes(jaxpr.jaxpr)) == all_logits
     assert jaxpr.out_avals[0].shape == ((2, 5, VOCAB) if all_logits else (2, VOCAB))

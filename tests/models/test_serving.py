@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from models.generate import Sampling, filter_logits
 from models.paged_cache import NULL_PAGE, PageAllocator
@@ -190,6 +191,23 @@ def test_a_server_compiles_a_fixed_handful_of_programs(model, programs, alone, b
                         seed=int(rng.integers(0, 2**32)), max_tokens=int(rng.integers(1, 8)))
                 for _ in range(8)])
     assert compiled_programs() == warm
+
+
+def test_steps_never_hash_the_model_structure(model, programs, monkeypatch):
+    """jit hashes its static arguments at every call, and an nnx GraphDef hashes its whole node
+    tree (milliseconds for a real model: more than a decode step's device time). The engine
+    hashes its model's structure once, when it is built (`models.jit_split`), not per step."""
+    hashes = []
+    graphdef_hash = nnx.graphlib.GraphDef.__hash__
+    monkeypatch.setattr(nnx.graphlib.GraphDef, "__hash__",
+                        lambda self: hashes.append(1) or graphdef_hash(self))
+    engine = make_engine(model)
+    built = len(hashes)
+    engine.submit(Request(prompt(6), max_tokens=5))
+    while engine.has_work:
+        engine.step()
+    assert engine.stats.prefill_chunks and engine.stats.decode_steps == 5
+    assert len(hashes) == built
 
 
 def test_chunks_are_buckets_that_end_on_page_boundaries():
