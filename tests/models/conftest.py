@@ -12,10 +12,11 @@ from models.lm import HybridLM
 
 @pytest.fixture(scope="module")
 def model():
-    """Five layers, KDA at 1, 2 and 4 and Gated MLA at 3 and 5. KDA runs its recurrent oracle:
-    the same model maths, a faster compile on CPU. Cached MLA reads two pages per block, so the
-    tests' prompts of a few pages take several blocks, the last one partly past the table."""
-    cfg = preset("tiny", num_layers=5, kda_layers=(1, 2, 4), full_attn_layers=(3, 5))
+    """Four layers: KDA at 1 (with the dense FFN) and 3, Gated MLA at 2 and 4 (the MoE from layer
+    2 on). KDA runs its recurrent oracle: the same model maths, a faster compile on CPU. Cached
+    MLA reads two pages per block, so the tests' prompts of a few pages take several blocks, the
+    last one partly past the table."""
+    cfg = preset("tiny", num_layers=4, kda_layers=(1, 3), full_attn_layers=(2, 4))
     cfg = dataclasses.replace(cfg, kda=dataclasses.replace(cfg.kda, impl="reference"),
                               mla=dataclasses.replace(cfg.mla, cache_pages_per_block=2))
     return HybridLM(cfg, rngs=nnx.Rngs(0))

@@ -10,12 +10,15 @@ from models.generate import Sampling, filter_logits, generate, sample_tokens
 
 VOCAB = 264
 PROMPTS = jax.random.randint(jax.random.key(1), (2, 5), 0, VOCAB, jnp.int32)
+# Every test's pages and state shapes alike: one prefill program serves them all. Prompt + new
+# tokens make 12, test_prefill's length: the full forward's program is compiled once a suite.
+PAGE, NEW = 4, 7
 
 
 @pytest.mark.slow
 def test_greedy_decode_is_argmax_of_full_forward_at_every_step(model, full_forward):
-    result = generate(model, PROMPTS, max_new_tokens=6, page_size=4)
-    assert result.tokens.shape == (2, 6) and list(result.lengths) == [6, 6]
+    result = generate(model, PROMPTS, max_new_tokens=NEW, page_size=PAGE)
+    assert result.tokens.shape == (2, NEW) and list(result.lengths) == [NEW, NEW]
     sequence = jnp.concatenate([PROMPTS, jnp.asarray(result.tokens)], axis=1)
     argmax = np.asarray(jnp.argmax(full_forward(model, sequence), axis=-1))
     # Token i was generated after prompt + tokens[:i]: the logits at position T - 1 + i.
@@ -25,11 +28,11 @@ def test_greedy_decode_is_argmax_of_full_forward_at_every_step(model, full_forwa
 @pytest.mark.slow
 def test_decode_after_chunked_prefill_equals_decode_after_one_shot_prefill(model):
     # The greedy test's prompts and lengths: the one-shot run and the decode reuse its programs.
-    one_shot = generate(model, PROMPTS, max_new_tokens=6, page_size=4)
+    one_shot = generate(model, PROMPTS, max_new_tokens=NEW, page_size=PAGE)
     # Five full chunks of one, starting inside pages and on their edges; one of four and a tail
     # of one (the one-token chunk program again).
     for chunk in (1, 4):
-        chunked = generate(model, PROMPTS, max_new_tokens=6, page_size=4,
+        chunked = generate(model, PROMPTS, max_new_tokens=NEW, page_size=PAGE,
                            prefill_chunk_tokens=chunk)
         np.testing.assert_array_equal(chunked.tokens, one_shot.tokens)
 
@@ -37,20 +40,23 @@ def test_decode_after_chunked_prefill_equals_decode_after_one_shot_prefill(model
 @pytest.mark.slow
 def test_sampling_is_seeded_and_stops_at_the_end_token(model):
     sampling = Sampling(temperature=1.0, top_k=20, top_p=0.9)
-    first = generate(model, PROMPTS, max_new_tokens=6, sampling=sampling, seed=3)
-    again = generate(model, PROMPTS, max_new_tokens=6, sampling=sampling, seed=3)
+    first = generate(model, PROMPTS, max_new_tokens=NEW, page_size=PAGE, sampling=sampling,
+                     seed=3)
+    again = generate(model, PROMPTS, max_new_tokens=NEW, page_size=PAGE, sampling=sampling,
+                     seed=3)
     np.testing.assert_array_equal(first.tokens, again.tokens)
-    other = generate(model, PROMPTS, max_new_tokens=6, sampling=sampling, seed=4)
+    other = generate(model, PROMPTS, max_new_tokens=NEW, page_size=PAGE, sampling=sampling,
+                     seed=4)
     assert not np.array_equal(first.tokens, other.tokens)
     # Make the second token of row 0 the end token: row 0 stops there, row 1 runs on.
     end = int(first.tokens[0, 1])
-    stopped = generate(model, PROMPTS, max_new_tokens=6, sampling=sampling, seed=3,
-                       end_token=end, pad_token=-1)
+    stopped = generate(model, PROMPTS, max_new_tokens=NEW, page_size=PAGE, sampling=sampling,
+                       seed=3, end_token=end, pad_token=-1)
     stop_row0 = list(first.tokens[0]).index(end) + 1
     assert stopped.lengths[0] == stop_row0
     np.testing.assert_array_equal(stopped.tokens[0, :stop_row0], first.tokens[0, :stop_row0])
     assert (stopped.tokens[0, stop_row0:] == -1).all()
-    row1_stop = list(first.tokens[1]).index(end) + 1 if end in first.tokens[1] else 6
+    row1_stop = list(first.tokens[1]).index(end) + 1 if end in first.tokens[1] else NEW
     assert stopped.lengths[1] == row1_stop
     np.testing.assert_array_equal(stopped.tokens[1, :row1_stop], first.tokens[1, :row1_stop])
 
