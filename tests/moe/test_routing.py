@@ -240,16 +240,23 @@ def test_sharded_estimators_under_shard_map(estimator):
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     scores = random_scores(11, 512, 16, skew=1.5)
     bias = jax.random.normal(jax.random.key(12), (16,)) * 0.05
-    sharded = jax.shard_map(
-        lambda s, b: quantile_balance(s, b, 4, estimator=estimator, num_bins=256, axis_name="data"),
-        mesh=mesh,
-        in_specs=(jax.P("data"), jax.P()),
-        out_specs=jax.P(),
-    )(scores, bias)
     minibatches = 8 if estimator == "minibatch_mean" else 1
-    single = quantile_balance(
-        scores, bias, 4, estimator=estimator, num_bins=256, num_minibatches=minibatches
-    )
+
+    @jax.jit  # one program for both sides (eager shard_map compiles op by op)
+    def sharded_and_single(scores, bias):
+        sharded = jax.shard_map(
+            lambda s, b: quantile_balance(s, b, 4, estimator=estimator, num_bins=256,
+                                          axis_name="data"),
+            mesh=mesh,
+            in_specs=(jax.P("data"), jax.P()),
+            out_specs=jax.P(),
+        )(scores, bias)
+        single = quantile_balance(
+            scores, bias, 4, estimator=estimator, num_bins=256, num_minibatches=minibatches
+        )
+        return sharded, single
+
+    sharded, single = sharded_and_single(scores, bias)
     np.testing.assert_allclose(sharded, single, atol=1e-6)
 
 
