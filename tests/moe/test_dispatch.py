@@ -111,32 +111,46 @@ def test_combine_weights_each_copy():
     np.testing.assert_allclose(combine(y, w), [[8.0, 11.0], [7.0, 8.0]])
 
 
+@pytest.fixture(scope="module")
+def expert_parallel_problem():
+    """(x, ids, weights, w_in, w_out), an output cotangent, and the single-device dropless y and
+    gradients of sum(y * cotangent) with respect to (x, weights, w_in, w_out), in one program."""
+    x, ids, weights, w_in, w_out = make_problem(1, 64, 16, 8, 8, 2)
+    cotangent = jax.random.normal(jax.random.key(3), x.shape)
+
+    @jax.jit
+    def single_device(x, weights, w_in, w_out):
+        y, pullback = jax.vjp(
+            lambda *a: dropless_moe(a[0], ids, a[1], a[2], a[3], SITU, backend="xla"),
+            x, weights, w_in, w_out)
+        return y, pullback(cotangent)
+
+    return (x, ids, weights, w_in, w_out), cotangent, single_device(x, weights, w_in, w_out)
+
+
 @pytest.mark.parametrize(
     "mesh_shape, axis_names",
     [((8,), ("expert",)), ((2, 4), ("data", "expert")), ((4, 2), ("data", "expert"))],
 )
-def test_expert_parallel_equals_single_device(mesh_shape, axis_names):
-    x, ids, weights, w_in, w_out = make_problem(1, 64, 16, 8, 8, 2)
+def test_expert_parallel_equals_single_device(mesh_shape, axis_names, expert_parallel_problem):
+    (x, ids, weights, w_in, w_out), cotangent, (single, single_grads) = expert_parallel_problem
     mesh = jax.make_mesh(
         mesh_shape, axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(axis_names)
     )
-    single = dropless_moe(x, ids, weights, w_in, w_out, SITU, backend="xla")
 
+    @jax.jit
     def parallel(x, weights, w_in, w_out):
-        return expert_parallel_moe(x, ids, weights, w_in, w_out, SITU, backend="xla", mesh=mesh)
+        """y, dropped and the gradients, in one program."""
+        y, pullback, dropped = jax.vjp(
+            lambda *a: expert_parallel_moe(a[0], ids, a[1], a[2], a[3], SITU, backend="xla",
+                                           mesh=mesh),
+            x, weights, w_in, w_out, has_aux=True)
+        return y, dropped, pullback(cotangent)
 
     with jax.set_mesh(mesh):
-        y, dropped = jax.jit(parallel)(x, weights, w_in, w_out)
-        cotangent = jax.random.normal(jax.random.key(3), y.shape)
-        grads = jax.jit(
-            jax.grad(lambda *a: jnp.sum(parallel(*a)[0] * cotangent), argnums=(0, 1, 2, 3))
-        )(x, weights, w_in, w_out)
+        y, dropped, grads = parallel(x, weights, w_in, w_out)
     assert float(dropped) == 0.0
     np.testing.assert_allclose(y, single, rtol=1e-5, atol=1e-5)
-    single_grads = jax.grad(
-        lambda *a: jnp.sum(dropless_moe(a[0], ids, a[1], a[2], a[3], SITU) * cotangent),
-        argnums=(0, 1, 2, 3),
-    )(x, weights, w_in, w_out)
     for ours, ref in zip(grads, single_grads):
         np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5)
 
