@@ -41,6 +41,10 @@ def make_layer(cfg=SMALL, seed=0):
     return StableLatentMoE(D_MODEL, cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
 
 
+# The layer's forward pass as one jitted program (eager, each op would compile on its own).
+apply = nnx.jit(lambda layer, *args: layer(*args))
+
+
 def inputs(seed=1, batch=2, length=8):
     return jax.random.normal(jax.random.key(seed), (batch, length, D_MODEL))
 
@@ -147,7 +151,7 @@ def test_layer_equals_its_formula():
     layer = make_layer()
     layer.router_bias[...] = jnp.linspace(-0.1, 0.1, 8)
     x = inputs()
-    y, stats = layer(x)
+    y, stats = apply(layer, x)
     tokens = x.reshape(-1, D_MODEL)
     scores = router_scores(tokens, layer.router[...])
     ids, weights = route(scores, layer.router_bias[...], SMALL.top_k)
@@ -179,7 +183,7 @@ def test_bias_is_not_a_param_and_gets_no_update_from_the_optimizer():
         y, stats = model(x)
         return jnp.mean(y**2) + stats.aux_loss
 
-    grads = nnx.grad(loss)(layer)
+    grads = nnx.jit(nnx.grad(loss))(layer)
     assert "router_bias" not in grads
     assert float(jnp.max(jnp.abs(grads["router"][...]))) > 0
     optimizer = nnx.Optimizer(layer, optax.adam(1e-2), wrt=nnx.Param)
@@ -193,7 +197,7 @@ def test_stats_route_with_the_old_bias_and_the_update_uses_them():
     layer = make_layer()
     x = inputs(length=32)
     old_bias = layer.router_bias[...]
-    _, stats = layer(x)
+    _, stats = apply(layer, x)
     np.testing.assert_array_equal(
         stats.expert_ids.reshape(-1, 2), route(stats.scores.reshape(-1, 8), old_bias, 2)[0]
     )
@@ -212,8 +216,8 @@ def test_update_of_a_stacked_layer_updates_each_slice_on_its_own():
     stacked = nnx.vmap(lambda key: make_layer(seed=key), in_axes=0)(keys)
     assert stacked.router_bias[...].shape == (2, 8)
     x = inputs(length=32)
-    _, plain_stats = plain(x)
-    _, stacked_stats = nnx.vmap(lambda layer, x: layer(x), in_axes=(0, None))(stacked, x)
+    _, plain_stats = apply(plain, x)
+    _, stacked_stats = nnx.jit(nnx.vmap(lambda layer, x: layer(x), in_axes=(0, None)))(stacked, x)
     old_slices = [stacked.router_bias[...][i] for i in range(2)]
     update_router_biases([plain, stacked], [plain_stats, stacked_stats])
     np.testing.assert_allclose(
@@ -233,12 +237,12 @@ def test_padding_tokens_get_no_routed_output_and_no_load():
     layer = make_layer(cfg)
     x = inputs()
     segment_ids = jnp.array([[1] * 5 + [0] * 3, [1] * 8])
-    y, stats = layer(x, segment_ids)
+    y, stats = apply(layer, x, segment_ids)
     np.testing.assert_allclose(y[0, 5:], 0.0, atol=1e-6)
     assert float(stats.load.sum()) == (5 + 8) * 2
     assert not bool(stats.copy_mask[0, 6].any())
     # real tokens do not see the padding
-    y_changed, _ = layer(x.at[0, 5:].set(100.0), segment_ids)
+    y_changed, _ = apply(layer, x.at[0, 5:].set(100.0), segment_ids)
     np.testing.assert_allclose(y_changed[0, :5], y[0, :5], rtol=1e-6)
 
 
@@ -246,9 +250,9 @@ def test_aux_loss_only_under_aux_loss_balancing():
     x = inputs()
     assert float(make_layer()(x)[1].aux_loss) == 0.0
     layer = make_layer(dataclasses.replace(SMALL, balancing="aux_loss", aux_loss_weight=0.1))
-    _, stats = layer(x)
+    _, stats = apply(layer, x)
     assert 0.1 * 0.5 < float(stats.aux_loss) < 0.1 * 8
-    grads = nnx.grad(lambda m: m(x)[1].aux_loss)(layer)
+    grads = nnx.jit(nnx.grad(lambda m: m(x)[1].aux_loss))(layer)
     assert float(jnp.max(jnp.abs(grads["router"][...]))) > 0
 
 
@@ -256,7 +260,7 @@ def test_dynamic_k_layer_fires_a_variable_number_of_experts():
     cfg = dataclasses.replace(SMALL, dynamic_k=True, dynamic_k_max=5)
     layer = make_layer(cfg)
     assert float(layer.router_bias[...][0]) < 0  # minus a positive firing threshold
-    _, stats = layer(inputs(length=64))
+    _, stats = apply(layer, inputs(length=64))
     fired = np.asarray(stats.copy_mask.sum(-1))
     assert stats.expert_ids.shape[-1] == 5 and fired.min() < fired.max()
     update_router_biases([layer], [stats])
@@ -266,10 +270,10 @@ def test_dynamic_k_layer_fires_a_variable_number_of_experts():
 def test_expert_parallel_layer_under_a_mesh_equals_single_device():
     layer = make_layer()
     x = inputs(length=16)
-    y_single, _ = layer(x)
+    y_single, _ = apply(layer, x)
     mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     with jax.set_mesh(mesh):
-        y_parallel, stats = nnx.jit(lambda m, x: m(x))(layer, x)
+        y_parallel, stats = apply(layer, x)
     np.testing.assert_allclose(y_parallel, y_single, rtol=1e-5, atol=1e-5)
     assert float(stats.dropped) == 0.0
 
@@ -280,7 +284,7 @@ def test_plain_moe_equals_its_formula_and_annotations():
     layer = make_layer(cfg)
     layer.router_bias[...] = jnp.linspace(-0.1, 0.1, 8)
     x = inputs()
-    y, stats = layer(x)
+    y, stats = apply(layer, x)
     tokens = np.asarray(x, np.float64).reshape(-1, D_MODEL)
     scores = 1 / (1 + np.exp(-tokens @ np.asarray(layer.router[...], np.float64)))
     ids = np.argsort(-(scores + np.asarray(layer.router_bias[...])), axis=1)[:, : cfg.top_k]
