@@ -118,10 +118,14 @@ def test_route_rejects_bad_shapes_and_k():
 def test_qb_converges_to_the_brute_force_balanced_assignment(tokens, experts, k, seed):
     """Iterated QB steps (Su's alternating solver) route to the optimal balanced assignment."""
     scores = random_scores(seed, tokens, experts)
-    bias = jnp.zeros(experts)
-    for _ in range(30):
-        bias = quantile_balance(scores, bias, k)
-    expert_ids, _ = route(scores, bias, k)
+
+    @jax.jit  # the 30 steps in one program (eager, each case's shapes compile op by op)
+    def routed_after_30_steps(scores):
+        bias = jax.lax.fori_loop(0, 30, lambda _, bias: quantile_balance(scores, bias, k),
+                                 jnp.zeros(experts))
+        return route(scores, bias, k)[0]
+
+    expert_ids = routed_after_30_steps(scores)
     routed = [set(row) for row in np.asarray(expert_ids).tolist()]
     assert routed == brute_force_balanced_assignment(scores, k)
     assert float(max_violation(expert_ids, experts)) == 0.0
@@ -353,8 +357,8 @@ def test_dynamic_k_fires_about_k_and_its_threshold_tracks_quantile():
     fired_rows = jnp.sum(fired, axis=1) > 0
     np.testing.assert_allclose(jnp.sum(weights, axis=1)[fired_rows], 1.0, rtol=1e-5)
     assert float(jnp.max(jnp.where(fired, 0.0, weights))) == 0.0
-    for _ in range(60):
-        bias = dynamic_threshold_update(scores, bias, k, decay=0.9)
+    bias = jax.jit(lambda bias: jax.lax.fori_loop(  # the 60 updates in one program
+        0, 60, lambda _, bias: dynamic_threshold_update(scores, bias, k, decay=0.9), bias))(bias)
     all_ids, _, all_fired = dynamic_route(scores, bias, experts)
     per_expert = np.asarray(load_counts(all_ids, experts, all_fired))
     np.testing.assert_allclose(per_expert, 4096 * k / experts, rtol=0.01)
