@@ -21,7 +21,7 @@ from flax import nnx
 import kda
 from experiments.harness import relative_error
 from kda.layer import KDA, KDAConfig
-from tests.kda.calls import loss_and_grads, run
+from tests.kda.calls import jitted_run, loss_and_grads, run
 from tests.kda.inputs import make_inputs
 from tests.kda.tolerances import F32_TOLERANCE
 
@@ -56,17 +56,24 @@ def erasing_inputs(value, layout, seed=0):
     return {**inputs, "g": jnp.where(erased, value, g)}, erased
 
 
+@functools.cache
+def _direct_program(op, options):
+    """`op(**arrays, use_qk_l2norm=True, **options)` at scale K^-0.5 under `jit`: one program for
+    every call of these options and shapes (eagerly, every operation compiles alone)."""
+    return jax.jit(lambda arrays: op(**arrays, use_qk_l2norm=True, output_final_state=True,
+                                     scale=arrays["q"].shape[-1] ** -0.5, **dict(options)))
+
+
 def chunked(inputs, **options):
-    """`kda.chunk_kda` called directly (not through `kda_attention`): (o [B, T, HV, V],
-    final_state [B, HV, K, V])."""
-    return kda.chunk_kda(**inputs, scale=inputs["q"].shape[-1] ** -0.5, output_final_state=True,
-                         **options)
+    """`kda.chunk_kda` called directly (not through `kda_attention`), under `jit`:
+    (o [B, T, HV, V], final_state [B, HV, K, V])."""
+    return _direct_program(kda.chunk_kda, tuple(sorted(options.items())))(_arrays(inputs))
 
 
 def oracle(inputs):
-    """`kda.kda_reference` called directly: (o [B, T, HV, V], final_state [B, HV, K, V])."""
-    return kda.kda_reference(**inputs, scale=inputs["q"].shape[-1] ** -0.5,
-                             output_final_state=True)
+    """`kda.kda_reference` called directly, under `jit`: (o [B, T, HV, V],
+    final_state [B, HV, K, V])."""
+    return _direct_program(kda.kda_reference, ())(_arrays(inputs))
 
 
 @pytest.mark.parametrize("layout", ["scattered", "runs"])
@@ -83,9 +90,8 @@ def test_chunked_op_is_exact_for_erasing_gates(value, layout):
 def test_erasing_gates_at_every_chunk_size():
     inputs, _ = erasing_inputs(-jnp.inf, "runs")
     o_ref, state_ref = oracle(inputs)
-    arrays = {n: x for n, x in inputs.items() if n != "use_qk_l2norm"}
-    for chunk_size in (16, 32):  # one program each (eagerly, every operation's shapes are new)
-        o, state = jax.jit(lambda x: chunked({**inputs, **x}, chunk_size=chunk_size))(arrays)
+    for chunk_size in (16, 32):
+        o, state = chunked(inputs, chunk_size=chunk_size)
         assert relative_error(o, o_ref) <= F32_TOLERANCE, chunk_size
         assert relative_error(state, state_ref) <= F32_TOLERANCE, chunk_size
 
@@ -226,14 +232,14 @@ def test_nan_reaches_only_later_tokens_of_its_document(name, impl, lower_bound):
     if lower_bound is not None:
         clean["g"] = jnp.maximum(clean["g"], lower_bound)
     inputs = with_nan(clean, name, BAD_TOKEN)
-    o, state = run(impl, inputs, gate_lower_bound=lower_bound)
+    o, state = jitted_run(impl, inputs, gate_lower_bound=lower_bound)
     heads = [0, 1] if name in ("q", "k") else [0]  # one q/k head serves both value heads
     expected = expected_nan_tokens(name, BAD_TOKEN, heads, DOCUMENT_STARTS[2])
     np.testing.assert_array_equal(np.isnan(o).any(-1), expected)
     assert np.isnan(o[expected]).all()  # a reached head's output is NaN in every channel
     # Everything else is what the clean inputs give (the bad token's document ends at 150, so
     # the final state, written by the third document, is clean too).
-    o_clean, state_clean = run(impl, clean, gate_lower_bound=lower_bound)
+    o_clean, state_clean = jitted_run(impl, clean, gate_lower_bound=lower_bound)
     np.testing.assert_array_equal(np.where(expected[..., None], 0.0, o),
                                   np.where(expected[..., None], 0.0, o_clean))
     np.testing.assert_array_equal(state, state_clean)
@@ -246,8 +252,8 @@ def test_nan_reaches_only_later_tokens_of_its_document(name, impl, lower_bound):
 def test_minus_inf_gate_erases_without_a_bound_and_is_confined_with_one(lower_bound):
     clean = packed_inputs()
     clean["g"] = jnp.maximum(clean["g"], -5.0)
-    o, state = run("chunked", with_nan(clean, "g", BAD_TOKEN, -np.inf),
-                   gate_lower_bound=lower_bound)
+    o, state = jitted_run("chunked", with_nan(clean, "g", BAD_TOKEN, -np.inf),
+                          gate_lower_bound=lower_bound)
     chex.assert_tree_all_finite(state)
     if lower_bound is None:  # an erasing gate: the oracle's finite result
         chex.assert_tree_all_finite(o)
@@ -259,7 +265,7 @@ def test_minus_inf_gate_erases_without_a_bound_and_is_confined_with_one(lower_bo
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_inf_in_the_last_document_spoils_only_its_heads_final_state(dtype):
     inputs = with_nan(packed_inputs(dtype), "v", 160, np.inf)
-    o, state = run("chunked", inputs)
+    o, state = jitted_run("chunked", inputs)
     np.testing.assert_array_equal(np.isnan(np.asarray(o, np.float32)).any(-1),
                                   expected_nan_tokens("v", 160, [0], LENGTH))
     assert o.dtype == dtype
@@ -270,18 +276,18 @@ def test_inf_in_the_last_document_spoils_only_its_heads_final_state(dtype):
 def test_bad_initial_state_reaches_only_the_first_document():
     inputs = packed_inputs()
     inputs["initial_state"] = inputs["initial_state"].at[1, 0, 2, 3].set(jnp.nan)
-    o, state = run("chunked", inputs)
+    o, state = jitted_run("chunked", inputs)
     expected = np.zeros((2, LENGTH, 2), bool)
     expected[1, :DOCUMENT_STARTS[1], 0] = True
     np.testing.assert_array_equal(np.isnan(o).any(-1), expected)
     chex.assert_tree_all_finite(state)  # the last document never reads the initial state
-    _, state = run("chunked", {**inputs, "segment_ids": None})
+    _, state = jitted_run("chunked", {**inputs, "segment_ids": None})
     np.testing.assert_array_equal(np.isnan(state).all((2, 3)), [[False, False], [True, False]])
 
 
 def test_confinement_leaves_finite_inputs_bitwise_unchanged():
     inputs = packed_inputs()
-    o, state = run("chunked", inputs)
+    o, state = jitted_run("chunked", inputs)
     o_direct, state_direct = chunked(inputs)
     np.testing.assert_array_equal(o, o_direct)
     np.testing.assert_array_equal(state, state_direct)
