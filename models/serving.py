@@ -324,11 +324,11 @@ def decode_program(structure, axes, variables, caches, tokens, block_tables, len
                     rows: RowSampling):
     """The engine's decode step (benchmarks call it on caches they fill) of the model
     `split_for_jit` gave as (structure, variables), with the caches' slot axes `slot_axes`: one
-    token tokens [S, 1] for every slot, with block_tables [S, P], lengths [S] (tokens already cached; 0 starts
-    a fresh KDA state) and per-row sampling `rows`. Returns the caches, the next tokens [S] and
-    their log-probabilities [S] (`sample_rows`). Rows not `active` [S] keep their KDA state;
-    their block table rows must point at the null page (their latents land there). The caches
-    are donated."""
+    token tokens [S, 1] for every slot, with block_tables [S, P], lengths [S] (tokens already
+    cached; 0 starts a fresh KDA state) and per-row sampling `rows`. Returns the caches, the next
+    tokens [S] and their log-probabilities [S] (`sample_rows`). Rows not `active` [S] keep their
+    KDA state; their block table rows must point at the null page (their latents land there).
+    The caches are donated."""
     leaves, treedef = jax.tree.flatten(caches)
     fresh = [leaf if axis is None else _fresh_or_kept(leaf, axis, lengths)
              for leaf, axis in zip(leaves, axes)]
@@ -417,7 +417,6 @@ class _Sequence:
     max_tokens: int = 0  # the segment's tokens at most
     paused: bool = False
     images: "_Images | None" = None  # the prompt's images, for a request with images
-
 
     def __post_init__(self):
         self.max_tokens = self.request.max_tokens
@@ -770,8 +769,8 @@ class Engine:
         tokens = np.asarray([sequence.token(i) for i in range(start, start + size)], np.int32)
         self._caches = _prefill_program(
             self._structure, self._axes, self._variables, self._caches, np.int32(slot),
-            tokens[None], self._allocator.block_tables[slot : slot + 1], np.array([start], np.int32),
-            self._image_rows(sequence.images, start, size))
+            tokens[None], self._allocator.block_tables[slot : slot + 1],
+            np.array([start], np.int32), self._image_rows(sequence.images, start, size))
         sequence.fed += size
         self.stats.prefill_chunks += 1
         self.stats.prefill_tokens += size
