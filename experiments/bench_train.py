@@ -73,7 +73,7 @@ from kda.kernels.path import kernel_kda
 from kda.layer import KDA
 from models import attention
 from models import lm as models_lm
-from models.attention import GatedMLA, pad_head_dims
+from models.attention import GatedMLA
 from models.attention import causal_document_attention as _xla_attention
 from models.config import ModelConfig, count_params, format_count, preset
 from models.memory import plan_memory
@@ -361,13 +361,17 @@ def opaque_stand_in(fwd_rule: Callable) -> Callable:
         tuple(None if x is None else (x.shape, x.dtype) for x in operands), *operands)
 
 
-def _cudnn_attention_fwd(q, k, v, bias):
-    """The shapes of cuDNN flash attention's forward rule (`jax._src.cudnn`): out [B, T, H, Dv]
-    and residuals q, k, v, the additive mask bias, the softmax statistics [B, H, T] float32 and
-    out."""
-    out = jnp.zeros(q.shape[:-1] + v.shape[-1:], q.dtype)
-    stats = jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
-    return out, (q, k, v, bias, stats, out)
+def _packed_cudnn_fwd(q, k, v, offsets, lengths):
+    """The shapes of cuDNN's packed flash attention forward rule (`jax._src.cudnn`): out
+    [B, T, H, D] and residuals q, k, v, out and the softmax statistics [B * M, H, T] float32."""
+    out = jnp.zeros_like(q)
+    stats = jnp.zeros((q.shape[0] * lengths.shape[1], q.shape[2], q.shape[1]), jnp.float32)
+    return out, (q, k, v, out, stats)
+
+
+def _packed_cudnn_stand_in(q, k, v, segments, *, scale, causal=True):
+    """`models.attention.packed_cudnn_attention`, stood in."""
+    return opaque_stand_in(_packed_cudnn_fwd)(q, k, v, segments.offsets, segments.lengths)
 
 
 def _grouped_matmul_fwd(lhs, rhs, group_sizes):
@@ -378,18 +382,12 @@ def _grouped_matmul_fwd(lhs, rhs, group_sizes):
 
 def _attention_stand_in(q, k, v, *, scale, segment_ids=None, implementation=None,
                         max_segments=None):
-    """`models.attention.causal_document_attention` as the GPU runs it: cuDNN for 16-bit inputs
-    (stood in with the dense document mask, whichever cuDNN path is configured: an upper bound
-    for the packed one), XLA otherwise."""
-    if q.dtype not in (jnp.bfloat16, jnp.float16):
-        return _xla_attention(q, k, v, scale=scale, segment_ids=segment_ids,
-                              implementation=implementation, max_segments=max_segments)
-    v_dim = v.shape[-1]
-    q, k, v = pad_head_dims(q, k, v)
-    # cuDNN turns the document mask into an additive bias [B, 1, T, T] that its backward reads.
-    same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-    bias = jnp.where(same, jnp.asarray(0, q.dtype), jnp.finfo(q.dtype).min)
-    return opaque_stand_in(_cudnn_attention_fwd)(q, k, v, bias)[..., :v_dim]
+    """`models.attention.causal_document_attention` as a Hopper GPU runs it: cuDNN's packed layout
+    for 16-bit inputs (stood in) with its plain-JAX fallback, XLA otherwise."""
+    if q.dtype in (jnp.bfloat16, jnp.float16) and segment_ids is not None:
+        implementation = "cudnn_segments"
+    return _xla_attention(q, k, v, scale=scale, segment_ids=segment_ids,
+                          implementation=implementation, max_segments=max_segments)
 
 
 def _kda_stand_in(q, k, v, g, beta, initial_state, segment_ids, options):
@@ -417,6 +415,8 @@ def gpu_kernel_stand_ins():
         patch(grouped_matmul, "_on_hopper", lambda: True)
         patch(grouped_matmul, "_mosaic_grouped_matmul", opaque_stand_in(_grouped_matmul_fwd))
         patch(attention, "causal_document_attention", _attention_stand_in)
+        patch(attention, "_require_packed_cudnn", lambda q: None)
+        patch(attention, "packed_cudnn_attention", _packed_cudnn_stand_in)
         # The stand-ins are host calls: `dots_kernels` keeps their outputs as it would the kernels'.
         patch(models_lm, "KERNEL_PRIMITIVES", models_lm.KERNEL_PRIMITIVES | {"pure_callback"})
         yield

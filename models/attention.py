@@ -17,7 +17,8 @@ encoding (order comes from the KDA layers), so it is an extra key channel shared
 
 Training runs on Hopper GPUs through cuDNN's packed layout (`implementation="cudnn_segments"`),
 which describes each row's documents by their offsets and lengths (`document_segments`), so that
-cuDNN skips the tiles between documents; elsewhere through `jax.nn.dot_product_attention` (cuDNN on
+cuDNN skips the tiles between documents (a batch with a row of more documents than it was sized
+for runs `models.blockwise_attention`, exact and memory-linear); elsewhere through `jax.nn.dot_product_attention` (cuDNN on
 other GPUs, XLA otherwise), packed documents kept apart by a dense [B, 1, T, T] mask. The vision
 tower's bidirectional attention within each image takes the same paths (`document_attention` with
 causal=False).
@@ -45,6 +46,7 @@ from jax._src.cudnn import fused_attention_stablehlo as cudnn_fused
 
 from core.context_parallel import all_tokens, context_shards, over_token_shards, shard_index
 from kda.common import document_index, document_starts
+from models.blockwise_attention import blockwise_document_attention
 from core.norms import RMSNorm
 from models.paged_cache import PagedLatentCache
 from core.sharding import logical
@@ -287,11 +289,10 @@ def _segmented_attention(q, k, v, *, scale, segment_ids, max_segments, causal):
                          f"(MLAConfig.max_segments, VisionConfig.max_segments), got "
                          f"{max_segments!r}")
     _require_packed_cudnn(q)
-    # cuDNN on the GPUs that pass the checks above.
-    dense_implementation = backend_implementation(q.dtype)
-    if segment_ids is None:
+    if segment_ids is None:  # cuDNN's causal (or unmasked) flash attention, no mask to hold
         return _dense_document_attention(q, k, v, scale=scale, document_ids=None,
-                                         implementation=dense_implementation, causal=causal)
+                                         implementation=backend_implementation(q.dtype),
+                                         causal=causal)
     if segment_ids.shape != q.shape[:2]:
         raise ValueError(f"segment_ids must be [B, T] = {q.shape[:2]} like q, got "
                          f"{segment_ids.shape}")
@@ -300,18 +301,19 @@ def _segmented_attention(q, k, v, *, scale, segment_ids, max_segments, causal):
     # whatever the ids (the dense mask alone would join two runs of one id).
     document_ids = document_index(segment_ids)
 
-    def dense(q, k, v):
-        return _dense_document_attention(q, k, v, scale=scale, document_ids=document_ids,
-                                         implementation=dense_implementation, causal=causal)
+    def blockwise(q, k, v):
+        return blockwise_document_attention(q, k, v, scale=scale, document_ids=document_ids,
+                                            causal=causal)
 
     # M sizes the cuDNN call (its softmax statistics are [B * M, H, T]), so it is static, and a
     # row with more documents cannot be described. Rather than ever computing such a row wrong,
-    # the whole call falls back to the dense mask: both programs are compiled, one runs. (M = T
-    # would always fit but launches B * T mostly empty segments.)
+    # the whole call falls back to plain-JAX tiles: both programs are compiled, one runs. (M = T
+    # would always fit but launches B * T mostly empty segments; the dense mask would cost
+    # B T^2 bytes, 16 GiB a layer at 128K tokens, in every step's memory plan.)
     return jax.lax.cond(
         jnp.all(segments.fits),
         lambda q, k, v: packed_cudnn_attention(q, k, v, segments, scale=scale, causal=causal),
-        dense, q, k, v,
+        blockwise, q, k, v,
     )
 
 
@@ -336,8 +338,9 @@ def document_attention(
     implementation: "xla" (or None) and "cudnn" mask every pair of tokens whose ids differ with a
         dense [B, 1, T, T] mask; "cudnn_segments" (Hopper GPUs, 16-bit inputs) runs cuDNN's packed
         layout over each row's documents, runs of equal ids (`document_segments`), when every row
-        holds at most `max_segments` of them, and the dense mask through cuDNN otherwise. For rows
-        whose ids increase along the row, as the packer writes them, the two agree.
+        holds at most `max_segments` of them, and plain-JAX tiles in memory linear in T otherwise
+        (`models.blockwise_attention`). For rows whose ids increase along the row, as the packer
+        writes them, all agree.
     max_segments: M of "cudnn_segments" (`MLAConfig.max_segments`, `VisionConfig.max_segments`);
         the dense paths ignore it.
     """

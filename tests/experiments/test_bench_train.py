@@ -186,7 +186,7 @@ def test_gpu_kernel_stand_ins_replace_the_kernels_only_within():
 
     def attention_op(q):
         return attention.causal_document_attention(q, q, q[..., :32], scale=0.1,
-                                                   segment_ids=segment_ids)
+                                                   segment_ids=segment_ids, max_segments=16)
 
     def expert_op(lhs):
         return grouped_matmul(lhs, jnp.ones((2, 128, 128), bf16), jnp.array([3, 5]))

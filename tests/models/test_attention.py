@@ -448,7 +448,7 @@ def emulated_packed_cudnn(packed_calls: list, mask_type=cudnn_fused.MaskType.PAD
 @pytest.fixture
 def packed_calls(monkeypatch):
     """The packed path on this CPU: device checks off, cuDNN emulated (`emulated_packed_cudnn`);
-    the list of the emulator's runs. The dense fallback runs through XLA here."""
+    the list of the emulator's runs. The fallback (`models.blockwise_attention`) runs as is."""
     calls = []
     monkeypatch.setattr(attention, "_require_packed_cudnn", lambda q: None)
     monkeypatch.setattr(cudnn_fused, "dot_product_attention", emulated_packed_cudnn(calls))
@@ -480,7 +480,7 @@ def attention_and_grads(segment_ids, implementation, max_segments=None):
     [
         ([[1, 1, 1, 2, 2, 2, 2, 0], [3] * 8], 3, True),
         ([[1, 2, 3, 4, 5, 6, 7, 8], [1, 1, 2, 2, 3, 3, 4, 4]], 8, True),  # documents of one token
-        ([[1, 1, 2, 2, 3, 3, 4, 4], [1] * 8], 3, False),  # row 0 holds 4 > M: dense fallback
+        ([[1, 1, 2, 2, 3, 3, 4, 4], [1] * 8], 3, False),  # row 0 holds 4 > M: the fallback
         (None, 4, False),  # no documents: plain causal cuDNN, no packing
     ],
 )
@@ -577,19 +577,19 @@ def test_packed_path_lowers_to_cudnn_packed_calls_for_cuda(cuda_trace):
         lowering_platforms=("cuda",)).as_text()
     calls = [line for line in hlo.splitlines() if "custom_call @__cudnn$fmha" in line]
     packed = [line for line in calls if "max_seg_per_batch\\22: 16" in line]
-    # One forward and one backward each: the packed branch and the dense-mask fallback.
-    assert len(calls) == 4 and len(packed) == 2
+    # One forward and one backward, both packed: the fallback is plain JAX, no cuDNN call.
+    assert len(calls) == 2 and len(packed) == 2
     for line in packed:
         assert "PADDING_CAUSAL" in line
         assert "fmhaSoftmax" in line  # no bias: the documents are in the offsets
 
 
 def test_dots_kernels_keeps_the_packed_attention_in_its_cond(cuda_trace):
-    # models.lm's policy looks into the cond's branches: the backward reruns neither forward.
+    # models.lm's policy looks into the cond's branches: the backward does not rerun cuDNN.
     def forward_calls(policy):
         loss, args = packed_training_loss(policy)
         jaxpr = str(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(*args))
         return jaxpr.count("dot_product_attention_fwd")
 
-    assert forward_calls(dots_and_kernels_saveable) == 2  # the two branches' forwards, once
-    assert forward_calls(jax.checkpoint_policies.nothing_saveable) == 4
+    assert forward_calls(dots_and_kernels_saveable) == 1  # the packed branch's forward, once
+    assert forward_calls(jax.checkpoint_policies.nothing_saveable) == 2
