@@ -30,9 +30,11 @@ not), while the whole run stays near 5 minutes. The engine is built and dropped 
 rollout phase, so the learner has the device to itself.
 
 Warm-up (compile) iteration, timed apart: the engine's programs through a short rollout of
-the same prompts on an engine of the same shapes (`WARMUP_TOKENS` tokens a trajectory), the
-learner step compiled ahead of time for the batch of those trajectories (padded to the full
-length: the shapes of the timed batch) and run once, and the learning-rate schedule's eager ops.
+the same prompts on the engine an iteration builds (`RLRun.rollout_engine`: the same shapes, and
+the policy's bf16 expert weights rather than the float32 masters, whose programs would differ;
+`WARMUP_TOKENS` tokens a trajectory), the learner step compiled ahead of time for the batch of
+those trajectories (padded to the full length: the shapes of the timed batch) and run once, and
+the learning-rate schedule's eager ops.
 The run's step is then that compiled executable, so the timed iteration compiles nothing.
 
 Numbers: rollout = the iteration's `rollout_seconds` (engine built, every token sampled); learning
@@ -61,9 +63,9 @@ from models.config import count_params, format_count, preset
 from train.loop import Trainer
 from train.metrics import peak_flops_per_device, train_flops_per_token
 from train.rl.arithmetic import Curriculum
-from train.rl.loop import RLConfig, RLRun, make_engine
+from train.rl.loop import RLConfig, RLRun
 from train.rl.losses import RLLossConfig
-from train.rl.rollout import RolloutConfig, ToolEnvironment, make_batch, rollout
+from train.rl.rollout import RolloutConfig, ToolEnvironment, Trajectory, make_batch, rollout
 
 # Tokens each trajectory samples in the warm-up rollout: enough to run every program once.
 WARMUP_TOKENS = 4
@@ -147,15 +149,24 @@ class PromptsOfLength:
         return self.indices[index]
 
 
+def warm_up_engine(run: RLRun, size: Size) -> list[list[Trajectory]]:
+    """The warm-up's rollout: the iteration's prompts, `WARMUP_TOKENS` tokens a trajectory, on
+    the engine an iteration builds (`RLRun.rollout_engine`: the policy's parameter dtypes, so
+    its programs are those the timed rollout runs). Returns its finished groups."""
+    config = run.config
+    prompts = [run.task.prompt(i) for i in range(config.prompts_per_iteration)]
+    short = dataclasses.replace(config.rollout, max_length=size.prompt_length + WARMUP_TOKENS)
+    groups, _ = rollout(run.rollout_engine(), prompts, short, run.environment)
+    return groups
+
+
 def warm_up(run: RLRun, size: Size) -> dict:
     """The warm-up (compile) iteration (module docstring): compiles the engine's programs and
     the learner step, runs the step once, and makes the compiled step the run's. Returns
     {engine_seconds, learner_compile_seconds, first_step_seconds, memory_gib}."""
     config = run.config
-    prompts = [run.task.prompt(i) for i in range(config.prompts_per_iteration)]
-    short = dataclasses.replace(config.rollout, max_length=size.prompt_length + WARMUP_TOKENS)
     start = time.perf_counter()
-    groups, _ = rollout(make_engine(run.model, config), prompts, short, run.environment)
+    groups = warm_up_engine(run, size)
     engine_seconds = time.perf_counter() - start
     print(f"warm-up: engine programs compiled and a {WARMUP_TOKENS}-token rollout in "
           f"{engine_seconds:.1f} s", flush=True)

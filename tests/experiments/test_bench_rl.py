@@ -1,7 +1,9 @@
 """`python -m experiments.bench_rl --smoke` on CPU: one GRPO iteration of the RL loop after a
 warm-up, its tokens counted from the trajectories, its rates and shares from its times, nothing
-compiled in the timed iteration, and the table and JSON it writes."""
+compiled in the timed iteration, and the table and JSON it writes; the engine warm-up of a
+bf16-compute policy (the GPU size's) compiles the programs its rollouts run."""
 
+import dataclasses
 import json
 
 import jax
@@ -9,8 +11,12 @@ import numpy as np
 import pytest
 
 from experiments import bench_rl
+from models.serving import compiled_programs
+from train.loop import Trainer
 from train.metrics import train_flops_per_token
 from train.rl.arithmetic import Curriculum
+from train.rl.loop import RLRun
+from train.rl.rollout import ToolEnvironment, rollout
 
 SIZE = bench_rl.SMOKE
 
@@ -98,6 +104,26 @@ def test_rates_and_shares_follow_from_the_times(smoke):
 @pytest.mark.slow
 def test_the_timed_iteration_compiles_nothing(smoke):
     assert smoke[3] == []
+
+
+@pytest.mark.slow
+def test_the_engine_warm_up_of_a_bf16_policy_compiles_what_its_rollouts_run():
+    # bf16 compute over float32 masters: the policy samples with the trainer's bf16 copies of the
+    # expert weights, so an engine warmed up on the masters leaves the rollout programs to
+    # compile. One KDA + MoE layer: a CPU has no bf16 dot with float32 output for MLA.
+    size = dataclasses.replace(SIZE, overrides=dict(num_layers=1, kda_layers=(1,),
+                                                    full_attn_layers=(), first_k_dense=0,
+                                                    dtype="bfloat16"))
+    config = bench_rl.rl_config(size)
+    task = bench_rl.PromptsOfLength(Curriculum(max_steps=(16,)), size.prompt_length, size.prompts)
+    run = RLRun(config, task, ToolEnvironment(task.curriculum.task.tools()),
+                Trainer.create(config.train))
+    bench_rl.warm_up_engine(run, size)
+    before = compiled_programs()
+    groups, _ = rollout(run.rollout_engine(), [task.prompt(i) for i in range(size.prompts)],
+                        config.rollout, run.environment)
+    assert len(groups) == size.prompts
+    assert compiled_programs() == before
 
 
 @pytest.mark.slow

@@ -253,6 +253,12 @@ class RLRun:
         """The current policy (shares the train state's arrays)."""
         return self.trainer.model
 
+    def rollout_engine(self) -> Engine:
+        """An idle engine of the policy the next iteration samples with (`rollout_policy`): a
+        warm-up that runs one compiles the programs of every iteration's engine (the same
+        parameter dtypes; the masters of a bf16-compute model would compile others)."""
+        return make_engine(rollout_policy(self.trainer), self.config)
+
     @property
     def next_prompt(self) -> int:
         """The index of the task's next prompt (= the next group id)."""
@@ -266,9 +272,8 @@ class RLRun:
         self.environment.counts.clear()
         first = self.next_prompt
         prompts = [self.task.prompt(i) for i in range(first, first + config.prompts_per_iteration)]
-        finished, self.rollouts = rollout(make_engine(rollout_policy(self.trainer), config),
-                                          prompts,
-                                          config.rollout, self.environment, version=version,
+        finished, self.rollouts = rollout(self.rollout_engine(), prompts, config.rollout,
+                                          self.environment, version=version,
                                           buffer=self.rollouts)
         ready = _groups(self.ready) + finished
         self.batch_groups = ready[:config.prompts_per_iteration]
