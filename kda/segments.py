@@ -5,25 +5,34 @@ sequence (the state entering every 64-token chunk, float32 [B, HV, T/64, K, V], 
 preparation's tiles), and the backward adds state cotangents of the same size: at T = 1,048,576
 with 16 heads of 128, about 17 GiB each on top of the inputs and their gradients.
 
-Cut into S segments of `segment_tokens` tokens, the recurrence runs segment after segment under
-`lax.scan`, the state S_s [B, HV, K, V] carried between them:
+Cut into S segments of `segment_tokens` tokens, the recurrence runs segment after segment, the
+state S_s [B, HV, K, V] carried between them:
 
     o_s, S_s = kda_attention(q_s, k_s, v_s, g_s, beta_s, initial_state=S_{s-1})
 
 which is the same computation (the chunked algorithm already cuts the sequence at chunk
-boundaries; a segment boundary is one of them). Each segment's body is a `jax.checkpoint`: the
-forward saves only the carried states (S float32 [B, HV, K, V] arrays), and the backward,
-segment by segment from the last, recomputes that segment's forward with its residuals and
-runs its VJP. Memory for residuals falls from the whole sequence's to one segment's; the price
-is one more forward pass.
+boundaries; a segment boundary is one of them). A custom VJP keeps, besides the inputs, only the
+states entering the segments (S float32 [B, HV, K, V] arrays); the backward, from the last
+segment to the first, recomputes one segment's forward with its residuals and runs its VJP, which
+hands the state's cotangent dS_{s-1} to the segment before. Memory for residuals falls from the
+whole sequence's to one segment's; the price is one more forward pass.
+
+Two things hold that to one segment in the compiled step. Each recomputation waits for every
+cotangent of the segment after it (an optimization barrier joins them), so XLA can neither run
+the recomputations of all segments early and hold their residuals together, as it may with a
+`jax.checkpoint` per segment, nor overlap two segments' backward work. And the segments are a Python loop, not a `lax.scan`: a scan's
+backward is a while loop whose stacked cotangents [S, B, Ts, ...] fill buffers that start as
+zeros, and XLA, free to place the copies of one zero broadcast anywhere, allocated those of every
+KDA layer at the start of the step (a `1b` step at 128K tokens held 46 of them, 23 GiB).
 
 Packed documents: a segment whose first token starts a new document (its id differs from the
 previous token's) starts from the zero state, as the unsegmented op does at a document start.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from kda.api import kda_attention
 from kda.chunked import CHUNK_SIZE
@@ -34,19 +43,6 @@ def is_segment_size(segment_tokens) -> bool:
     the 64-token chunk (so that segment boundaries are chunk boundaries)."""
     return (isinstance(segment_tokens, int) and not isinstance(segment_tokens, bool)
             and segment_tokens >= CHUNK_SIZE and segment_tokens % CHUNK_SIZE == 0)
-
-
-def _to_segments(x: jax.Array, num_segments: int) -> jax.Array:
-    """[B, S Ts, ...] -> [S, B, Ts, ...] (a reshape, and for B > 1 a transpose)."""
-    batch, length = x.shape[:2]
-    x = x.reshape(batch, num_segments, length // num_segments, *x.shape[2:])
-    return jnp.moveaxis(x, 1, 0)
-
-
-def _from_segments(x: jax.Array) -> jax.Array:
-    """[S, B, Ts, ...] -> [B, S Ts, ...]."""
-    num_segments, batch, length = x.shape[:3]
-    return jnp.moveaxis(x, 0, 1).reshape(batch, num_segments * length, *x.shape[3:])
 
 
 def segment_starts_document(segment_ids: jax.Array, segment_tokens: int) -> jax.Array:
@@ -95,24 +91,66 @@ def kda_attention_in_segments(
             f"segment_tokens must be a positive multiple of 64 that divides the sequence length "
             f"T = {length}, got {segment_tokens!r}"
         )
-    num_segments = length // segment_tokens
     state = initial_state
     if state is None:
         state = jnp.zeros((batch, v.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-    inputs = tuple(_to_segments(x, num_segments) for x in (q, k, v, g, beta))
-    if segment_ids is None:
-        ids, restarts = None, jnp.zeros((num_segments, batch), bool)
-    else:
-        ids, restarts = _to_segments(segment_ids, num_segments), segment_starts_document(
-            segment_ids, segment_tokens)
+    restarts = (None if segment_ids is None
+                else segment_starts_document(segment_ids, segment_tokens))  # [S, B]
+    o, final_state = _in_segments(segment_tokens, tuple(sorted(options.items())),
+                                  (q, k, v, g, beta), state, segment_ids, restarts)
+    return o, final_state if output_final_state else None
 
-    @jax.checkpoint
-    def segment(state, xs):
-        (q_s, k_s, v_s, g_s, beta_s), ids_s, restart = xs
+
+def _segment(options, state, inputs, ids, restart):
+    """One segment: (o_s, S_s) from the state entering it (zero where a document starts)."""
+    if restart is not None:
         state = jnp.where(restart[:, None, None, None], 0.0, state)
-        o_s, state = kda_attention(q_s, k_s, v_s, g_s, beta_s, initial_state=state,
-                                   output_final_state=True, segment_ids=ids_s, **options)
-        return state, o_s
+    return kda_attention(*inputs, initial_state=state, output_final_state=True, segment_ids=ids,
+                         **dict(options))
 
-    final_state, o = lax.scan(segment, state, (inputs, ids, restarts))
-    return _from_segments(o), final_state if output_final_state else None
+
+def _parts(segment_tokens, inputs, segment_ids, restarts):
+    """Per segment: (its inputs, its segment ids or None, its restart flags [B] or None)."""
+    length = inputs[0].shape[1]
+    for index, start in enumerate(range(0, length, segment_tokens)):
+        part = slice(start, start + segment_tokens)
+        yield (tuple(x[:, part] for x in inputs),
+               None if segment_ids is None else segment_ids[:, part],
+               None if restarts is None else restarts[index])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _in_segments(segment_tokens, options, inputs, state, segment_ids, restarts):
+    return _in_segments_forward(segment_tokens, options, inputs, state, segment_ids, restarts)[0]
+
+
+def _in_segments_forward(segment_tokens, options, inputs, state, segment_ids, restarts):
+    entering, outputs = [], []
+    for part in _parts(segment_tokens, inputs, segment_ids, restarts):
+        entering.append(state)
+        o_s, state = _segment(options, state, *part)
+        outputs.append(o_s)
+    residuals = (inputs, segment_ids, restarts, entering)
+    return (jnp.concatenate(outputs, axis=1), state), residuals
+
+
+def _in_segments_backward(segment_tokens, options, residuals, cotangents):
+    inputs, segment_ids, restarts, entering = residuals
+    d_o, d_state = cotangents
+    parts = list(_parts(segment_tokens, inputs, segment_ids, restarts))
+    d_parts = [None]
+    for index in reversed(range(len(parts))):
+        segment_inputs, ids, restart = parts[index]
+        part = slice(index * segment_tokens, (index + 1) * segment_tokens)
+        # The recomputation starts only once the segment after has all its cotangents.
+        state, segment_inputs, d_state, d_parts[-1] = jax.lax.optimization_barrier(
+            (entering[index], segment_inputs, d_state, d_parts[-1]))
+        _, vjp = jax.vjp(lambda state, xs: _segment(options, state, xs, ids, restart),
+                         state, segment_inputs)
+        d_state, d_inputs = vjp((d_o[:, part], d_state))
+        d_parts.append(d_inputs)
+    d_inputs = tuple(jnp.concatenate(pieces[::-1], axis=1) for pieces in zip(*d_parts[1:]))
+    return d_inputs, d_state, None, None
+
+
+_in_segments.defvjp(_in_segments_forward, _in_segments_backward)
