@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from core.chunks import merge_chunks, split_chunks
+from core.chunks import map_chunks, merge_chunks, split_chunks
 from core.norms import rms_norm
 from core.sharding import logical
 from moe.activations import GLUActivation, fused_glu
@@ -306,19 +306,18 @@ class StableLatentMoE(nnx.Module):
         Returns:
             y: [B·T, D] in self.dtype; dropped: [] float32, summed over chunks.
 
-        `lax.map` over `core.chunks.split_chunks` of the inputs, each chunk under `jax.checkpoint`
-        that saves nothing inside, so the backward pass rebuilds and holds one chunk's dispatch
-        buffers at a time. Inside an enclosing checkpoint, that one's policy decides instead:
-        `dots_kernels` saves the named routing and permutation chunk by chunk, stacked [chunks,
-        ...], and the expert weights, the same for every chunk, once. The tail positions that
+        `core.chunks.map_chunks` over `core.chunks.split_chunks` of the inputs: the forward
+        keeps the inputs and the layer's weights, and the backward rebuilds and holds one chunk's
+        dispatch buffers at a time. (An enclosing checkpoint's policy sees the chunks whole: the
+        names inside them are not saved.) The tail positions that
         pad T to whole chunks have x 0, copy_mask False and weight 0: they send nothing under
         expert parallelism, add 0 on one device, and are cut from the output, so they reach
         neither y nor any gradient.
 
-        The expert weights enter the map in float32 and are cast back inside it: the map's
-        backward sums the gradients of what it closes over chunk by chunk in their dtype, and
-        float32 keeps that sum as precise as the unchunked layer's one grouped product (the
-        round trip from self.dtype is exact).
+        The expert weights enter the chunks in float32 and are cast back inside each: the
+        backward sums their gradients chunk by chunk in that dtype, and float32 keeps the sum as
+        precise as the unchunked layer's one grouped product (the round trip from self.dtype is
+        exact).
         """
         batch, length, _ = x.shape
         chunk = self.cfg.token_chunk
@@ -332,15 +331,18 @@ class StableLatentMoE(nnx.Module):
             )
         w_in, w_out = (w.astype(jnp.float32) for w in (w_in, w_out))
 
-        @functools.partial(jax.checkpoint, prevent_cse=False)  # lax.map already prevents CSE
-        def one_chunk(chunk_arrays):
+        graphdef, state = nnx.split(self)
+
+        def one_chunk(params, chunk_arrays):
+            state, w_in, w_out = params
             tokens, ids, chunk_weights, mask = (a.reshape(batch * chunk, -1) for a in chunk_arrays)
-            y, dropped = self._per_token(tokens, ids, chunk_weights, mask,
-                                         w_in.astype(self.dtype), w_out.astype(self.dtype))
+            y, dropped = nnx.merge(graphdef, state)._per_token(
+                tokens, ids, chunk_weights, mask, w_in.astype(self.dtype),
+                w_out.astype(self.dtype))
             return y.reshape(batch, chunk, -1), dropped
 
         chunks = [split_chunks(a, chunk) for a in (x, expert_ids, weights, copy_mask)]
-        y, dropped = jax.lax.map(one_chunk, chunks)
+        y, dropped = map_chunks(one_chunk, (state, w_in, w_out), chunks)
         return merge_chunks(y, length).reshape(batch * length, -1), jnp.sum(dropped)
 
     def kernel_weights(self) -> dict[str, nnx.Param]:
