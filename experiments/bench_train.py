@@ -67,9 +67,11 @@ from experiments.profiling import (idle_markdown, idle_summary_line, ops_markdow
                                    profile_compiler_options, scope_ops_markdown, scopes_markdown,
                                    trace_device_ops)
 from kda import api as kda_api
+from kda import layer as kda_layer
 from kda.kernels.mosaic_gpu import op as kda_mosaic_gpu
 from kda.kernels.mosaic_gpu import sequence_parallel
 from kda.kernels.path import kernel_kda
+from kda.kernels.triton import short_conv
 from kda.layer import KDA
 from models import attention
 from models import lm as models_lm
@@ -390,6 +392,18 @@ def _attention_stand_in(q, k, v, *, scale, segment_ids=None, implementation=None
                           implementation=implementation, max_segments=max_segments)
 
 
+def _conv_silu_fwd(x, weight, document, widths):
+    """The shapes of the short convolution's Triton kernels' forward rule (`kda.layer`): the
+    parts [B, T, width] of x's dtype; its residuals are its operands."""
+    parts = tuple(jnp.zeros(x.shape[:2] + (width,), x.dtype) for width in widths)
+    return parts, (x, weight, document)
+
+
+def _conv_silu_stand_in(x, weight, document, widths):
+    """`kda.layer._conv_silu_kernels`, stood in."""
+    return opaque_stand_in(functools.partial(_conv_silu_fwd, widths=widths))(x, weight, document)
+
+
 def _kda_stand_in(q, k, v, g, beta, initial_state, segment_ids, options):
     """The Mosaic GPU bounded-gate KDA (`kda.kernels.mosaic_gpu.op`), stood in."""
     fwd_rule = functools.partial(kda_mosaic_gpu._bounded_kda_fwd, options=options)
@@ -403,8 +417,9 @@ def _stand_in_kda_kernel(q, k, v, g, beta, **kwargs):
 
 @contextlib.contextmanager
 def gpu_kernel_stand_ins():
-    """Within: KDA, the MoE grouped matmuls and attention take opaque stand-ins of their H200
-    kernels (Mosaic GPU KDA, Mosaic GPU grouped GEMMs, cuDNN flash attention) on any backend."""
+    """Within: KDA, its short convolution, the MoE grouped matmuls and attention take opaque
+    stand-ins of their H200 kernels (Mosaic GPU KDA, Triton, Mosaic GPU grouped GEMMs, cuDNN
+    flash attention) on any backend."""
     with contextlib.ExitStack() as stack:
         patch = lambda *args: stack.enter_context(mock.patch.object(*args))  # noqa: E731
         patch(kda_api, "_KERNELS", [])  # a registry of the stand-in alone, restored on exit
@@ -412,6 +427,9 @@ def gpu_kernel_stand_ins():
                                 kda_mosaic_gpu.covers_shapes)
         # The recurrence's split into segments follows the H200's SMs, not this machine's cores.
         patch(sequence_parallel, "_multiprocessor_count", lambda: sequence_parallel.HOPPER_SM_COUNT)
+        patch(kda_layer, "short_conv_kernel_runs",
+              lambda shape, widths, width: short_conv.refusal(shape, widths, width) is None)
+        patch(kda_layer, "_conv_silu_kernels", _conv_silu_stand_in)
         patch(grouped_matmul, "_on_hopper", lambda: True)
         patch(grouped_matmul, "_mosaic_grouped_matmul", opaque_stand_in(_grouped_matmul_fwd))
         patch(attention, "causal_document_attention", _attention_stand_in)

@@ -12,6 +12,7 @@ import pytest
 from experiments import bench_train
 from kda import api as kda_api
 from kda import kda_attention
+from kda import layer as kda_layer
 from models import attention
 from models.lm import REMAT
 from moe.grouped_matmul import grouped_matmul
@@ -191,7 +192,12 @@ def test_gpu_kernel_stand_ins_replace_the_kernels_only_within():
     def expert_op(lhs):
         return grouped_matmul(lhs, jnp.ones((2, 128, 128), bf16), jnp.array([3, 5]))
 
-    ops = [(kda_op, q), (attention_op, q), (expert_op, jnp.ones((8, 128), bf16))]
+    def conv_op(x):
+        return kda_layer.conv_silu_parts(x, jnp.ones((4, 192), bf16), segment_ids,
+                                         (64, 64, 64))[0]
+
+    ops = [(kda_op, q), (attention_op, q), (expert_op, jnp.ones((8, 128), bf16)),
+           (conv_op, jnp.ones((1, 64, 192), bf16))]
     before = list(kda_api._KERNELS)
     shapes = [jax.eval_shape(op, x).shape for op, x in ops]
     with bench_train.gpu_kernel_stand_ins():
