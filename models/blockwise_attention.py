@@ -42,15 +42,15 @@ def _untile(x: jax.Array) -> jax.Array:
 
 
 def _tile_scores(q, k, doc_q, doc_k, i, j, *, scale, causal, block):
-    """Masked scores [B, H, Bq, Bk] float32 of query tile i (q [B, Bq, H, D], doc_q [B, Bq])
-    against key tile j, and the mask [B, 1, Bq, Bk]."""
+    """Scores [B, H, Bq, Bk] float32 of query tile i (q [B, Bq, H, D], doc_q [B, Bq]) against key
+    tile j, -inf where the key is not visible."""
     scores = scale * jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
     visible = (doc_q[:, :, None] == doc_k[:, None, :])[:, None]
     if causal:
         rows = i * block + jnp.arange(block)
         cols = j * block + jnp.arange(block)
         visible &= cols[None, :] <= rows[:, None]
-    return jnp.where(visible, scores, -jnp.inf), visible
+    return jnp.where(visible, scores, -jnp.inf)
 
 
 def _key_tiles(i, num_tiles, causal):
@@ -68,8 +68,8 @@ def _forward(q, k, v, doc, *, scale, causal, block):
 
         def add_key_tile(j, carry):
             m, l, acc = carry
-            s, _ = _tile_scores(q_i, kt[j], doc_i, dt[j], i, j, scale=scale, causal=causal,
-                                block=block)
+            s = _tile_scores(q_i, kt[j], doc_i, dt[j], i, j, scale=scale, causal=causal,
+                             block=block)
             m_new = jnp.maximum(m, s.max(-1))
             # A query that has seen no visible key yet keeps 0 as its reference: no -inf - -inf.
             ref = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
@@ -99,8 +99,8 @@ def _backward(q, k, v, doc, out, lse, d_out, *, scale, causal, block):
                        _tiles(out, block).astype(jnp.float32))
 
     def probabilities(i, j):
-        s, _ = _tile_scores(qt[i], kt[j], dt[i], dt[j], i, j, scale=scale, causal=causal,
-                            block=block)
+        s = _tile_scores(qt[i], kt[j], dt[i], dt[j], i, j, scale=scale, causal=causal,
+                         block=block)
         return jnp.exp(s - lse[i][..., None])  # [B, H, Bq, Bk]; 0 where not visible
 
     def score_grads(i, j, p):
