@@ -138,18 +138,18 @@ def _in_segments_backward(segment_tokens, options, residuals, cotangents):
     inputs, segment_ids, restarts, entering = residuals
     d_o, d_state = cotangents
     parts = list(_parts(segment_tokens, inputs, segment_ids, restarts))
-    d_parts = [None]
+    d_parts, previous = [], None
     for index in reversed(range(len(parts))):
         segment_inputs, ids, restart = parts[index]
         part = slice(index * segment_tokens, (index + 1) * segment_tokens)
         # The recomputation starts only once the segment after has all its cotangents.
-        state, segment_inputs, d_state, d_parts[-1] = jax.lax.optimization_barrier(
-            (entering[index], segment_inputs, d_state, d_parts[-1]))
+        state, segment_inputs, d_state, previous = jax.lax.optimization_barrier(
+            (entering[index], segment_inputs, d_state, previous))
         _, vjp = jax.vjp(lambda state, xs: _segment(options, state, xs, ids, restart),
                          state, segment_inputs)
-        d_state, d_inputs = vjp((d_o[:, part], d_state))
-        d_parts.append(d_inputs)
-    d_inputs = tuple(jnp.concatenate(pieces[::-1], axis=1) for pieces in zip(*d_parts[1:]))
+        d_state, previous = vjp((d_o[:, part], d_state))
+        d_parts.append(previous)
+    d_inputs = tuple(jnp.concatenate(pieces[::-1], axis=1) for pieces in zip(*d_parts))
     return d_inputs, d_state, None, None
 
 
