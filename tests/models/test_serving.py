@@ -57,6 +57,7 @@ def make_engine(model, **options) -> Engine:
 @pytest.fixture(scope="module")
 def programs(model):
     """(compiled serving programs before, after) a warmup that compiles all of them."""
+    jax.clear_caches()  # count this engine's programs alone, whatever ran before in the process
     before = compiled_programs()
     make_engine(model, prefix_sharing=True).warmup()
     return before, compiled_programs()

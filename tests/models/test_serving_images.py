@@ -64,6 +64,7 @@ def make_engine(model) -> Engine:
 @pytest.fixture(scope="module")
 def served(model):
     """(programs before, engine, completions of REQUESTS, programs after)."""
+    jax.clear_caches()  # count this engine's programs alone, whatever ran before in the process
     before = compiled_programs()
     engine = make_engine(model)
     completions = engine.run(REQUESTS)

@@ -64,6 +64,7 @@ def run():
 def sampled(run):
     """(programs compiled by the first engine of the rollout policy, its completions, the
     completions of an engine of the float32 masters)."""
+    jax.clear_caches()  # count this engine's programs alone, whatever ran before in the process
     before = compiled_programs()
     policy = make_engine(rollout_policy(run.trainer), CONFIG).run(REQUESTS)
     compiled = compiled_programs() - before
