@@ -9,6 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 READMES = ("README.md", "models/README.md")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("readme", READMES)
 def test_readme_examples_run_top_to_bottom(readme):
     examples = re.findall(r"```python\n(.*?)```", (ROOT / readme).read_text(), re.S)

@@ -26,6 +26,7 @@ def test_balance_qb_beats_no_balancing_and_writes_its_files(tmp_path):
     assert (tmp_path / "balance_log.json").exists()
 
 
+@pytest.mark.slow
 def test_balance_model_is_causal():
     shape = balance.ModelShape(
         d_model=16, num_experts=4, latent_dim=8, expert_hidden=8, shared_hidden=0

@@ -32,6 +32,7 @@ def smoke(tmp_path_factory):
     return results, out.read_text(), json.loads(out.with_suffix(".json").read_text())
 
 
+@pytest.mark.slow
 def test_every_cell_is_timed_or_says_why_not(smoke):
     results, markdown, saved = smoke
     assert [row["context"] for row in results["ttft"]] == [32, 64]

@@ -35,6 +35,7 @@ def table_rows(out, shape=SHAPE) -> list[list[str]]:
             for line in out.read_text().splitlines() if line.startswith(f"| {shape} ")]
 
 
+@pytest.mark.slow
 def test_cpu_benchmark_writes_a_table_with_errors(tmp_path):
     out = tmp_path / "kda.md"
     bench_kda.main(["--shapes", SHAPE, "--repeats", "1", "--out", str(out)])
@@ -54,6 +55,7 @@ def test_each_cpu_row_matches_the_float64_oracle(impl):
     assert relative_error(contender.output, token_by_token(inputs)) < 1e-5
 
 
+@pytest.mark.slow
 def test_device_time_sums_the_traced_ops_of_each_call(tmp_path):
     out = tmp_path / "kda.md"
     bench_kda.main(["--shapes", SHAPE, "--impls", "reference", "chunked", "--repeats", "1",
@@ -125,6 +127,7 @@ def test_contenders_are_timed_in_turns(monkeypatch):
     assert contenders["b"].timing.forward_backward_ms is None
 
 
+@pytest.mark.slow
 def test_a_resumed_run_times_only_the_shapes_not_yet_timed(tmp_path, monkeypatch):
     """--resume keeps the rows of the shapes an earlier run with the same --out timed (its JSON
     beside the table) and times the others; a run without it times every shape again."""

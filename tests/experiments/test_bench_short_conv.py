@@ -9,6 +9,7 @@ from experiments import bench_short_conv
 from kda.kernels.triton import short_conv
 
 
+@pytest.mark.slow
 def test_benchmark_smoke_writes_both_paths(tmp_path):
     """`--smoke`: both paths run, and each is within bf16 rounding of the float32 answer."""
     out = tmp_path / "short_conv.md"

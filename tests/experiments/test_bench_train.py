@@ -244,6 +244,7 @@ def test_cpu_plan_compiles_the_step_of_an_abstract_state(capsys):
     assert "GPU kernels stood in" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_versus_times_the_step_again_with_the_override_in_one_process(tmp_path, capsys):
     """`--versus KEY=VALUE`: the step as set, then built again with the override added and
     timed after it; both rows in the table. (`--no-layers`: the breakdown is skipped.)"""

@@ -3,9 +3,12 @@ with the oracle, and the chunked op's is float32-tight for both gate forms."""
 
 import re
 
+import pytest
+
 from experiments import kda_demo
 
 
+@pytest.mark.slow
 def test_kda_demo_prints_small_errors_for_both_gates(capsys):
     kda_demo.main(["--batch", "1", "--length", "100", "--heads", "2", "--dim", "16"])
     rows = re.findall(r"^(lower_bound|softplus)\s+(reference|chunked)\s+[\d.]+\s+(\S+)\s+(\S+)$",

@@ -33,6 +33,7 @@ def test_parameter_count_matches_the_built_layer(name):
     assert built == count_kda_params(24, CONFIGS[name])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
 def test_prefill_then_token_by_token_decode_equals_the_full_forward(name):
     layer = _layer(name)
@@ -47,6 +48,7 @@ def test_prefill_then_token_by_token_decode_equals_the_full_forward(name):
     assert cache.state.dtype == jnp.float32 and cache.state.shape == (2, 2, 16, 16)
 
 
+@pytest.mark.slow
 def test_packed_documents_do_not_see_each_other():
     layer = _layer("k3")
     x = _tokens(1, 50)
@@ -87,6 +89,7 @@ def test_conv_weight_gradient_in_bfloat16_is_summed_in_float32():
     assert relative_error(got, exact) < 1e-6
 
 
+@pytest.mark.slow
 def test_gradients_reach_every_parameter_in_bfloat16():
     layer = KDA(24, CONFIGS["k3"], dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     x = _tokens(1, 40)
@@ -134,6 +137,7 @@ def test_conv_kernels_field_chooses_the_short_conv_path(monkeypatch, conv_kernel
     assert asked == [expected]
 
 
+@pytest.mark.slow
 def test_segment_tokens_runs_long_calls_in_segments_with_the_same_result(monkeypatch):
     """The layer over 256 tokens in segments of 64 equals the whole call (outputs, gradients),
     and really takes the segmented path."""

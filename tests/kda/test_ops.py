@@ -75,6 +75,7 @@ def gradient_inputs(dtype, gate="lower_bound"):
                        initial_state=True, segments=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gate,lower_bound", [("lower_bound", -5.0), ("softplus", None)])
 def test_bfloat16_within_fla_tolerances(gate, lower_bound):
     inputs = gradient_inputs(jnp.bfloat16, gate)
@@ -84,6 +85,7 @@ def test_bfloat16_within_fla_tolerances(gate, lower_bound):
     assert_within_bf16_tolerances(actual, expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gate,lower_bound", [("lower_bound", -5.0), ("softplus", None)])
 def test_chunked_gradients_match_reference_in_float32(gate, lower_bound):
     inputs = gradient_inputs(jnp.float32, gate)
@@ -93,6 +95,7 @@ def test_chunked_gradients_match_reference_in_float32(gate, lower_bound):
         assert relative_error(actual[name], expected[name]) <= 1e-4, name
 
 
+@pytest.mark.slow
 def test_reference_gradients_match_finite_differences():
     names = ("q", "k", "v", "g", "beta", "initial_state")
     with jax.enable_x64(True):

@@ -32,6 +32,7 @@ def test_segment_starts_mark_documents_beginning_at_a_boundary():
 
 
 # Each gate path once, each with a document starting at a segment boundary (128 in both).
+@pytest.mark.slow
 @pytest.mark.parametrize("gate, lower_bound, segment_tokens", [("lower_bound", -5.0, 64),
                                                                ("softplus", None, 128)])
 def test_segments_equal_the_whole_sequence_with_documents_at_boundaries(gate, lower_bound,
@@ -80,6 +81,7 @@ def test_segment_tokens_must_be_a_multiple_of_64_dividing_the_length(segment_tok
         in_segments(inputs, segment_tokens)
 
 
+@pytest.mark.slow
 def test_the_backward_keeps_one_segment_of_residuals():
     """Compiled temporary memory of the gradient: 8 segments need far less than one sequence."""
     inputs = make_inputs(0, 1, 4096, 2, 2, 32, 32)

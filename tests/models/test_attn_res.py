@@ -311,6 +311,7 @@ def test_slot_counts():
         seal_period("dense", 12)
 
 
+@pytest.mark.slow
 def test_layout_benchmark_smoke(tmp_path):
     """`python -m experiments.bench_attn_res --smoke`: both layouts run and agree, and the
     table is written. The reads compute in float32 and the layouts sum in different orders: the

@@ -54,6 +54,7 @@ def mla_one_device():
     return layer, x, mla_outputs_and_grads(layer, x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", sorted(CONTEXT_MESHES))
 def test_gated_mla_across_shards_equals_one_device(mla_one_device, mesh_name):
     layer, x, want = mla_one_device

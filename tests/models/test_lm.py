@@ -564,6 +564,7 @@ def whole_moe_gradients():
     return jax.jit(jax.grad(loss, argnums=(0, 1)))(state, MOE_X)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "dots_kernels"])
 def test_moe_token_chunks_under_remat_give_the_whole_layers_gradients(whole_moe_gradients,
                                                                       policy):

@@ -131,6 +131,7 @@ def assert_arguments_are(plan, measured: int):
     assert 0 <= measured - plan.arguments <= COUNTER_BYTES
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, mesh, batch_size, seq_len", COMPILED_CASES)
 def test_planned_arguments_are_xlas(overrides, mesh, batch_size, seq_len):
     plan = planned(overrides, mesh, batch_size, seq_len)

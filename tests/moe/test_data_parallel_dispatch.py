@@ -31,6 +31,7 @@ def mesh():
                          axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_SHAPE))
 
 
+@pytest.mark.slow
 def test_layer_on_a_data_and_fsdp_mesh_equals_one_device(mesh):
     layer, x = make_layer(), inputs(length=16)
     expected = loss_and_grads(layer, x)

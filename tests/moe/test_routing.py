@@ -210,6 +210,7 @@ def test_exact_cutoff_selects_what_a_sort_selects(seed, rows, k, ties, valid_sha
     np.testing.assert_array_equal(got, _sorted_cutoff(values, valid, k, 6))
 
 
+@pytest.mark.slow
 @settings(deadline=None, max_examples=8)
 @given(seed=st.integers(0, 10_000), bins=st.sampled_from([64, 1024]))
 def test_histogram_estimator_is_within_one_bin_of_exact(seed, bins):
@@ -347,6 +348,7 @@ def test_switch_aux_loss_is_one_when_balanced_and_has_router_gradient():
     assert float(jnp.max(jnp.abs(grad))) > 0
 
 
+@pytest.mark.slow
 def test_dynamic_k_fires_about_k_and_its_threshold_tracks_quantile():
     experts, k = 16, 4
     scores = random_scores(0, 4096, experts)

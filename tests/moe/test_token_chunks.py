@@ -73,6 +73,7 @@ def assert_gradients_close(got, want, **tolerance):
         np.testing.assert_allclose(d_param, want[3][path], err_msg=str(path), **tolerance)
 
 
+@pytest.mark.slow
 def test_chunked_layer_equals_the_whole_layer(whole):
     # 64 positions in chunks of 5: the last chunk padded (chunks that divide T: the bf16 and the
     # expert-parallel tests).
@@ -84,6 +85,7 @@ def test_chunked_layer_equals_the_whole_layer(whole):
     assert_gradients_close(got, whole, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bfloat16_chunks_are_as_precise_as_the_whole_layer(whole):
     """64 chunks of one position in bf16: within the bf16 bars of the unchunked bf16 layer, and
     the expert-weight gradients (summed over the chunks) as close to float32's as its own."""
@@ -105,6 +107,7 @@ def expert_mesh():
     return jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
+@pytest.mark.slow
 def test_chunked_expert_parallel_layer_equals_the_whole_layer(whole):
     # Four chunks of 2 x 16 tokens, each split over the 8 devices.
     with jax.set_mesh(expert_mesh()):
@@ -121,6 +124,7 @@ def test_expert_parallel_chunks_must_split_over_the_mesh():
         jax.eval_shape(lambda x: make_layer(5)(x), jnp.ones((2, LENGTH, D_MODEL)))
 
 
+@pytest.mark.slow
 def test_chunked_backward_keeps_a_fraction_of_the_temporaries():
     """XLA's temporaries of the layer's gradient at 4096 tokens, whole and in 16 chunks."""
     cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=64, latent_dim=64, shared_hidden=64,

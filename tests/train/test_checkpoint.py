@@ -50,6 +50,7 @@ def trained():
     return first, second, graphdef
 
 
+@pytest.mark.slow
 def test_round_trip_restores_state_and_data_position(tmp_path, trained):
     first, second, _ = trained
     iterator = make_train_iterator(DATA)

@@ -43,6 +43,7 @@ def ordinary_step():
     return constant_rate_step(3e-3)
 
 
+@pytest.mark.slow
 def test_an_update_that_overflows_float32_is_reported_by_the_step(ordinary_step):
     # Adam's first update is sign(g) exactly, so a learning rate at float32's top overflows
     # every parameter whose decayed update exceeds one: finite loss and gradients, inf weights.

@@ -61,6 +61,7 @@ def test_step_updates_parameters_and_balances_the_router(adamw):
     assert int(after.optimizer.step[...]) == 1
 
 
+@pytest.mark.slow
 def test_expert_weights_are_read_from_compute_copies_the_update_writes(monkeypatch):
     """With a bf16 MoE, the state keeps its expert weights rounded to bf16; each update rewrites
     them from the new float32 weights, and the forward reads them: two steps give, bit for bit,
@@ -167,6 +168,7 @@ def test_loss_falls_on_a_repeated_batch_and_eval_agrees(adamw):
     assert float(last["nll"] / last["targets"]) < losses[-1]
 
 
+@pytest.mark.slow
 def test_muon_step_is_finite_and_moves_the_matrices():
     graphdef, initial = split_state(OptimConfig(optimizer="muon", warmup_steps=0))
     step = make_train_step(graphdef, compiler_options=FAST_COMPILE_OPTIONS)
@@ -185,6 +187,7 @@ def _head_max_logits(graphdef, state, batch):
     return qk_clip.max_logits(layer.cfg, *captured[path], batch["segment_ids"])
 
 
+@pytest.mark.slow
 def test_qk_clip_caps_the_heads_above_tau():
     # A learning rate of ~0 isolates the clip: only heads over tau change.
     graphdef, initial = split_state(OptimConfig(learning_rate=1e-12, warmup_steps=0))
@@ -217,6 +220,7 @@ def test_max_logits_ignore_other_documents_and_padding():
     assert float(padded[0]) == pytest.approx(2.0 * scale)
 
 
+@pytest.mark.slow
 def test_sharded_step_matches_one_device(adamw):
     """Data and FSDP sharding over 4 of the 8 CPU devices compute the same step: the whole train
     state (parameters, the QB router bias, the optimizer's moments and count, the compute
@@ -345,6 +349,7 @@ def test_moe_expert_weight_gradients_from_the_hopper_kernels_are_narrowed(hopper
     assert narrowed == {"expert_w_in", "expert_w_out"}, dtypes
 
 
+@pytest.mark.slow
 def test_the_hybrid_step_passes_expert_gradients_to_the_update_in_bf16(hopper_grouped_matmuls):
     """The whole step of a HybridLM with the MoE kernels (simulated Hopper) and the trainer's
     remat policy, traced (not run): the expert weights' gradients, two per MoE layer, enter the

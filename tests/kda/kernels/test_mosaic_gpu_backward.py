@@ -284,6 +284,7 @@ def test_backward_lowers_for_hopper(gate_lower_bound):
     assert text.count("mosaic_gpu") >= (2 if gate_lower_bound is None else 3)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("kernel_on_any_backend")
 def test_bounded_backward_reads_the_cotangent_of_o_token_major():
     """At T a multiple of 64, d_o [B, T, HV, V] reaches both kernels of the recurrence's VJP as

@@ -93,6 +93,7 @@ def test_interpreted_vjp_matches_plain_jax():
         assert_vjp_matches_plain_jax(*case)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dim,warpgroups,shared_memory", [
     (64, 2, TWO_PROGRAMS_PER_SM),
     (128, 2, TWO_PROGRAMS_PER_SM),

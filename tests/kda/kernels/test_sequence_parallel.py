@@ -289,6 +289,7 @@ def test_interpreted_kernel_on_segments_matches_one_segment_and_plain_jax(
             assert relative_error(x, want) <= BF16_TOLERANCE["state"], name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_segments", [1, 2])
 def test_interpreted_token_major_output_is_the_chunk_output_transposed(num_segments):
     """`token_major`: the kernel's own token-row stores (P = 1) or the transpose after the
@@ -314,6 +315,7 @@ def test_interpreted_token_major_output_is_the_chunk_output_transposed(num_segme
     np.testing.assert_array_equal(final_state_token_major, final_state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_segments", [1, 2])
 def test_interpreted_reversed_kernel_reads_token_major_d_o_as_chunk_major(num_segments):
     """d_o given token-major, [B, N C, HV, V]: the kernel's reads of its token rows (P = 1) or the

@@ -58,6 +58,7 @@ def _max_error(values, exact):
                for v, e in zip(values, exact))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backward", short_conv.BACKWARDS)
 @pytest.mark.parametrize("documents", [True, False])
 @pytest.mark.parametrize("batch,length", [(2, 96), (1, 256)])
@@ -138,6 +139,7 @@ def test_kernels_lower_to_triton_for_cuda_at_the_1b_shape():
             assert text.count("xla.gpu.triton") == kernels
 
 
+@pytest.mark.slow
 def test_layer_path_takes_the_kernels_and_their_gradients(monkeypatch):
     """`conv_silu_parts` with the kernels chosen (as on a GPU, interpreted here) gives the
     kernels' parts, and `jax.grad` through it the kernels' dx and weight gradient."""
