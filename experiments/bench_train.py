@@ -780,7 +780,8 @@ def main(argv=None) -> dict:
                         "length and remat come from the options above)")
     parser.add_argument("--cpu-plan", action="store_true",
                         help="only compile the step here, GPU kernels stood in, and print XLA's "
-                        "memory plan and the compile time (nothing is allocated or run)")
+                        "memory plan and the compile time (nothing is allocated or run); with "
+                        "--long, at each of --lengths")
     parser.add_argument("--profile", action="store_true",
                         help="compile the step without command buffers and add its device time by "
                         "part (named scope), its top device ops and its idle gaps (a "
@@ -830,8 +831,11 @@ def main(argv=None) -> dict:
                      args.optimizer)
     except ValueError as error:
         parser.error(f"--versus {error}")
-    if args.cpu_plan:
-        return cpu_plan(setup, args.optimizer)
+    if args.cpu_plan:  # with --long, each of its lengths
+        if not args.long:
+            return cpu_plan(setup, args.optimizer)
+        return [cpu_plan(dataclasses.replace(setup, seq_len=length), args.optimizer)
+                for length in lengths]
     command = command_line("experiments.bench_train", argv)
     if args.long:
         out = args.out or (gpu_table("long_context") if args.gpu else None)

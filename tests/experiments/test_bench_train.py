@@ -244,6 +244,14 @@ def test_cpu_plan_compiles_the_step_of_an_abstract_state(capsys):
     assert "GPU kernels stood in" in capsys.readouterr().out
 
 
+def test_long_cpu_plan_plans_each_length(monkeypatch):
+    planned = []
+    monkeypatch.setattr(bench_train, "cpu_plan",
+                        lambda setup, optimizer: planned.append(setup.seq_len) or {})
+    bench_train.main(["--smoke", "--long", "--cpu-plan", "--lengths", "256", "512"])
+    assert planned == [256, 512]
+
+
 @pytest.mark.slow
 def test_versus_times_the_step_again_with_the_override_in_one_process(tmp_path, capsys):
     """`--versus KEY=VALUE`: the step as set, then built again with the override added and
