@@ -37,30 +37,46 @@ def map_chunks(fn: Callable, params, chunks):
     params: a pytree of arrays every chunk uses (weights); chunks: a pytree of [N, ...] arrays
     (`split_chunks`), chunk i their [i] slices; fn returns a pytree of arrays.
 
-    A custom VJP keeps params and chunks, nothing of fn's inside; the backward recomputes chunk
-    i's forward, runs its VJP and adds its parameter cotangents, chunk after chunk, each
-    recomputation held back until the chunk before has all its cotangents (an optimization
-    barrier), so the step holds one chunk's intermediates. Not `lax.map` under `jax.checkpoint`:
-    that backward's while loop sums the parameter cotangents and stacks the chunks' in buffers
-    that start as zeros, and XLA, free to place the copies of one zero broadcast anywhere,
-    allocated those of every layer at the start of the step. Integer and boolean leaves of
-    chunks get no cotangent.
+    A custom VJP keeps params and chunks, nothing of fn's inside. The forward is a loop over the
+    chunks; the backward another, which recomputes chunk i's forward, runs its VJP, adds its
+    parameter cotangents and writes its chunk's: the step holds one chunk's intermediates, and
+    the program two copies of fn and of its VJP (chunk 0, then the loop's body) whatever N. Not
+    autodiff of `lax.map` under `jax.checkpoint`: that backward sums the parameter cotangents
+    and stacks the chunks' in buffers that start as zeros, and XLA, free to place the copies of
+    one zero broadcast anywhere, allocated those of every layer at the start of the step (and
+    `lax.map`'s own outputs start as zeros too); here they start from chunk 0's (`filled_with`).
+    Integer and boolean leaves of chunks get no cotangent.
     """
     return _map_chunks(fn, params, chunks)
 
 
-def _chunk(chunks, index: int):
-    return jax.tree.map(lambda a: a[index], chunks)
+def filled_with(piece: jax.Array, count: int, axis: int) -> jax.Array:
+    """`count` copies of piece side by side along `axis` ([..., count * n, ...] for piece's n
+    there): the buffer a loop writes its other pieces into.
+
+    Started from a piece of the call's own data rather than zeros: XLA shares one zero broadcast
+    among all buffers of a shape (every layer's) and may place their copies at the start of the
+    program, where they all stay live; this one exists only once the piece does.
+    """
+    shape = piece.shape
+    tiled = jnp.broadcast_to(jnp.expand_dims(piece, axis), shape[:axis] + (count,) + shape[axis:])
+    return tiled.reshape(shape[:axis] + (shape[axis] * count,) + shape[axis + 1:])
 
 
-def _stacked(outputs: list):
-    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *outputs)
+def _index(tree, index):
+    """Slice `index` (an int or a traced scalar) of every [N, ...] leaf."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), tree)
 
 
 def _map_chunks_forward(fn, params, chunks):
+    def run_chunk(index, outputs):
+        return jax.tree.map(lambda buffer, out: jax.lax.dynamic_update_index_in_dim(
+            buffer, out, index, 0), outputs, fn(params, _index(chunks, index)))
+
     num_chunks = len(jax.tree.leaves(chunks)[0])
-    outputs = _stacked([fn(params, _chunk(chunks, i)) for i in range(num_chunks)])
-    return outputs, (params, chunks)
+    outputs = jax.tree.map(lambda out: filled_with(out[None], num_chunks, 0),
+                           fn(params, _index(chunks, 0)))
+    return jax.lax.fori_loop(1, num_chunks, run_chunk, outputs), (params, chunks)
 
 
 def _map_chunks_backward(fn, residuals, d_outputs):
@@ -68,26 +84,30 @@ def _map_chunks_backward(fn, residuals, d_outputs):
     leaves, treedef = jax.tree.flatten(chunks)
     inexact = [jnp.issubdtype(leaf.dtype, jnp.inexact) for leaf in leaves]
 
-    def on_floats(params, floats, index):
-        """fn of chunk `index`, its inexact leaves given (the differentiated ones)."""
-        floats = iter(floats)
-        chunk = [next(floats) if f else leaf[index] for leaf, f in zip(leaves, inexact)]
-        return fn(params, jax.tree.unflatten(treedef, chunk))
+    def chunk_vjp(index):
+        """(d_params, the cotangents of the inexact leaves) of chunk `index`."""
+        def on_floats(params, floats):
+            floats = iter(floats)
+            chunk = [next(floats) if f else leaf for leaf, f in zip(_index(leaves, index), inexact)]
+            return fn(params, jax.tree.unflatten(treedef, chunk))
 
-    d_params, d_floats, previous = None, [], None
-    for index in range(len(leaves[0])):
-        floats = [leaf[index] for leaf, f in zip(leaves, inexact) if f]
-        # The recomputation starts only once the chunk before has all its cotangents.
-        params_now, floats, previous = jax.lax.optimization_barrier((params, floats, previous))
-        _, vjp = jax.vjp(lambda p, xs: on_floats(p, xs, index), params_now, floats)
-        d_params_now, d_chunk = vjp(_chunk(d_outputs, index))
-        d_params = d_params_now if d_params is None else jax.tree.map(jnp.add, d_params,
-                                                                      d_params_now)
-        d_floats.append(d_chunk)
-        previous = (d_params, d_chunk)
-    stacked = iter(_stacked(d_floats))
-    d_chunks = [next(stacked) if f else None for f in inexact]
-    return d_params, jax.tree.unflatten(treedef, d_chunks)
+        floats = [leaf for leaf, f in zip(_index(leaves, index), inexact) if f]
+        _, vjp = jax.vjp(on_floats, params, floats)
+        return vjp(_index(d_outputs, index))
+
+    def add_chunk(index, carry):
+        d_params, d_floats = carry
+        d_params_now, d_chunk = chunk_vjp(index)
+        d_floats = [jax.lax.dynamic_update_index_in_dim(buffer, d, index, 0)
+                    for buffer, d in zip(d_floats, d_chunk)]
+        return jax.tree.map(jnp.add, d_params, d_params_now), d_floats
+
+    num_chunks = len(leaves[0])
+    d_params, d_first = chunk_vjp(0)
+    d_floats = [filled_with(d[None], num_chunks, 0) for d in d_first]
+    d_params, d_floats = jax.lax.fori_loop(1, num_chunks, add_chunk, (d_params, d_floats))
+    d_floats = iter(d_floats)
+    return d_params, jax.tree.unflatten(treedef, [next(d_floats) if f else None for f in inexact])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

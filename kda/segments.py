@@ -17,13 +17,15 @@ segment to the first, recomputes one segment's forward with its residuals and ru
 hands the state's cotangent dS_{s-1} to the segment before. Memory for residuals falls from the
 whole sequence's to one segment's; the price is one more forward pass.
 
-Two things hold that to one segment in the compiled step. Each recomputation waits for every
-cotangent of the segment after it (an optimization barrier joins them), so XLA can neither run
-the recomputations of all segments early and hold their residuals together, as it may with a
-`jax.checkpoint` per segment, nor overlap two segments' backward work. And the segments are a Python loop, not a `lax.scan`: a scan's
-backward is a while loop whose stacked cotangents [S, B, Ts, ...] fill buffers that start as
-zeros, and XLA, free to place the copies of one zero broadcast anywhere, allocated those of every
-KDA layer at the start of the step (a `1b` step at 128K tokens held 46 of them, 23 GiB).
+The segments are loops (`lax.fori_loop`), forward and backward, so a layer's program holds two
+copies of the op each way (one segment before the loop, one in its body) whatever S. Each
+backward iteration recomputes one segment, so the step holds one segment's residuals, never those
+of several at once (as a `jax.checkpoint` per segment in an unrolled loop allows: XLA ran the
+recomputations early and held them together). Not `lax.scan` under autodiff: its backward stacks
+the segments' cotangents [S, B, Ts, ...] in buffers that start as zeros, and XLA, free to place
+the copies of one zero broadcast anywhere, allocated those of every KDA layer at the start of the
+step (a `1b` step at 128K tokens held 46 of them, 23 GiB); the buffers here start from the last
+segment's cotangents (`core.chunks.filled_with`).
 
 Packed documents: a segment whose first token starts a new document (its id differs from the
 previous token's) starts from the zero state, as the unsegmented op does at a document start.
@@ -34,6 +36,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from core.chunks import filled_with
 from kda.api import kda_attention
 from kda.chunked import CHUNK_SIZE
 
@@ -109,14 +112,14 @@ def _segment(options, state, inputs, ids, restart):
                          **dict(options))
 
 
-def _parts(segment_tokens, inputs, segment_ids, restarts):
-    """Per segment: (its inputs, its segment ids or None, its restart flags [B] or None)."""
-    length = inputs[0].shape[1]
-    for index, start in enumerate(range(0, length, segment_tokens)):
-        part = slice(start, start + segment_tokens)
-        yield (tuple(x[:, part] for x in inputs),
-               None if segment_ids is None else segment_ids[:, part],
-               None if restarts is None else restarts[index])
+def _part(segment_tokens, index, inputs, segment_ids, restarts):
+    """Segment `index` (an int or a traced scalar): (its inputs, its segment ids or None, its
+    restart flags [B] or None)."""
+    def tokens(x):
+        return jax.lax.dynamic_slice_in_dim(x, index * segment_tokens, segment_tokens, axis=1)
+
+    return (tuple(map(tokens, inputs)), None if segment_ids is None else tokens(segment_ids),
+            None if restarts is None else restarts[index])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -125,31 +128,47 @@ def _in_segments(segment_tokens, options, inputs, state, segment_ids, restarts):
 
 
 def _in_segments_forward(segment_tokens, options, inputs, state, segment_ids, restarts):
-    entering, outputs = [], []
-    for part in _parts(segment_tokens, inputs, segment_ids, restarts):
-        entering.append(state)
-        o_s, state = _segment(options, state, *part)
-        outputs.append(o_s)
-    residuals = (inputs, segment_ids, restarts, entering)
-    return (jnp.concatenate(outputs, axis=1), state), residuals
+    count = inputs[0].shape[1] // segment_tokens
+
+    def run_segment(index, carry):
+        o, entering, state = carry
+        entering = entering.at[index].set(state)
+        o_s, state = _segment(options, state, *_part(segment_tokens, index, inputs, segment_ids,
+                                                     restarts))
+        o = jax.lax.dynamic_update_slice_in_dim(o, o_s, index * segment_tokens, axis=1)
+        return o, entering, state
+
+    o_first, state_after = _segment(options, state, *_part(segment_tokens, 0, inputs,
+                                                           segment_ids, restarts))
+    carry = (filled_with(o_first, count, 1), filled_with(state[None], count, 0), state_after)
+    o, entering, state = jax.lax.fori_loop(1, count, run_segment, carry)
+    return (o, state), (inputs, segment_ids, restarts, entering)
 
 
 def _in_segments_backward(segment_tokens, options, residuals, cotangents):
     inputs, segment_ids, restarts, entering = residuals
     d_o, d_state = cotangents
-    parts = list(_parts(segment_tokens, inputs, segment_ids, restarts))
-    d_parts, previous = [], None
-    for index in reversed(range(len(parts))):
-        segment_inputs, ids, restart = parts[index]
-        part = slice(index * segment_tokens, (index + 1) * segment_tokens)
-        # The recomputation starts only once the segment after has all its cotangents.
-        state, segment_inputs, d_state, previous = jax.lax.optimization_barrier(
-            (entering[index], segment_inputs, d_state, previous))
+    count = entering.shape[0]
+
+    def segment_vjp(index, d_state):
+        """(the cotangent of the state entering segment `index`, those of its inputs)."""
+        part_inputs, ids, restart = _part(segment_tokens, index, inputs, segment_ids, restarts)
         _, vjp = jax.vjp(lambda state, xs: _segment(options, state, xs, ids, restart),
-                         state, segment_inputs)
-        d_state, previous = vjp((d_o[:, part], d_state))
-        d_parts.append(previous)
-    d_inputs = tuple(jnp.concatenate(pieces[::-1], axis=1) for pieces in zip(*d_parts))
+                         entering[index], part_inputs)
+        d_o_part = jax.lax.dynamic_slice_in_dim(d_o, index * segment_tokens, segment_tokens, 1)
+        return vjp((d_o_part, d_state))
+
+    def back_one_segment(step, carry):
+        index = count - 2 - step  # from the last segment but one down to the first
+        d_state, d_inputs = carry
+        d_state, d_part = segment_vjp(index, d_state)
+        d_inputs = tuple(jax.lax.dynamic_update_slice_in_dim(d, part, index * segment_tokens, 1)
+                         for d, part in zip(d_inputs, d_part))
+        return d_state, d_inputs
+
+    d_state, d_last = segment_vjp(count - 1, d_state)
+    carry = (d_state, tuple(filled_with(d, count, 1) for d in d_last))
+    d_state, d_inputs = jax.lax.fori_loop(0, count - 1, back_one_segment, carry)
     return d_inputs, d_state, None, None
 
 

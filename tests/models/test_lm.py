@@ -576,18 +576,19 @@ def test_moe_token_chunks_under_remat_give_the_whole_layers_gradients(whole_moe_
                                    err_msg=jax.tree_util.keystr(path))
 
 
-def test_dots_kernels_remat_keeps_the_moe_routing_and_recomputes_each_token_chunk_once():
+def test_dots_kernels_remat_keeps_the_moe_routing_and_loops_over_the_token_chunks():
     # With `MoEConfig.token_chunk` the routing's top-k runs on all tokens, outside the chunks:
     # dots_kernels keeps it, full runs it again. The dispatch's sort and scatter run in each
-    # chunk (`core.chunks.map_chunks`), whose backward recomputes every chunk once whatever the
-    # policy: 3 chunks, each twice (the forward's outputs are not needed again, so full's rerun
-    # of the layer drops them).
+    # chunk (`core.chunks.map_chunks`), whose forward and backward are loops holding the chunk's
+    # work twice each (chunk 0, then the loop's body), whatever the policy and the number of
+    # chunks (3 of 5 positions, 4 of 3).
     def counts(token_chunk, policy):
         loss, state = _moe_loss(token_chunk, policy)
         return _primitive_counts(jax.make_jaxpr(jax.grad(loss, argnums=1))(state, MOE_X).jaxpr)
 
     whole, kept, full = counts(None, None), counts(5, "dots_kernels"), counts(5, "full")
     assert whole["top_k"] >= 1 and kept["top_k"] == whole["top_k"] < full["top_k"]
+    more_chunks = counts(3, "full")
     for name in ("sort", "scatter"):
         assert whole[name] >= 1, name
-        assert kept[name] == full[name] == 2 * 3 * whole[name], name
+        assert kept[name] == full[name] == more_chunks[name] == 2 * 2 * whole[name], name
