@@ -5,6 +5,7 @@ images and placements compile nothing new; bad images are refused naming the fie
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
