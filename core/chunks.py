@@ -86,12 +86,14 @@ def _map_chunks_backward(fn, residuals, d_outputs):
 
     def chunk_vjp(index):
         """(d_params, the cotangents of the inexact leaves) of chunk `index`."""
+        chunk = _index(leaves, index)
+
         def on_floats(params, floats):
             floats = iter(floats)
-            chunk = [next(floats) if f else leaf for leaf, f in zip(_index(leaves, index), inexact)]
-            return fn(params, jax.tree.unflatten(treedef, chunk))
+            differentiated = [next(floats) if f else leaf for leaf, f in zip(chunk, inexact)]
+            return fn(params, jax.tree.unflatten(treedef, differentiated))
 
-        floats = [leaf for leaf, f in zip(_index(leaves, index), inexact) if f]
+        floats = [leaf for leaf, f in zip(chunk, inexact) if f]
         _, vjp = jax.vjp(on_floats, params, floats)
         return vjp(_index(d_outputs, index))
 
